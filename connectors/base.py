@@ -1,0 +1,111 @@
+"""The KV connector contract: a scheduler half and a worker half.
+
+The scheduler half runs beside the engine's scheduler and decides *what* moves;
+the worker half runs beside the page pool and moves the bytes. They talk through
+one `ConnectorMetadata` object per engine step (built by the scheduler half,
+bound to the worker half) and one `ConnectorOutput` per step (reported by the
+worker half, consumed by the scheduler half). Both objects are plain data.
+
+Invariants every implementation keeps:
+- nothing here blocks the engine loop on the network: transfers run on
+  background threads and are polled through `get_finished`;
+- a request reported in `finished_recving` has its bytes landed *and verified*;
+  a request whose load failed is reported finished as well, and its block ids
+  appear in `get_block_ids_with_load_errors` so the scheduler never treats
+  unverified pages as computed;
+- blocks a producer keeps after `request_finished(...) -> (True, params)` are
+  released exactly once, through `finished_sending`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # kvcache is below us; imported for types only
+    from kvcache import KVCacheBlocks, Request
+
+    from connectors.page_pool import PagePool
+
+# Field names users of vLLM's P/D connectors already know.
+KV_PARAM_KEYS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_block_ids",
+    "remote_num_tokens",
+)
+
+
+@dataclasses.dataclass
+class ConnectorMetadata:
+    """What the worker half must do this step (built once per step)."""
+
+    # request_id -> load order (connector-specific plain data)
+    loads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # request ids whose blocks the producer side should keep / release
+    saves: dict[str, Any] = dataclasses.field(default_factory=dict)
+    aborted_request_ids: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class ConnectorOutput:
+    """What the worker half reports after a step."""
+
+    finished_sending: set[str] = dataclasses.field(default_factory=set)
+    finished_recving: set[str] = dataclasses.field(default_factory=set)
+    invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
+
+
+class KVConnectorScheduler(abc.ABC):
+    """Scheduler half: decides which tokens arrive from outside and what to keep."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond `num_computed_tokens` that can be loaded from a remote
+        worker, and whether the load is asynchronous (request waits in
+        WAITING_FOR_REMOTE_KVS)."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Called after `allocate_slots` succeeded for a request with external tokens."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """One metadata object per step; resets the per-step state."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """Returns (delay_free, kv_transfer_params for the response)."""
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:  # noqa: B027 - optional hook
+        """Sees what the worker half reported this step."""
+
+
+class KVConnectorWorker(abc.ABC):
+    """Worker half: moves pages between page pools."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, page_pool: PagePool) -> None: ...
+
+    @abc.abstractmethod
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None: ...
+
+    @abc.abstractmethod
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_save(self) -> None:  # noqa: B027 - pull mode saves nothing
+        """Push-mode connectors block here until saved; pull mode returns at once."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) request ids since the last call."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Close sockets and join threads; idempotent."""
