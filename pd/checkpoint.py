@@ -1,0 +1,119 @@
+"""Load and write Hugging Face-style checkpoints (config.json + *.safetensors).
+
+Tensor names follow the Llama layout that Qwen2 and Mistral share. Loading is
+strict: an unknown tensor, a missing tensor or a tensor of the wrong shape is
+an error naming every offender, and nothing half-loaded is returned.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pd.config import ModelConfig
+from pd.model import CausalLM, build_model
+
+logger = logging.getLogger(__name__)
+
+# Buffers some exporters write that carry no weights we need.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not describe the model it claims to."""
+
+
+def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file} not found")
+    try:
+        hf = json.loads(config_file.read_text())
+        return ModelConfig.from_hf_dict(hf, dtype=dtype)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{config_file}: {exc!r}") from exc
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: str = "cpu") -> CausalLM:
+    """The model stored in `path`, in `dtype` (default: the config's)."""
+    cfg = load_config(path, dtype)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    model = build_model(cfg, seed=None, device=device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = set(params)
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")  # tied: optional in the file
+    loaded: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    misshaped: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    unknown.append(f"{name} (in {file.name})")
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    misshaped.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(params[name].shape)}")
+                    continue
+                loaded[name] = tensor
+    missing = sorted(expected - set(loaded))
+    problems = []
+    if unknown:
+        problems.append(f"unknown tensors: {sorted(unknown)}")
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {misshaped}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match {cfg.architecture}: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            params[name].copy_(tensor.to(dtype=params[name].dtype))
+    logger.info("loaded %d tensors from %d file(s) in %s", len(loaded), len(files), path)
+    return model
+
+
+def save_checkpoint(model: CausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write `model` in HF layout; returns the safetensors files written.
+
+    With `max_shard_bytes`, tensors are split over several files plus a
+    `model.safetensors.index.json`, as large HF checkpoints are.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+    tensors = {
+        name: t.detach().contiguous().clone()
+        for name, t in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {t: fname for fname, shard in zip(names, shards) for t in shard}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    written = []
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        written.append(out / fname)
+    return written

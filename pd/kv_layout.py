@@ -1,0 +1,86 @@
+"""How the model's layers map onto KV cache groups and pages.
+
+Full-attention layers form group 0, sliding-window layers group 1 (only the
+groups that exist are created, full first). A page holds one block's K and V
+for every layer of one group: shape (layers_in_group, 2, block_size,
+num_kv_heads, head_dim). Groups with fewer layers use a prefix of the page,
+whose size is set by the largest group.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from connectors.page_pool import PagePool
+from pd.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroupLayout:
+    """One KV cache group: which layers it holds and their attention window (None = full)."""
+
+    layer_indices: tuple[int, ...]
+    window: int | None
+
+
+class KVLayout:
+    """Layer -> (group, slot in group) map and page geometry for one model.
+
+    Invariants: every layer belongs to exactly one group; groups are ordered
+    full attention first; `page_size_bytes` fits every group's page shape.
+    """
+
+    def __init__(self, cfg: ModelConfig, block_size: int):
+        self.model_config = cfg
+        self.block_size = block_size
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.dtype = cfg.torch_dtype
+        types = cfg.resolved_layer_types
+        groups = []
+        for kind, window in ((FULL_ATTENTION, None), (SLIDING_ATTENTION, cfg.sliding_window)):
+            layers = tuple(i for i, t in enumerate(types) if t == kind)
+            if layers:
+                groups.append(KVGroupLayout(layers, window))
+        self.groups: tuple[KVGroupLayout, ...] = tuple(groups)
+        self.layer_to_group: dict[int, tuple[int, int]] = {
+            layer: (g, slot) for g, grp in enumerate(self.groups) for slot, layer in enumerate(grp.layer_indices)
+        }
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.layer_page_bytes = 2 * block_size * self.num_kv_heads * self.head_dim * elem
+        self.page_size_bytes = max(len(g.layer_indices) for g in self.groups) * self.layer_page_bytes
+
+    def page_shape(self, group_idx: int) -> tuple[int, ...]:
+        return (len(self.groups[group_idx].layer_indices), 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def group_views(self, pool: PagePool) -> list[torch.Tensor]:
+        """Per group, the whole pool typed as (num_blocks, *page_shape) (no copy)."""
+        if pool.page_size_bytes < self.page_size_bytes:
+            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, layout needs {self.page_size_bytes}")
+        return [pool.view(self.dtype, self.page_shape(g)) for g in range(len(self.groups))]
+
+    def kv_cache_groups(self):
+        """kvcache `KVCacheGroupSpec`s, one per group, layer names "layers.N"."""
+        from kvcache import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+        dtype = self.model_config.dtype
+        out = []
+        for grp in self.groups:
+            names = tuple(f"layers.{i}" for i in grp.layer_indices)
+            if grp.window is None:
+                spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+                                         head_size=self.head_dim, dtype=dtype)
+            else:
+                spec = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+                                         head_size=self.head_dim, dtype=dtype, sliding_window=grp.window)
+            out.append(KVCacheGroupSpec(layer_names=names, spec=spec))
+        return tuple(out)
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        """Pages that fit in `budget_bytes` (null block included)."""
+        from kvcache.config import num_blocks_for_budget
+
+        by_kvcache = num_blocks_for_budget(budget_bytes, self.kv_cache_groups())
+        # Our page is sized by the largest group; never exceed what the bytes allow.
+        return min(by_kvcache, budget_bytes // self.page_size_bytes)

@@ -1,0 +1,138 @@
+"""Paged attention on torch: K/V live in pages, requests reach them through block tables.
+
+One `PagedAttention` object serves one engine step. Built once from the
+step's sequences, it holds per KV cache group the slot mapping (where each new
+token's K/V goes) and per attention sub-batch the gathered block tables and
+masks. Decode tokens of all requests form one batched sub-batch (one query
+each); each prefill chunk is its own sub-batch, so padding never grows with
+the longest prompt of the step.
+
+Sliding-window groups gather only the blocks that can fall inside the window
+(the evicted ones hold the null block 0 and would be masked anyway).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pd.kv_layout import KVLayout
+from pd.model import masked_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqSlice:
+    """The tokens one request computes this step: positions [start, start + num_tokens)."""
+
+    start: int
+    num_tokens: int
+    block_ids: tuple[list[int], ...]  # per KV cache group, the request's whole block table
+
+
+@dataclasses.dataclass
+class _GroupBatch:
+    table: torch.Tensor  # (B, num_gathered_blocks) block ids, null-padded
+    mask: torch.Tensor  # (B, Lq, num_gathered_blocks * block_size) bool
+
+
+@dataclasses.dataclass
+class _SubBatch:
+    q_index: torch.Tensor  # (B, Lq) flat token index of each query (padding repeats a valid index)
+    out_index: torch.Tensor  # (N,) flat index of each real query, in (B, Lq) row-major order
+    valid: torch.Tensor | None  # (B, Lq) bool; None when there is no padding
+    groups: list[_GroupBatch]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedAttention:
+    """AttentionBackend over a page pool for one step's batch of sequences."""
+
+    def __init__(self, layout: KVLayout, group_views: list[torch.Tensor], seqs: list[SeqSlice]):
+        self.layout = layout
+        self.group_views = group_views
+        bs = layout.block_size
+        starts = [s.start for s in seqs]
+        counts = [s.num_tokens for s in seqs]
+        self.num_tokens = sum(counts)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
+        first_token = torch.tensor([0] + counts[:-1]).cumsum(0)
+        self.positions = torch.tensor(starts)[seq_of_token] + (torch.arange(self.num_tokens) - first_token[seq_of_token])
+        # Per group: the request's block table as a padded matrix, and the slot of every new token.
+        self.slot_blocks: list[torch.Tensor] = []
+        self.slot_offsets = self.positions % bs
+        tables = []
+        for g in range(len(layout.groups)):
+            width = max(len(s.block_ids[g]) for s in seqs)
+            table = torch.tensor([s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in seqs], dtype=torch.long)
+            tables.append(table)
+            self.slot_blocks.append(table[seq_of_token, self.positions // bs])
+        for g, blocks in enumerate(self.slot_blocks):
+            if bool((blocks == 0).any()):
+                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
+        self.sub_batches: list[_SubBatch] = []
+        decode = [i for i, n in enumerate(counts) if n == 1]
+        if decode:
+            self.sub_batches.append(self._build(decode, seqs, tables, first_token))
+        for i, n in enumerate(counts):
+            if n > 1:
+                self.sub_batches.append(self._build([i], seqs, tables, first_token))
+        # One sub-batch whose queries are exactly the step's tokens in order: no scatter needed.
+        only = self.sub_batches[0]
+        self._identity = (len(self.sub_batches) == 1 and only.valid is None
+                          and bool((only.out_index == torch.arange(self.num_tokens)).all()))
+
+    def _build(self, members: list[int], seqs: list[SeqSlice], tables: list[torch.Tensor],
+               first_token: torch.Tensor) -> _SubBatch:
+        bs = self.layout.block_size
+        idx = torch.tensor(members)
+        lq = max(seqs[i].num_tokens for i in members)
+        counts = torch.tensor([seqs[i].num_tokens for i in members])
+        starts = torch.tensor([seqs[i].start for i in members])
+        ar = torch.arange(lq)
+        valid = ar[None, :] < counts[:, None]
+        q_pos = starts[:, None] + torch.minimum(ar[None, :], counts[:, None] - 1)
+        q_index = first_token[idx][:, None] + torch.minimum(ar[None, :], counts[:, None] - 1)
+        ends = starts + counts  # context length after this step
+        groups = []
+        for g, grp in enumerate(self.layout.groups):
+            if grp.window is None:
+                first_block = torch.zeros_like(starts)
+            else:
+                first_block = torch.clamp(starts - grp.window + 1, min=0) // bs
+            last_block = (ends + bs - 1) // bs  # exclusive
+            width = int((last_block - first_block).max())
+            cols = first_block[:, None] + torch.arange(width)[None, :]
+            in_range = cols < last_block[:, None]
+            table = tables[g][idx[:, None], torch.clamp(cols, max=tables[g].shape[1] - 1)]
+            table = torch.where(in_range, table, torch.zeros_like(table))
+            k_pos = (first_block[:, None] * bs + torch.arange(width * bs)[None, :])  # (B, S)
+            delta = q_pos[:, :, None] - k_pos[:, None, :]
+            mask = delta >= 0
+            if grp.window is not None:
+                mask &= delta < grp.window
+            groups.append(_GroupBatch(table=table, mask=mask))
+        padded = not bool(valid.all())
+        return _SubBatch(q_index=q_index, out_index=q_index[valid], valid=valid if padded else None, groups=groups)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g, slot = self.layout.layer_to_group[layer_idx]
+        layer_cache = self.group_views[g][:, slot]  # (num_blocks, 2, bs, H, D)
+        k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
+        # Write first, then read: the new tokens attend to themselves through the pages.
+        k_cache[self.slot_blocks[g], self.slot_offsets] = k.to(k_cache.dtype)
+        v_cache[self.slot_blocks[g], self.slot_offsets] = v.to(v_cache.dtype)
+        h, d = k.shape[1], k.shape[2]
+        out = q if self._identity else torch.empty_like(q)
+        for sb in self.sub_batches:
+            gb = sb.groups[g]
+            b, width = gb.table.shape
+            keys = k_cache[gb.table].reshape(b, width * self.layout.block_size, h, d)
+            values = v_cache[gb.table].reshape(b, width * self.layout.block_size, h, d)
+            res = masked_attention(q[sb.q_index], keys, values, gb.mask)
+            if self._identity:
+                return res.reshape(q.shape)
+            out[sb.out_index] = res[sb.valid] if sb.valid is not None else res.reshape(-1, *q.shape[1:])
+        return out

@@ -1,0 +1,61 @@
+"""The model runner: one forward pass per engine step over the page pool.
+
+Per step it turns the scheduler's chunks (which tokens of which request, at
+which positions, with which block table) into one flat token batch, runs the
+model with paged attention (new K/V written into pages, context read through
+block tables) and returns logits for the chunks that end a sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from connectors.page_pool import PagePool
+from pd.kv_layout import KVLayout
+from pd.model import CausalLM
+from pd.paged_attention import PagedAttention, SeqSlice
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: tuple[list[int], ...]
+    needs_logits: bool  # True when the chunk reaches the end of the sequence
+
+
+class ModelRunner:
+    """Owns the model and the typed views of the page pool.
+
+    Guarantees: `execute` writes K/V only into the slots of the chunks' own
+    positions, and returns float32 logits, one row per chunk with
+    `needs_logits`, in chunk order.
+    """
+
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
+        self.model = model
+        self.layout = layout
+        self.page_pool = page_pool
+        self.group_views = layout.group_views(page_pool)
+        self.device = page_pool.device
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        if not chunks:
+            return torch.empty((0, self.model.config.vocab_size))
+        seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
+        backend = PagedAttention(self.layout, self.group_views, seqs)
+        flat: list[int] = []
+        logit_rows: list[int] = []
+        for c in chunks:
+            flat.extend(c.token_ids)
+            if c.needs_logits:
+                logit_rows.append(len(flat) - 1)
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, backend.positions.to(self.device), backend)
+        if not logit_rows:
+            return torch.empty((0, self.model.config.vocab_size))
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
