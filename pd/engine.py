@@ -1,0 +1,267 @@
+"""The engine: model + page pool + KVCacheManager + scheduler + optional connector.
+
+Use it synchronously (`add_request` then `step()` until done) or start the
+background step loop (`start()`) and consume `generate()` from asyncio: the
+loop runs the model on its own thread, so the caller's event loop stays free.
+
+Guarantees:
+- `add_request` / `abort_request` are safe from any thread; they take effect
+  at the start of the next step (an abort is reported in that step's outputs);
+- only the step (one thread at a time) touches the scheduler, the KV cache
+  manager, the page pool and the connector;
+- every request ends with exactly one output with `finished=True`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
+
+from connectors.base import ConnectorOutput
+from connectors.page_pool import PagePool
+from pd.checkpoint import load_checkpoint
+from pd.config import EngineConfig
+from pd.kv_layout import KVLayout
+from pd.model import build_model
+from pd.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.runner import ModelRunner
+from pd.sampling import SamplingParams, sample
+from pd.scheduler import Scheduler
+from pd.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "RequestOutput"]
+
+IDLE_WAIT_S = 0.05  # loop thread sleep when there is nothing at all to do (woken early by new work)
+NETWORK_POLL_S = 0.001  # pause between steps when only remote transfers are pending
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, connector: Any = None, tokenizer: Tokenizer | None = None):
+        self.config = config
+        if config.model_path:
+            model = load_checkpoint(config.model_path, device=config.device)
+        else:
+            model = build_model(config.model, seed=config.seed, device=config.device)
+        self.model_config = model.config
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.layout = KVLayout(self.model_config, config.block_size)
+        num_blocks = config.num_blocks or self.layout.num_blocks_for_budget(config.kv_cache_bytes)
+        kv_config = KVCacheConfig(num_blocks=num_blocks, groups=self.layout.kv_cache_groups())
+        self.kv_cache_manager = KVCacheManager(
+            kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
+        self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device)
+        self.runner = ModelRunner(model, self.layout, self.page_pool)
+        self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm)
+        self.connector = connector
+        self.scheduler = Scheduler(config, self.kv_cache_manager,
+                                   connector.scheduler if connector is not None else None,
+                                   eos_token_id=self.model_config.eos_token_id)
+        if connector is not None and getattr(connector, "worker", None) is not None:
+            connector.worker.register_kv_caches(self.page_pool)
+        self._lock = threading.Lock()  # guards _pending, _active_ids, _listeners
+        self._step_lock = threading.Lock()  # one step at a time
+        self._pending: list[tuple[str, Any]] = []
+        self._active_ids: set[str] = set()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}
+        logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
+                    self.layout.page_size_bytes, [g.layer_indices for g in self.layout.groups])
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | str,
+                    sampling_params: SamplingParams | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
+        params = sampling_params or SamplingParams()
+        ids = as_token_ids(prompt_token_ids, self.tokenizer, self.model_config.vocab_size)
+        if len(ids) >= self.config.resolved_max_model_len:
+            raise ValueError(f"request {request_id}: prompt of {len(ids)} tokens leaves no room under "
+                             f"max_model_len={self.config.resolved_max_model_len}")
+        req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
+                      kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+        state = RequestState(req, params, params.make_generator())
+        with self._lock:
+            if self._dead is not None:
+                raise RuntimeError("engine step loop died") from self._dead
+            if request_id in self._active_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._active_ids.add(request_id)
+            self._pending.append(("add", state))
+        self._wake.set()
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.append(("abort", request_id))
+        self._wake.set()
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._pending) or self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + forward + update cycle; returns this step's outputs."""
+        with self._step_lock:
+            outputs = self._apply_pending()
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            outputs.extend(self.scheduler.take_error_outputs())
+            t1 = time.perf_counter()
+            worker = getattr(self.connector, "worker", None) if self.connector is not None else None
+            if worker is not None and sched.connector_metadata is not None:
+                worker.bind_connector_metadata(sched.connector_metadata)
+                worker.start_load_kv()
+            sampled = self._execute(sched)
+            connector_output = None
+            if worker is not None:
+                worker.wait_for_save()
+                sending, recving = worker.get_finished()
+                connector_output = ConnectorOutput(set(sending), set(recving), set(worker.get_block_ids_with_load_errors()))
+            t2 = time.perf_counter()
+            outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
+            outputs.extend(self.scheduler.take_error_outputs())
+            t3 = time.perf_counter()
+            self.timing["schedule_s"] += t1 - t0
+            self.timing["model_s"] += t2 - t1
+            self.timing["update_s"] += t3 - t2
+            self._dispatch(outputs)
+            return outputs
+
+    def _apply_pending(self) -> list[RequestOutput]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        outputs = []
+        for op, arg in pending:
+            if op == "add":
+                try:
+                    self.scheduler.add_request(arg)
+                except ValueError as exc:
+                    outputs.append(RequestOutput(arg.request.request_id, [], True, "error", error=str(exc)))
+            else:
+                out = self.scheduler.abort_request(arg)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> dict[str, int]:
+        if not sched.chunks:
+            return {}
+        logits = self.runner.execute(sched.chunks)
+        ids = [c.request_id for c in sched.chunks if c.needs_logits]
+        if not ids:
+            return {}
+        states = [self.scheduler.requests[rid] for rid in ids]
+        tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
+        return dict(zip(ids, tokens))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._active_ids.discard(out.request_id)
+                target = self._listeners.get(out.request_id)
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    # ------------------------------------------------------------------ loop thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run_loop, name=f"pd-engine-{self.config.engine_id}", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    has_pending = bool(self._pending)
+                if has_pending or self.scheduler.has_runnable_work():
+                    self.step()
+                elif self.scheduler.has_work():
+                    self.step()  # only remote transfers pending: poll the connector
+                    self._stop.wait(NETWORK_POLL_S)
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting caller
+            logger.exception("engine step loop died")
+            with self._lock:
+                self._dead = exc
+                for loop, queue in self._listeners.values():
+                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and the connector; idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        worker = getattr(self.connector, "worker", None) if self.connector is not None else None
+        if worker is not None:
+            worker.shutdown()
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
+                       sampling_params: SamplingParams | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields this request's outputs as steps produce them; aborts it if the consumer stops early."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._listeners[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params)
+            self.start()
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("engine step loop died") from out
+                finished = out.finished
+                yield out
+        finally:
+            with self._lock:
+                self._listeners.pop(request_id, None)
+            if not finished:
+                self.abort_request(request_id)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_waiting_for_remote_kvs": len(s.remote_waiting),
+            "num_held_for_transfer": len(s.held),
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "num_free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "num_blocks": self.page_pool.num_blocks,
+            "prefix_cache_hit_rate": s.stats.prefix_hit_rate,
+            "prefix_cache_queries": s.stats.prefix_queries,
+            "prefix_cache_hits": s.stats.prefix_hits,
+            "num_preemptions": s.stats.num_preemptions,
+            "num_steps": s.stats.num_steps,
+            "num_errors": s.stats.num_errors,
+            **{k: round(v, 6) for k, v in self.timing.items()},
+        }
+
+    def generate_sync(self, prompts: dict[str, Sequence[int]], params: SamplingParams) -> dict[str, list[int]]:
+        """Run `prompts` to completion on the calling thread (tests, benchmarks)."""
+        for rid, ids in prompts.items():
+            self.add_request(rid, ids, params)
+        result: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                result.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return result

@@ -1,0 +1,49 @@
+"""Plain data passed between the scheduler, the runner and the engine's callers."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from connectors.base import ConnectorMetadata
+from pd.runner import ScheduledChunk
+from pd.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (new tokens and/or its end)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    """Engine-side companions of a kvcache Request (which has fixed slots)."""
+
+    request: Any  # kvcache.Request
+    params: SamplingParams
+    generator: torch.Generator | None
+    skip_connector_load: bool = False  # set once a remote load failed: compute locally from then on
+    load_failed: bool = False
+    awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
+    awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's work: chunks to compute, in batch order, plus the connector's metadata."""
+
+    chunks: list[ScheduledChunk]
+    connector_metadata: ConnectorMetadata | None = None
+    num_preempted: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)

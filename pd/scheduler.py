@@ -1,0 +1,341 @@
+"""Continuous-batching scheduler on a KVCacheManager.
+
+Each `schedule()` first gives running requests their next tokens (decode
+tokens or the next prefill chunk), preempting by recompute from the back of
+the running list when `allocate_slots` fails; then, if nothing was preempted,
+admits waiting requests in arrival order (prefix hit via
+`get_computed_blocks`, then the connector's external tokens) until the token
+budget, the running-request limit or the KV cache stops it.
+`update_from_output` applies the step: advances computed tokens, appends
+sampled tokens, finishes requests and frees (or, for the connector, keeps)
+their blocks.
+
+Invariants:
+- a request is in exactly one of `running`, `waiting`, `remote_waiting`, or is
+  finished; finished requests still holding blocks for the connector sit in
+  `held` until the connector releases them;
+- blocks of an async load are allocated with `delay_cache_blocks` and enter the
+  prefix cache only after the connector reports the load finished and
+  verified; a failed load never counts as computed;
+- the engine calls everything here from one thread.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+from kvcache import KVCacheManager, RequestStatus
+
+from connectors.base import ConnectorOutput, KVConnectorScheduler
+from pd.config import EngineConfig
+from pd.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.runner import ScheduledChunk
+from pd.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+                 "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None, eos_token_id: int | None = None):
+        self.config = config
+        self.mgr = kv_cache_manager
+        self.connector = connector
+        self.eos_token_id = eos_token_id
+        self.max_model_len = config.resolved_max_model_len
+        self.block_size = config.block_size
+        self.requests: dict[str, RequestState] = {}
+        self.running: list[RequestState] = []
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.remote_waiting: list[RequestState] = []  # WAITING_FOR_REMOTE_KVS, arrival order
+        self.held: dict[str, RequestState] = {}  # finished, blocks kept for the connector
+        self.finished_recving: set[str] = set()
+        self.stats = SchedulerStats()
+        self._error_outputs: list[RequestOutput] = []
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, state: RequestState) -> None:
+        rid = state.request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if state.request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {rid}: prompt of {state.request.num_tokens} tokens leaves no room "
+                             f"under max_model_len={self.max_model_len}")
+        if state.request.kv_transfer_params and self.connector is None:
+            logger.warning("request %s carries kv_transfer_params but no connector is configured", rid)
+        self.requests[rid] = state
+        self.waiting.append(state)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request wherever it is; None if it is unknown or already finished."""
+        state = self.requests.get(request_id)
+        if state is None or state.request.is_finished():
+            return None
+        req = state.request
+        # An async load may still be writing into the blocks: keep them until the connector says done.
+        state.awaiting_recv = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and request_id not in self.finished_recving
+        self._finish(state, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput(request_id, [], True, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.remote_waiting or self.held)
+
+    def has_runnable_work(self) -> bool:
+        """Work a forward pass can make progress on now (not only waiting on the network)."""
+        return bool(self.running or self.waiting or self.finished_recving)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        chunks: list[ScheduledChunk] = []
+        budget = self.config.max_num_batched_tokens
+        preempted: list[RequestState] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            state = self.running[i]
+            req = state.request
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.mgr.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is state:
+                    break
+            if preempted and preempted[-1] is state:
+                break
+            chunks.append(self._chunk(state, num_new))
+            budget -= num_new
+            i += 1
+        self._promote_finished_loads()
+        if not preempted:
+            self._admit_waiting(chunks, budget)
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        self.stats.num_steps += 1
+        return SchedulerOutput(chunks=chunks, connector_metadata=meta, num_preempted=len(preempted))
+
+    def _num_new_tokens(self, req, num_computed: int, budget: int) -> int:
+        num_new = req.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget, self.max_model_len - num_computed)
+
+    def _chunk(self, state: RequestState, num_new: int) -> ScheduledChunk:
+        req = state.request
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + num_new],
+            start=start,
+            block_ids=self.mgr.get_block_ids(req.request_id),
+            needs_logits=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, state: RequestState) -> None:
+        req = state.request
+        self.mgr.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(state)
+        self.stats.num_preemptions += 1
+        logger.debug("preempted %s (preemption #%d)", req.request_id, req.num_preemptions)
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        skipped: list[RequestState] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            state = self.waiting[0]
+            req = state.request
+            hit_blocks, num_local, num_external, load_async = None, 0, 0, False
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_local = self.mgr.get_computed_blocks(req)
+                self.stats.record_prefix_lookup(req.num_tokens, num_local)
+                if self.connector is not None and not state.skip_connector_load:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                    if num_external is None:  # the connector cannot tell yet: retry next step
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    if not load_async and num_local + num_external >= req.num_tokens:
+                        num_external = req.num_tokens - num_local - 1  # leave one token for logits
+            num_computed = req.num_computed_tokens + num_local + num_external
+            num_new = 0 if load_async else self._num_new_tokens(req, num_computed, budget)
+            new_blocks = self.mgr.allocate_slots(
+                req, num_new,
+                num_new_computed_tokens=num_local,
+                new_computed_blocks=hit_blocks,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=load_async,
+                full_sequence_must_fit=self.config.full_sequence_must_fit,
+                reserved_blocks=self._inflight_reserved_blocks() if load_async else 0,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
+            req.num_computed_tokens = num_computed
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.remote_waiting.append(state)
+                continue
+            req.status = RequestStatus.RUNNING
+            self.running.append(state)
+            chunks.append(self._chunk(state, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _inflight_reserved_blocks(self) -> int:
+        """Blocks that in-flight prefills (chunked or async load) still need for their full sequence."""
+        inflight = [s for s in self.running if s.request.num_computed_tokens < s.request.num_prompt_tokens]
+        inflight += self.remote_waiting
+        return sum(self.mgr.num_blocks_needed_for_full_sequence(s.request) for s in inflight)
+
+    def _promote_finished_loads(self) -> None:
+        """Requests whose async load finished go back to the front of the waiting queue."""
+        done = [s for s in self.remote_waiting if s.request.request_id in self.finished_recving]
+        for state in reversed(done):
+            req = state.request
+            self.remote_waiting.remove(state)
+            self.finished_recving.discard(req.request_id)
+            if state.load_failed:
+                if self.config.kv_load_failure_policy == "fail":
+                    self._finish(state, RequestStatus.FINISHED_ERROR, error="KV load failed")
+                    continue
+                # Recompute locally: drop every block of the failed load (never cache unverified pages).
+                logger.warning("KV load for %s failed; recomputing the prompt locally", req.request_id)
+                self.mgr.free(req)
+                req.num_computed_tokens = 0
+                state.skip_connector_load = True
+                self.stats.num_load_failures_recomputed += 1
+            else:
+                self.mgr.cache_blocks(req, req.num_computed_tokens)
+                if req.num_computed_tokens >= req.num_tokens:
+                    req.num_computed_tokens = req.num_tokens - 1  # recompute the last token for its logits
+            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+            self.waiting.appendleft(state)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int],
+                           connector_output: ConnectorOutput | None = None) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if connector_output is not None:
+            outputs.extend(self._apply_connector_output(connector_output))
+        for chunk in sched.chunks:
+            state = self.requests.get(chunk.request_id)
+            if state is None or state.request.is_finished() or state.request.status != RequestStatus.RUNNING:
+                continue  # finished or reset while the step ran
+            req = state.request
+            req.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.needs_logits:
+                continue
+            token = sampled[chunk.request_id]
+            req.append_output_token_ids(token)
+            reason = self._stop_reason(state, token)
+            if reason is None:
+                outputs.append(RequestOutput(req.request_id, [token]))
+                continue
+            params = self._finish(state, FINISH_STATUS[reason])
+            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params))
+        return outputs
+
+    def _stop_reason(self, state: RequestState, token: int) -> str | None:
+        req, params = state.request, state.params
+        if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
+            return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None) -> dict | None:
+        """Mark finished, leave every queue, and free or hand the blocks to the connector."""
+        req = state.request
+        rid = req.request_id
+        req.status = status
+        if state in self.running:
+            self.running.remove(state)
+        elif state in self.remote_waiting:
+            self.remote_waiting.remove(state)
+        elif state in self.waiting:
+            self.waiting.remove(state)
+        self.finished_recving.discard(rid)
+        params = None
+        if self.connector is not None:
+            num_blocks = -(-req.num_computed_tokens // self.block_size)
+            block_ids = tuple(ids[:num_blocks] for ids in self.mgr.get_block_ids(rid))
+            delay_free, params = self.connector.request_finished(req, block_ids)
+            state.awaiting_send = bool(delay_free)
+        if status == RequestStatus.FINISHED_ERROR:
+            self.stats.num_errors += 1
+        if state.awaiting_send or state.awaiting_recv:
+            self.held[rid] = state
+        else:
+            self._release(state)
+        if error is not None:
+            self._error_outputs.append(RequestOutput(rid, [], True, "error", error=error))
+        return None if status == RequestStatus.FINISHED_ABORTED else params
+
+    def _release(self, state: RequestState) -> None:
+        rid = state.request.request_id
+        self.mgr.free(state.request)
+        self.held.pop(rid, None)
+        self.requests.pop(rid, None)
+
+    def take_error_outputs(self) -> list[RequestOutput]:
+        """Outputs of requests finished with an error outside `update_from_output`."""
+        out, self._error_outputs = self._error_outputs, []
+        return out
+
+    def _apply_connector_output(self, out: ConnectorOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if out.invalid_block_ids:
+            outputs.extend(self._handle_invalid_blocks(set(out.invalid_block_ids)))
+        if self.connector is not None:
+            self.connector.update_connector_output(out)
+        for rid in out.finished_recving:
+            state = self.requests.get(rid)
+            if state is None:
+                logger.warning("connector reported finished load of unknown request %s", rid)
+            elif state in self.remote_waiting:
+                self.finished_recving.add(rid)
+            elif state.awaiting_recv:  # aborted during the load: its blocks are safe to free now
+                state.awaiting_recv = False
+                if not state.awaiting_send:
+                    self._release(state)
+        for rid in out.finished_sending:
+            state = self.held.get(rid)
+            if state is None:
+                logger.warning("connector reported finished send of unknown request %s", rid)
+                continue
+            state.awaiting_send = False
+            if not state.awaiting_recv:
+                self._release(state)
+        return outputs
+
+    def _handle_invalid_blocks(self, invalid: set[int]) -> list[RequestOutput]:
+        """Requests holding pages that failed verification never use them."""
+        outputs: list[RequestOutput] = []
+        for state in list(self.remote_waiting) + list(self.running):
+            req = state.request
+            if not any(b in invalid for ids in self.mgr.get_block_ids(req.request_id) for b in ids):
+                continue
+            if state in self.remote_waiting:
+                state.load_failed = True  # acted on when the load is reported finished
+                continue
+            # A running request (synchronous load) holding bad pages.
+            if self.config.kv_load_failure_policy == "fail":
+                self._finish(state, RequestStatus.FINISHED_ERROR)
+                outputs.append(RequestOutput(req.request_id, [], True, "error", error="KV load failed"))
+            else:
+                self.running.remove(state)
+                self.mgr.free(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                state.skip_connector_load = True
+                self.waiting.appendleft(state)
+                self.stats.num_load_failures_recomputed += 1
+        return outputs
