@@ -1,0 +1,138 @@
+"""Worker rotation and routing policies.
+
+`WorkerPool` is the router's view of its workers: who exists, who is healthy,
+and how loaded each one is. `RoutingPolicy` picks one healthy worker of a role;
+`LeastLoaded` is the default and `RoundRobin` a simple alternative.
+
+Guarantees:
+- a worker marked dead never gets picked again (it leaves the rotation for
+  good: a restarted worker registers under a new id);
+- `pick()` raises `NoWorkerAvailable` rather than returning a dead worker;
+- in-flight counts are kept by `acquire()` / `release()` pairs, so they return
+  to zero when every request has finished, whatever its outcome.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefill and decode on the same worker
+
+    def serves(self, wanted: Role) -> bool:
+        return self is wanted or self is Role.BOTH
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No healthy worker of the wanted role is left in the rotation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEndpoint:
+    """Where a worker's internal HTTP API listens; fixed for the worker's life."""
+
+    worker_id: str
+    role: Role
+    url: str
+    node_id: str = ""
+
+
+@dataclasses.dataclass
+class WorkerLoad:
+    """Mutable load figures; `num_in_flight` is the router's own count, the rest
+    comes from the worker's last stats report."""
+
+    endpoint: WorkerEndpoint
+    healthy: bool = True
+    num_in_flight: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+class RoutingPolicy(Protocol):
+    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad: ...
+
+
+class LeastLoaded:
+    """Fewest requests in flight (router-side), then fewest queued on the worker,
+    then the lowest KV usage; ties rotate so equal workers share the load."""
+
+    def __init__(self) -> None:
+        self._tiebreak = itertools.count()
+
+    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
+        turn = next(self._tiebreak)
+        n = len(candidates)
+        return min(
+            enumerate(candidates),
+            key=lambda ic: (ic[1].num_in_flight, ic[1].num_waiting, round(ic[1].kv_usage, 2), (ic[0] - turn) % n),
+        )[1]
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
+        return candidates[next(self._turn) % len(candidates)]
+
+
+POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+
+
+class WorkerPool:
+    def __init__(self, policy: RoutingPolicy | None = None) -> None:
+        self._policy = policy or LeastLoaded()
+        self._loads: dict[str, WorkerLoad] = {}
+
+    def add(self, endpoint: WorkerEndpoint) -> None:
+        if endpoint.worker_id in self._loads:
+            raise ValueError(f"worker {endpoint.worker_id} is already registered")
+        self._loads[endpoint.worker_id] = WorkerLoad(endpoint)
+
+    def get(self, worker_id: str) -> WorkerLoad:
+        return self._loads[worker_id]
+
+    def all(self) -> list[WorkerLoad]:
+        return list(self._loads.values())
+
+    def healthy(self, role: Role) -> list[WorkerLoad]:
+        return [w for w in self._loads.values() if w.healthy and w.endpoint.role.serves(role)]
+
+    def pick(self, role: Role) -> WorkerLoad:
+        candidates = self.healthy(role)
+        if not candidates:
+            raise NoWorkerAvailable(f"no healthy {role.value} worker is available")
+        return self._policy.choose(candidates)
+
+    def acquire(self, role: Role) -> WorkerLoad:
+        """Picks a worker and counts one more request in flight on it."""
+        load = self.pick(role)
+        load.num_in_flight += 1
+        return load
+
+    def release(self, load: WorkerLoad) -> None:
+        load.num_in_flight = max(0, load.num_in_flight - 1)
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        load = self._loads.get(worker_id)
+        if load is not None and load.healthy:
+            load.healthy = False
+            logger.warning("worker %s (%s) left the rotation: %s", worker_id, load.endpoint.url, reason)
+
+    def update_stats(self, worker_id: str, stats: dict) -> None:
+        load = self._loads[worker_id]
+        load.stats = stats
+        load.num_running = int(stats.get("num_running", 0))
+        load.num_waiting = int(stats.get("num_waiting", 0))
+        load.kv_usage = float(stats.get("kv_usage", 0.0))

@@ -1,0 +1,170 @@
+"""A P/D worker: one engine in one role, with its connector and internal HTTP API.
+
+`Worker` is a plain class (no Ray): it can run in a test, in a bare process,
+or inside the Ray actor of `pd.actors`. Roles:
+- `prefill`: runs prompts with `do_remote_decode`, keeps their blocks for a
+  decode worker to pull (the connector's producer side);
+- `decode`: admits requests whose prompt KV arrives from a prefill worker
+  (the connector's consumer side) and decodes;
+- `both`: colocated mode, no connector, no transfer.
+
+Guarantees:
+- every request that enters `generate` leaves the engine: it finishes, or it
+  is aborted when its consumer stops listening (`abort`);
+- `stats()` never raises: a failing part is reported as an error string;
+- `stop()` is idempotent and releases the HTTP port, the engine thread and
+  the connector's sockets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from connectors.base import KV_PARAM_KEYS
+from pd.deploy_config import DeployConfig, Mode
+from pd.routing import Role
+from pd.sampling import SamplingParams
+from pd.worker_http import WorkerHTTPServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Who a worker is: id, role, the deployment config, the deployment secret
+    (authenticates its HTTP API and its KV side channel) and its host address."""
+
+    worker_id: str
+    role: Role
+    config: DeployConfig
+    secret: str
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if len(self.secret) < 16:
+            raise ValueError("secret must be at least 16 characters")
+        colocated = self.config.topology.mode is Mode.COLOCATED
+        if colocated != (self.role is Role.BOTH):
+            raise ValueError(f"role {self.role.value} does not fit topology mode {self.config.topology.mode.value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    kv_transfer_params: dict | None
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._engine = None
+        self._connector = None
+        self._http = WorkerHTTPServer(self, spec.secret)
+        self._started_at = time.time()
+        self.url: str | None = None
+
+    # -- life cycle -------------------------------------------------------
+    async def start(self, port: int = 0) -> str:
+        """Builds and starts the engine, then the HTTP API; returns its URL."""
+        from pd.worker_engine import build_engine  # torch-heavy: imported when a worker really starts
+
+        self._engine, self._connector = build_engine(self.spec)
+        self._engine.start()
+        port = await self._http.start(self.spec.host, port)
+        self.url = f"http://{self.spec.host}:{port}"
+        logger.info("worker %s (%s) serving on %s", self.spec.worker_id, self.spec.role.value, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        await self._http.stop()
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    # -- requests ---------------------------------------------------------
+    def parse_job(self, body: Any) -> GenerateJob:
+        """Validates an internal generate request; raises ValueError naming the field."""
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        ids = body.get("prompt_token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a non-empty list of integers")
+        sampling = body.get("sampling") or {}
+        if not isinstance(sampling, dict) or set(sampling) - _SAMPLING_FIELDS:
+            raise ValueError(f"sampling must be an object with keys from {sorted(_SAMPLING_FIELDS)}")
+        params = body.get("kv_transfer_params")
+        if params is not None and (not isinstance(params, dict) or set(params) - set(KV_PARAM_KEYS)):
+            raise ValueError(f"kv_transfer_params must be an object with keys from {list(KV_PARAM_KEYS)}")
+        if params and params.get("do_remote_prefill") and self.spec.role is not Role.DECODE:
+            raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
+        if params and params.get("do_remote_decode") and self.spec.role is not Role.PREFILL:
+            raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
+        try:
+            sp = SamplingParams(**{k: (tuple(v) if k == "stop_token_ids" else v) for k, v in sampling.items()})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"sampling: {exc}") from None
+        return GenerateJob(request_id, tuple(ids), sp, params)
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[dict]:
+        """Yields one event per engine output for the request (see `pd.worker_http`)."""
+        engine = self._require_engine()
+        async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
+                                         kv_transfer_params=job.kv_transfer_params):
+            yield {
+                "token_ids": list(out.new_token_ids),
+                "finished": bool(out.finished),
+                "finish_reason": _reason_name(out.finish_reason),
+                "kv_transfer_params": out.kv_transfer_params if out.finished else None,
+                "error": out.error,
+            }
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort_request(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._require_engine().kv_cache_manager.reset_prefix_cache())
+
+    # -- observability ----------------------------------------------------
+    def health(self) -> dict:
+        return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
+                "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3)}
+
+    def stats(self) -> dict:
+        from pd.worker_engine import engine_stats
+
+        out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url}
+        if self._engine is None:
+            out["error"] = "engine not running"
+            return out
+        try:
+            out.update(engine_stats(self._engine, self._connector))
+        except Exception as exc:  # stats must not take the worker down
+            logger.exception("stats failed")
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def _require_engine(self):
+        if self._engine is None:
+            raise RuntimeError(f"worker {self.spec.worker_id} is not running")
+        return self._engine
+
+
+def _reason_name(reason: Any) -> str | None:
+    if reason is None:
+        return None
+    name = getattr(reason, "name", None) or str(reason)
+    return name.lower()

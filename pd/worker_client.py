@@ -1,0 +1,120 @@
+"""The router's client for a worker's internal HTTP API.
+
+Guarantees:
+- every call has a timeout: connect, stall (no byte for `stall_timeout_s`)
+  and total; none can hang the router;
+- failures surface as `WorkerCallError` carrying the cause (`connect`,
+  `timeout`, `stream`, `http_<status>`, `worker_error`), so the router can tell
+  a dead worker from a bad request;
+- leaving a `generate` stream early closes the connection, which makes the
+  worker abort the request and free its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerCallError(RuntimeError):
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+    @property
+    def worker_unreachable(self) -> bool:
+        """True when the worker itself looks gone, not just this request."""
+        return self.cause in ("connect", "stream", "timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTimeouts:
+    connect_s: float = 5.0
+    stall_s: float = 60.0
+    total_s: float = 300.0
+    probe_s: float = 2.0
+
+
+class WorkerClient:
+    def __init__(self, secret: str, timeouts: ClientTimeouts) -> None:
+        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def generate(self, url: str, payload: dict) -> AsyncIterator[dict]:
+        """Streams the worker's events for one request; the last has `finished`."""
+        t = self._timeouts
+        timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.stall_s)
+        finished = False
+        try:
+            async with self._session.post(f"{url}/internal/generate", json=payload, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
+                while True:
+                    line = await resp.content.readline()
+                    if not line:
+                        break
+                    event = json.loads(line)
+                    if event.get("error"):
+                        raise WorkerCallError("worker_error", str(event["error"]))
+                    finished = bool(event.get("finished"))
+                    yield event
+                    if finished:
+                        return
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            raise WorkerCallError("connect" if not finished else "stream", f"{type(exc).__name__}: {exc}") from None
+        except asyncio.TimeoutError:
+            raise WorkerCallError("timeout", f"no answer from {url} within the timeout") from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError) as exc:
+            raise WorkerCallError("stream", f"stream from {url} broke: {type(exc).__name__}: {exc}") from None
+        except json.JSONDecodeError:
+            raise WorkerCallError("stream", f"malformed event from {url}") from None
+        if not finished:
+            raise WorkerCallError("stream", f"stream from {url} ended before the request finished")
+
+    async def get_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
+        try:
+            async with self._session.get(f"{url}{path}", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
+                return await resp.json()
+        except asyncio.TimeoutError:
+            raise WorkerCallError("timeout", f"{url}{path}: no answer within {timeout.total}s") from None
+        except aiohttp.ClientError as exc:
+            raise WorkerCallError("connect", f"{url}{path}: {type(exc).__name__}: {exc}") from None
+
+    async def post_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
+        try:
+            async with self._session.post(f"{url}{path}", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
+                return await resp.json()
+        except asyncio.TimeoutError:
+            raise WorkerCallError("timeout", f"{url}{path}: no answer within {timeout.total}s") from None
+        except aiohttp.ClientError as exc:
+            raise WorkerCallError("connect", f"{url}{path}: {type(exc).__name__}: {exc}") from None
+
+
+async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    try:
+        body = await resp.json(content_type=None)
+        return str(body.get("error", {}).get("message", body))
+    except (ValueError, aiohttp.ClientError):
+        return f"HTTP {resp.status}"

@@ -1,0 +1,121 @@
+"""How a worker builds its engine and connector from the deployment config,
+and how it reports their state.
+
+This is the one place where the P/D layer meets the engine's and the
+connector's constructors, so a change in either touches only this module.
+
+Guarantees: `build_engine` returns a connector for prefill / decode roles
+and none for the colocated role; the connector and the engine agree on the
+block size, model identity and secret; `engine_stats` includes a pool audit
+(`audit.all_free`, with the audit's message when not) taken between steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+from pd.config import EngineConfig, ModelConfig
+from pd.routing import Role
+
+logger = logging.getLogger(__name__)
+
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def engine_config_for(spec) -> EngineConfig:
+    """DeployConfig (+ worker identity) -> EngineConfig; unknown architecture keys are refused."""
+    cfg = spec.config
+    arch = dict(cfg.model.architecture)
+    unknown = sorted(set(arch) - _MODEL_FIELDS)
+    if unknown:
+        raise ValueError(f"model.architecture: unknown key(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
+    if "layer_types" in arch and arch["layer_types"] is not None:
+        arch["layer_types"] = tuple(arch["layer_types"])
+    arch["dtype"] = cfg.model.dtype
+    arch.setdefault("max_position_embeddings", max(cfg.scheduler.max_model_len, 4096))
+    return EngineConfig(
+        model=ModelConfig(**arch),
+        model_path=cfg.model.path,
+        seed=cfg.model.seed,
+        block_size=cfg.cache.block_size,
+        kv_cache_bytes=int(cfg.cache.kv_memory_mb * 1024 * 1024),
+        max_model_len=cfg.scheduler.max_model_len,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        enable_prefix_caching=cfg.cache.enable_prefix_caching,
+        watermark=cfg.scheduler.watermark,
+        kv_load_failure_policy=cfg.transfer.kv_load_failure_policy.value,
+        hash_algorithm=cfg.cache.hash_algorithm,
+        device=cfg.topology.device,
+        engine_id=f"{spec.worker_id}-{uuid.uuid4().hex[:8]}",
+    )
+
+
+def build_engine(spec) -> tuple[Any, Any]:
+    """(engine, connector or None) for a worker spec; the engine is not started."""
+    from pd.engine import Engine
+
+    engine_config = engine_config_for(spec)
+    connector = None
+    if spec.role is not Role.BOTH:
+        connector = _build_connector(spec, engine_config)
+    try:
+        engine = Engine(engine_config, connector=connector)
+    except BaseException:
+        if connector is not None and getattr(connector, "worker", None) is not None:
+            connector.worker.shutdown()
+        raise
+    return engine, connector
+
+
+def _build_connector(spec, engine_config: EngineConfig):
+    """INTEGRATION POINT with connectors/ (ZMQ connector owner)."""
+    from connectors.zmq_connector import ZmqConnector  # noqa: PLC0415 - optional until the connector lands
+
+    raise NotImplementedError(f"connector wiring pending ({ZmqConnector})")
+
+
+def engine_stats(engine, connector) -> dict[str, Any]:
+    stats = dict(engine.stats())
+    stats["kv_usage"] = stats.get("kv_cache_usage", 0.0)
+    stats["prefix_hit_rate"] = stats.get("prefix_cache_hit_rate", 0.0)
+    stats["transfer"] = _transfer_stats(connector)
+    stats["audit"] = _audit(engine)
+    return stats
+
+
+def _transfer_stats(connector) -> dict:
+    if connector is None:
+        return {}
+    for half in (getattr(connector, "worker", None), getattr(connector, "scheduler", None), connector):
+        metrics = getattr(half, "metrics", None)
+        if metrics is None:
+            continue
+        snapshot = metrics.snapshot() if hasattr(metrics, "snapshot") else metrics
+        if isinstance(snapshot, dict):
+            return snapshot
+        if dataclasses.is_dataclass(snapshot):
+            return dataclasses.asdict(snapshot)
+    return {}
+
+
+def _audit(engine) -> dict:
+    """Pool audit between steps: `all_free` is True when no block is held by anyone."""
+    try:
+        from kvcache.audit import assert_all_free
+    except ImportError:  # older kvcache: fall back to counting free blocks (block 0 is the null block)
+        def assert_all_free(manager) -> None:
+            free, total = manager.block_pool.get_num_free_blocks(), engine.page_pool.num_blocks
+            assert free == total - 1, f"{total - 1 - free} of {total - 1} blocks still held"
+
+    # The step lock keeps the engine thread from changing the pool mid-audit.
+    lock = getattr(engine, "_step_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        try:
+            assert_all_free(engine.kv_cache_manager)
+        except AssertionError as exc:
+            return {"all_free": False, "detail": str(exc)[:2000]}
+    return {"all_free": True, "detail": ""}

@@ -1,0 +1,121 @@
+"""A worker's internal HTTP API (router -> worker), on aiohttp.
+
+Endpoints (all require `Authorization: Bearer <deployment secret>`):
+- `POST /internal/generate`: JSON `{request_id, prompt_token_ids, sampling, kv_transfer_params}`
+  in, NDJSON out: one `{"token_ids": [...], "finished": bool, "finish_reason", "kv_transfer_params",
+  "error"}` object per line, the last one with `finished: true`;
+- `GET /internal/health`: liveness and identity;
+- `GET /internal/stats`: engine, KV cache, transfer and pool-audit figures;
+- `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references.
+
+Guarantees:
+- a request whose client goes away (router closed the stream) is aborted in
+  the engine, so its blocks are freed;
+- bad input gets a 400 JSON error naming the field; a wrong or missing secret
+  gets 401 before any body is read;
+- `stop()` closes the listening socket and every open stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from pd.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class WorkerHTTPServer:
+    def __init__(self, worker: Worker, secret: str) -> None:
+        self._worker = worker
+        self._secret = secret.encode()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _authorised(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        token = header[7:].encode() if header.startswith("Bearer ") else b""
+        return hmac.compare_digest(token, self._secret)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if not self._authorised(request):
+            return _error(401, "missing or wrong worker secret")
+        return await handler(request)
+
+    async def start(self, host: str, port: int = 0) -> int:
+        app = web.Application(middlewares=[self._auth], client_max_size=MAX_BODY_BYTES)
+        app.add_routes([
+            web.post("/internal/generate", self._generate),
+            web.get("/internal/health", self._health),
+            web.get("/internal/stats", self._stats),
+            web.post("/internal/reset_prefix_cache", self._reset_prefix_cache),
+        ])
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = self._runner.addresses[-1][1]  # port 0 -> the one the OS picked
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response(self._worker.health())
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(await asyncio.to_thread(self._worker.stats))
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"reset": await asyncio.to_thread(self._worker.reset_prefix_cache)})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            job = self._worker.parse_job(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body must be JSON")
+        except ValueError as exc:
+            return _error(400, str(exc))
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        finished = False
+        try:
+            async for event in self._worker.generate(job):
+                finished = bool(event.get("finished"))
+                await response.write(json.dumps(event).encode() + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            logger.info("request %s: router went away, aborting", job.request_id)
+            raise
+        except Exception as exc:  # the stream has started: report in-band, never hang the router
+            logger.exception("request %s failed", job.request_id)
+            if not finished:
+                await _write_quietly(response, {"token_ids": [], "finished": True, "finish_reason": "error",
+                                                "kv_transfer_params": None, "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if not finished:
+                self._worker.abort(job.request_id)
+        await response.write_eof()
+        return response
+
+
+async def _write_quietly(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    try:
+        await response.write(json.dumps(event).encode() + b"\n")
+    except ConnectionError:
+        pass
