@@ -63,8 +63,8 @@ class ModelSection:
         _require(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(bool(self.name), "model.name", "must be a non-empty string")
         _require(isinstance(self.architecture, dict), "model.architecture", "must be a mapping")
-        if self.path is not None:
-            _require(Path(self.path).is_dir(), "model.path", f"checkpoint directory {self.path!r} does not exist")
+        # The path is checked where the workers run (it may exist only on GPU nodes), not here.
+        _require(self.path is None or bool(self.path.strip()), "model.path", "must be a directory path or empty")
 
 
 @dataclasses.dataclass(frozen=True)
