@@ -54,6 +54,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     user: str | None
+    return_token_ids: bool = False  # extension (as in vLLM): choices also carry the generated token ids
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
@@ -108,6 +109,8 @@ def parse_completion_request(body: Any, *, served_model: str, vocab_size: int) -
     best_of = body.get("best_of")
     if best_of not in (None, n):
         raise APIError(400, "'best_of' is not supported", param="best_of")
+    if body.get("echo"):
+        raise APIError(400, "'echo' is not supported", param="echo")
     if body.get("logprobs") is not None:
         raise APIError(400, "'logprobs' is not supported", param="logprobs")
     stop = body.get("stop")
@@ -151,6 +154,7 @@ def parse_completion_request(body: Any, *, served_model: str, vocab_size: int) -
         include_usage=bool(stream_options.get("include_usage", True)),
         echo=bool(body.get("echo", False)),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
+        return_token_ids=bool(body.get("return_token_ids", False)),
     )
 
 

@@ -173,8 +173,9 @@ class Router:
         except oa.APIError as exc:
             self.metrics.requests.inc(outcome=f"error_{exc.status}")
             return _error_response(exc)
-        choices = [oa.choice(i, text, reason) for i, (text, reason, _) in enumerate(results)]
-        usage = oa.usage_dict(sum(len(p) for p in prompts), sum(n for _, _, n in results))
+        choices = [oa.choice(i, text, reason, ids if req.return_token_ids else None)
+                   for i, (text, reason, ids) in enumerate(results)]
+        usage = oa.usage_dict(sum(len(p) for p in prompts), sum(len(ids) for _, _, ids in results))
         self.metrics.requests.inc(outcome="ok")
         return web.json_response(oa.completion_response(completion_id, req.model, choices, usage))
 
@@ -193,7 +194,7 @@ class Router:
                 "ignore_eos": req.ignore_eos}
 
     async def _tokens(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
-        """Yields (new text, finish reason or None, num tokens so far) and records latency metrics."""
+        """Yields (new text, new token ids, finish reason or None, num tokens so far); records latency metrics."""
         text = TextStream(self.tokenizer, req.stop)
         last = None
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -209,22 +210,24 @@ class Router:
                     last = now
                     self.metrics.generation_tokens.inc(len(event.token_ids))
                 new = text.push(event.token_ids)
+                ids = list(event.token_ids)
                 if text.stopped:
-                    yield new, "stop", len(text.token_ids)
+                    yield new, ids, "stop", len(text.token_ids)
                     break
                 if event.finish_reason is not None:
-                    yield new + text.flush(), _FINISH_REASONS.get(event.finish_reason, event.finish_reason), \
-                        len(text.token_ids)
+                    reason = _FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+                    yield new + text.flush(), ids, reason, len(text.token_ids)
                     break
                 if event.token_ids:  # one chunk per token event, even when its text is held back
-                    yield new, None, len(text.token_ids)
+                    yield new, ids, None, len(text.token_ids)
         self.metrics.e2e.observe(time.perf_counter() - arrived)
 
     async def _collect(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
-        pieces, reason, num_tokens = [], None, 0
-        async for new, reason, num_tokens in self._tokens(req, request_id, prompt_ids, arrived):
+        pieces, token_ids, reason = [], [], None
+        async for new, ids, reason, _ in self._tokens(req, request_id, prompt_ids, arrived):
             pieces.append(new)
-        return "".join(pieces), reason, num_tokens
+            token_ids.extend(ids)
+        return "".join(pieces), reason, token_ids
 
     async def _stream(self, request: web.Request, req: oa.CompletionRequest, completion_id: str,
                       prompt_ids: list[int], arrived: float) -> web.StreamResponse:
@@ -233,8 +236,9 @@ class Router:
         created = int(time.time())
         num_tokens = 0
         try:
-            async for new, reason, num_tokens in self._tokens(req, f"{completion_id}-0", prompt_ids, arrived):
-                await response.write(oa.stream_chunk(completion_id, req.model, created, [oa.choice(0, new, reason)]))
+            async for new, ids, reason, num_tokens in self._tokens(req, f"{completion_id}-0", prompt_ids, arrived):
+                piece = oa.choice(0, new, reason, ids if req.return_token_ids else None)
+                await response.write(oa.stream_chunk(completion_id, req.model, created, [piece]))
             if req.include_usage:
                 usage = oa.usage_dict(len(prompt_ids), num_tokens)
                 await response.write(oa.stream_chunk(completion_id, req.model, created, [], usage))

@@ -1,0 +1,86 @@
+"""Helpers for the end-to-end tests: real Ray actors, real HTTP, real ZMQ.
+
+Each test module owns one Ray instance (module-scoped fixture) and the
+deployments it starts; these helpers only build configs and talk HTTP.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from pd.deploy_config import DeployConfig, load_deploy_config
+
+REPO = Path(__file__).resolve().parents[2]
+HTTP_TIMEOUT_S = 60
+
+# Prompts with shared prefixes (two and three blocks of 16 byte-tokens) and odd lengths.
+SHARED = "The quick brown fox jumps over the lazy dog while "
+PROMPTS = [
+    SHARED + "the cat sleeps.",
+    SHARED + "the bird sings loudly in the morning sun.",
+    SHARED + SHARED + "again and again",
+    "short",
+    "A completely different prompt that shares nothing with the others at all, " * 2,
+    SHARED + "the cat sleeps. And then",
+]
+
+
+def e2e_config(name: str = "local.yaml", **overrides) -> DeployConfig:
+    """A deploy/ config with test-friendly settings: any free port, short leases and timeouts."""
+    config = load_deploy_config(REPO / "deploy" / name)
+    settings = {"router__port": 0, "router__request_timeout_s": 30.0, "router__health_interval_s": 0.5,
+                "transfer__lease_s": 5.0, "transfer__timeout_s": 5.0, "topology__cpus_per_worker": 0.1}
+    settings.update(overrides)
+    return config.replace(**settings)
+
+
+def ray_init_kwargs() -> dict:
+    return {"num_cpus": 2, "object_store_memory": 100 * 1024 * 1024, "include_dashboard": False}
+
+
+def complete(url: str, prompt, **body) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True, **body}
+    resp = requests.post(f"{url}/v1/completions", json=body, timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def stream_events(url: str, prompt, **body) -> list[dict]:
+    """All SSE `data:` payloads of a streamed completion (the last one is "[DONE]")."""
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True, **body}
+    events = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S) as resp:
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith(b"data: "):
+                data = line[6:]
+                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def worker_reports(url: str) -> dict:
+    resp = requests.get(f"{url}/pd/workers", params={"refresh": "1"}, timeout=HTTP_TIMEOUT_S)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def wait_all_free(url: str, timeout_s: float = 30.0) -> dict:
+    """Polls the workers' pool audits until every healthy worker's pool is all free.
+
+    P workers free their blocks when D reports the pull done, which lands a
+    moment after the client saw its last token, hence the polling.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reports = worker_reports(url)
+        audits = {wid: r["stats"].get("audit", {}) for wid, r in reports.items() if r["healthy"]}
+        if audits and all(a.get("all_free") for a in audits.values()):
+            return reports
+        if time.monotonic() > deadline:
+            pytest.fail(f"pools not all free after {timeout_s}s: {json.dumps(audits, indent=1)[:3000]}")
+        time.sleep(0.2)

@@ -1,0 +1,181 @@
+"""1P1D on a local Ray instance against the colocated baseline, over real HTTP.
+
+One Ray instance for the module; two deployments share it: `colocated`
+(one worker does everything) and `pd` (1 prefill + 1 decode worker with the
+ZMQ connector). Greedy outputs must be identical token for token.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import ray
+import requests
+
+from pd.launch import Deployment
+from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
+                                worker_reports)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(**ray_init_kwargs())
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_instance):
+    with Deployment(e2e_config("local-colocated.yaml")) as dep:
+        yield dep.url
+
+
+@pytest.fixture(scope="module")
+def pd(ray_instance):
+    with Deployment(e2e_config("local.yaml")) as dep:
+        yield dep.url
+
+
+def test_health_models_and_topology(pd):
+    health = requests.get(f"{pd}/health", timeout=10).json()
+    assert health["status"] == "ok", health
+    models = requests.get(f"{pd}/v1/models", timeout=10).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "pdkv-tiny"
+    roles = sorted(r["role"] for r in worker_reports(pd).values())
+    assert roles == ["decode", "prefill"]
+
+
+def test_greedy_outputs_match_colocated(pd, colocated):
+    for prompt in PROMPTS + [[256, 1, 2, 3, 4, 5, 6, 7, 8, 9] * 4]:
+        want = complete(colocated, prompt, max_tokens=16, ignore_eos=True)["choices"][0]
+        got = complete(pd, prompt, max_tokens=16, ignore_eos=True)["choices"][0]
+        assert got["token_ids"] == want["token_ids"], prompt
+        assert got["text"] == want["text"]
+        assert got["finish_reason"] == "length"
+
+
+def test_batch_prompts_in_one_request(pd, colocated):
+    want = complete(colocated, PROMPTS[:3], ignore_eos=True)
+    got = complete(pd, PROMPTS[:3], ignore_eos=True)
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+
+
+def test_streaming_matches_non_streaming(pd):
+    prompt = PROMPTS[1]
+    whole = complete(pd, prompt, max_tokens=20, ignore_eos=True)
+    events = stream_events(pd, prompt, max_tokens=20, ignore_eos=True)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
+    chunks = events[:-2]
+    assert len(chunks) > 1  # really streamed, not one blob
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_cuts_output(pd):
+    full = complete(pd, PROMPTS[0], max_tokens=24, ignore_eos=True)["choices"][0]["text"]
+    visible = full.replace("\ufffd", "")
+    if len(visible) < 3:
+        pytest.skip("random model produced no printable text to stop on")
+    stop = visible[1:3]
+    cut = complete(pd, PROMPTS[0], max_tokens=24, ignore_eos=True, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert stop not in cut["text"] and full.startswith(cut["text"])
+
+
+def test_client_kv_transfer_params_are_ignored(pd, colocated):
+    bogus = {"do_remote_prefill": True, "remote_host": "10.255.255.1", "remote_port": 1,
+             "remote_engine_id": "evil", "remote_block_ids": [[1, 2, 3]], "remote_request_id": "x"}
+    want = complete(colocated, PROMPTS[3], ignore_eos=True)["choices"][0]["token_ids"]
+    got = complete(pd, PROMPTS[3], ignore_eos=True, kv_transfer_params=bogus)["choices"][0]["token_ids"]
+    assert got == want
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-17"}, 404, "model"),
+    ({"prompt": "x" * 1100, "max_tokens": 4}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors(pd, body, status, param):
+    resp = requests.post(f"{pd}/v1/completions", json=body, timeout=10)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_not_json_and_unknown_route(pd):
+    resp = requests.post(f"{pd}/v1/completions", data=b"{nope", timeout=10)
+    assert resp.status_code == 400 and "error" in resp.json()
+    resp = requests.get(f"{pd}/v1/nothing", timeout=10)
+    assert resp.status_code == 404 and "error" in resp.json()
+
+
+def test_openai_client_library(pd, colocated):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{pd}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["pdkv-tiny"]
+    result = client.completions.create(model="pdkv-tiny", prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    want = complete(colocated, PROMPTS[2], max_tokens=10)["choices"][0]["text"]
+    assert result.choices[0].text == want and result.usage.completion_tokens <= 10
+    pieces, usage = [], None
+    for chunk in client.completions.create(model="pdkv-tiny", prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == want and usage.prompt_tokens == len(PROMPTS[2].encode()) + 1
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="pdkv-tiny", prompt="x", max_tokens=-1)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_curl(pd):
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0})
+    out = subprocess.run(["curl", "-sS", "--max-time", "60", f"{pd}/v1/completions", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, check=True, text=True)
+    assert json.loads(out.stdout)["usage"]["completion_tokens"] >= 1
+    out = subprocess.run(["curl", "-sSN", "--max-time", "60", f"{pd}/v1/completions", "-H",
+                          "Content-Type: application/json", "-d", body[:-1] + ', "stream": true}'],
+                         capture_output=True, check=True, text=True)
+    assert out.stdout.rstrip().endswith("data: [DONE]") and out.stdout.count("data: ") >= 3
+
+
+def test_metrics_endpoint(pd):
+    complete(pd, PROMPTS[0])
+    text = requests.get(f"{pd}/metrics", timeout=10).text
+    for name in ("pdkv_requests_total", "pdkv_time_to_first_token_seconds_bucket",
+                 "pdkv_inter_token_latency_seconds_count", "pdkv_worker_kv_usage_ratio",
+                 "pdkv_worker_prefix_cache_hit_rate", "pdkv_worker_up"):
+        assert name in text, name
+    assert "pdkv_kv_transfer_" in text  # the connectors' transfer figures
+
+
+def test_loadgen_writes_json_and_png(pd, tmp_path):
+    from pd import loadgen
+
+    result_json, plot = tmp_path / "result.json", tmp_path / "latency.png"
+    rc = loadgen.main(["--url", pd, "--dataset", "shared-prefix", "--num-prompts", "8", "--request-rate", "20",
+                       "--input-len", "40:80", "--output-len", "4:8", "--max-concurrency", "4", "--seed", "1",
+                       "--goodput", "ttft:60000", "--result-json", str(result_json), "--plot", str(plot),
+                       "--no-progress"])
+    assert rc == 0
+    result = json.loads(result_json.read_text())
+    assert result["metrics"]["completed"] == 8 and result["metrics"]["failed"] == 0
+    assert result["metrics"]["ttft_ms"]["p99"] > 0 and result["metrics"]["request_goodput"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_zz_every_pool_is_all_free_after_the_run(pd, colocated):
+    for url in (pd, colocated):
+        reports = wait_all_free(url)
+        assert all(r["healthy"] for r in reports.values())
