@@ -90,13 +90,14 @@ class Deployment:
         self.stop()
 
 
-def init_ray(address: str | None) -> None:
+def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
     """Joins the named cluster, or starts an embedded local instance."""
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        return
+    store = object_store_mb * 1024 * 1024 if object_store_mb else None
+    ray.init(num_cpus=num_cpus, object_store_memory=store, include_dashboard=False, logging_level=logging.WARNING)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,6 +106,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else local)")
     parser.add_argument("--port", type=int, default=None, help="override router.port")
     parser.add_argument("--host", default=None, help="override router.host")
+    parser.add_argument("--num-cpus", type=int, default=None, help="embedded Ray only: CPUs (default: all)")
+    parser.add_argument("--object-store-mb", type=int, default=None, help="embedded Ray only: object store size")
     parser.add_argument("--run-load", action="store_true", help="run a short load, print the report and exit")
     parser.add_argument("--num-prompts", type=int, default=32, help="with --run-load")
     parser.add_argument("--request-rate", default="inf", help="with --run-load")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    init_ray(args.address)
+    init_ray(args.address, args.num_cpus, args.object_store_mb)
     stop_event = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_event.set())

@@ -1,0 +1,64 @@
+"""`python -m pd.launch` as users run it: embedded Ray, printed URL, clean exits."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import requests
+
+from e2e_helpers import REPO
+
+BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
+        "--num-cpus", "2", "--object-store-mb", "100", "--log-level", "WARNING"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)  # embedded local Ray
+    return env
+
+
+def test_run_load_prints_report_and_writes_files(tmp_path):
+    result_json, plot = tmp_path / "r.json", tmp_path / "p.png"
+    out = subprocess.run(BASE + ["--run-load", "--num-prompts", "6", "--result-json", str(result_json),
+                                 "--plot", str(plot)],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "serving at http://" in out.stdout and "pdkv load report" in out.stdout
+    assert json.loads(result_json.read_text())["metrics"]["completed"] == 6
+    assert plot.stat().st_size > 1000
+
+
+def test_sigterm_shuts_down_cleanly():
+    proc = subprocess.Popen(BASE, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 90
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            match = re.search(r"serving at (http://\S+)", line)
+            url = match.group(1) if match else None
+        assert url, "launch never printed its URL"
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("topology:\n  num_prefil: 2\n")
+    out = subprocess.run([sys.executable, "-m", "pd.launch", "--config", str(bad)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "topology: unknown key(s) ['num_prefil']" in out.stderr
