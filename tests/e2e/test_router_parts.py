@@ -1,0 +1,101 @@
+"""The router's pure parts, without Ray or sockets: config validation, OpenAI
+request parsing, stop strings, routing, Prometheus text, load-generator maths."""
+from __future__ import annotations
+
+import pytest
+
+from pd import openai_api as oa
+from pd.deploy_config import ConfigError, DeployConfig, Mode
+from pd.loadgen import arrival_delays, parse_range
+from pd.loadgen_report import RequestRecord, compute_metrics, percentile
+from pd.metrics import RouterMetrics, parse_prometheus
+from pd.routing import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
+from pd.text_stream import TextStream
+from pd.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"topology": {"num_prefill": 0}}, "topology.num_prefill"),
+    ({"topology": {"mode": "sideways"}}, "topology.mode: must be one of"),
+    ({"cache": {"block_size": 12}}, "cache.block_size"),
+    ({"cache": {"kv_memory_mb": "lots"}}, "cache.kv_memory_mb: expected float"),
+    ({"router": {"port": 70000}}, "router.port"),
+    ({"routr": {}}, "unknown key(s) ['routr']"),
+    ({"model": {"dtype": "int3"}}, "model.dtype"),
+    ({"transfer": {"kv_load_failure_policy": "pray"}}, "transfer.kv_load_failure_policy"),
+])
+def test_deploy_config_errors_name_the_key(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        DeployConfig.from_dict(data)
+
+
+def test_deploy_config_round_trips_through_json():
+    config = DeployConfig.from_dict({"topology": {"mode": "colocated", "num_colocated": 3}})
+    again = DeployConfig.from_json(config.to_json())
+    assert again == config and again.topology.mode is Mode.COLOCATED and again.topology.num_workers == 3
+    assert config.replace(router__port=0).router.port == 0
+
+
+def test_parse_completion_request_defaults_and_stripping():
+    req = oa.parse_completion_request({"prompt": "hi", "kv_transfer_params": {"remote_host": "evil"}},
+                                      served_model="m", vocab_size=260)
+    assert req.prompts == ("hi",) and req.max_tokens == 16 and not req.stream
+    assert not hasattr(req, "kv_transfer_params")
+    req = oa.parse_completion_request({"prompt": [[1, 2], [3]], "stop": "x"}, served_model="m", vocab_size=260)
+    assert req.prompts == ((1, 2), (3,)) and req.stop == ("x",)
+    with pytest.raises(oa.APIError) as err:
+        oa.parse_completion_request({"prompt": ["a", "b"], "stream": True}, served_model="m", vocab_size=260)
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_text_stream_hides_stop_strings_and_cut_characters():
+    tok = ByteTokenizer()
+    stream = TextStream(tok, stop=["END"])
+    shown = "".join(stream.push([b]) for b in "hello EN".encode())
+    assert shown == "hello " and not stream.stopped  # "EN" held back: it may become "END"
+    assert stream.push(list(b"D more")) == "" and stream.stopped
+    stream = TextStream(tok)
+    euro = "€".encode()
+    assert stream.push([euro[0]]) == "" and stream.push(list(euro[1:])) == "€"
+    assert stream.push(list(b"ab")) == "ab" and stream.flush() == ""
+
+
+def test_least_loaded_routing_and_dead_workers():
+    pool = WorkerPool(LeastLoaded())
+    for i in range(2):
+        pool.add(WorkerEndpoint(f"d{i}", Role.DECODE, f"http://d{i}"))
+    pool.add(WorkerEndpoint("p0", Role.PREFILL, "http://p0"))
+    first, second = pool.acquire(Role.DECODE), pool.acquire(Role.DECODE)
+    assert {first.endpoint.worker_id, second.endpoint.worker_id} == {"d0", "d1"}
+    pool.release(first)
+    assert pool.acquire(Role.DECODE) is first
+    pool.mark_dead("d0", "test")
+    pool.mark_dead("d1", "test")
+    with pytest.raises(NoWorkerAvailable):
+        pool.pick(Role.DECODE)
+    assert pool.pick(Role.PREFILL).endpoint.worker_id == "p0"
+
+
+def test_metrics_render_and_parse():
+    metrics = RouterMetrics()
+    metrics.ttft.observe(0.02)
+    metrics.requests.inc(outcome="ok")
+    text = metrics.render([("p0", "prefill", True, {"kv_usage": 0.5, "transfer": {"bytes_sent": 4096,
+                                                                                   "failures": {"timeout": 1}}})])
+    parsed = parse_prometheus(text)
+    assert parsed["pdkv_requests_total"] == [({"outcome": "ok"}, 1.0)]
+    assert parsed["pdkv_time_to_first_token_seconds_count"][0][1] == 1.0
+    assert parsed["pdkv_kv_transfer_bytes_sent"] == [({"role": "prefill", "worker": "p0"}, 4096.0)]
+    assert parsed["pdkv_kv_transfer_failures_timeout"][0][1] == 1.0
+
+
+def test_loadgen_maths():
+    assert parse_range("8:16", "x") == (8, 16) and parse_range("5", "x") == (5, 5)
+    delays = arrival_delays(2000, rate=50.0, burstiness=1.0, seed=0)
+    assert delays == sorted(delays) and 30 < delays[-1] < 50  # ~2000/50 s
+    assert arrival_delays(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    recs = [RequestRecord(10, 4, True, "", 4, 0.1, 0.4, [0.1] * 3), RequestRecord(10, 4, error="HTTP 502")]
+    m = compute_metrics(recs, 1.0, {"ttft": 50})
+    assert m["completed"] == 1 and m["failed"] == 1 and m["request_goodput"] == 0.0
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
