@@ -32,11 +32,12 @@ from pd.metrics import RouterMetrics
 from pd.routing import POLICIES, Role, WorkerEndpoint, WorkerPool
 from pd.text_stream import TextStream
 from pd.tokenizer import ByteTokenizer, Tokenizer
-from pd.worker_client import ClientTimeouts, WorkerClient
+from pd.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_POLLS = 2
+STATS_TIMEOUT_S = 10.0
 _FINISH_REASONS = {"stopped": "stop", "stop": "stop", "finished_stopped": "stop", "length": "length",
                    "length_capped": "length", "finished_length_capped": "length"}
 
@@ -102,19 +103,33 @@ class Router:
                 logger.exception("worker poll failed")
 
     async def poll_workers(self) -> None:
-        """Refreshes every healthy worker's stats; repeated failures take it out of the rotation."""
+        """Refreshes every healthy worker's stats. A worker whose stats and health probe
+        both fail `MAX_FAILED_POLLS` times in a row leaves the rotation (a slow stats
+        answer from a busy worker is not a death)."""
         loads = [w for w in self.pool.all() if w.healthy]
-        results = await asyncio.gather(*(self.client.get_json(w.endpoint.url, "/internal/stats") for w in loads),
-                                       return_exceptions=True)
-        for load, result in zip(loads, results):
+        results = await asyncio.gather(*(self._poll_one(w) for w in loads))
+        for load, error in zip(loads, results):
             worker_id = load.endpoint.worker_id
-            if isinstance(result, dict):
+            if error is None:
                 self._failed_polls[worker_id] = 0
-                self.pool.update_stats(worker_id, result)
                 continue
             self._failed_polls[worker_id] = self._failed_polls.get(worker_id, 0) + 1
             if self._failed_polls[worker_id] >= MAX_FAILED_POLLS:
-                self.pool.mark_dead(worker_id, f"{MAX_FAILED_POLLS} failed stats polls: {result}")
+                self.pool.mark_dead(worker_id, f"{MAX_FAILED_POLLS} failed polls: {error}")
+
+    async def _poll_one(self, load) -> str | None:
+        """None when the worker answered; else why not."""
+        url = load.endpoint.url
+        try:
+            stats = await self.client.get_json(url, "/internal/stats", timeout_s=STATS_TIMEOUT_S)
+            self.pool.update_stats(load.endpoint.worker_id, stats)
+            return None
+        except WorkerCallError as stats_error:
+            try:
+                await self.client.get_json(url, "/internal/health")
+                return None
+            except WorkerCallError as health_error:
+                return f"stats: {stats_error}; health: {health_error}"
 
     # -- middleware -------------------------------------------------------
     @web.middleware

@@ -25,14 +25,14 @@ from pd.tokenizer import ByteTokenizer
 from pd.worker import WorkerSpec
 from pd.worker_engine import engine_config_for
 
-NODE_ARGS = {"num_cpus": 1, "object_store_memory": 50 * 1024 * 1024}
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
 
 
 @pytest.fixture(scope="module")
 def cluster():
     # 2 CPUs in all: a head without CPUs (driver + router) and two 1-CPU "machines".
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                             "object_store_memory": 50 * 1024 * 1024})
+                                                             "object_store_memory": 80 * 1024 * 1024})
     for _ in range(2):
         cluster.add_node(**NODE_ARGS)
     ray.init(address=cluster.address)
