@@ -1,0 +1,15 @@
+"""Fixtures for the engine tests (helpers live in pd_engine_cases.py)."""
+import pytest
+import torch
+from pd_engine_cases import MODELS
+
+from pd.config import ModelConfig
+
+# Tiny models: one intra-op thread is faster than two, and far faster when
+# other processes compete for the cores (OpenMP threads spin-wait on each other).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model_config(request) -> ModelConfig:
+    return MODELS[request.param]
