@@ -312,6 +312,10 @@ _R_HYB_WM = dict(_R_HYB, name="hybrid4_rand_wm", watermark=0.1)
 _R_MIX = scenarios.config("hybrid_mixed_rand", [scenarios.full(4), scenarios.swa(8, 12)],
                           num_blocks=64, max_model_len=256, max_num_batched_tokens=32)
 
+_R_HYB3 = scenarios.config("hybrid3_rand", [scenarios.full(4), scenarios.swa(4, 10),
+                                            scenarios.swa(4, 6)],
+                           num_blocks=72, max_model_len=256, max_num_batched_tokens=32)
+_R_HYB_NOCACHE = dict(_R_HYB, name="hybrid4_rand_nocache", enable_caching=False)
 _R_SWA_BIG = dict(_R_SWA, name="swa4_rand_big", num_blocks=64)
 _R_HYB_BIG = dict(_R_HYB, name="hybrid4_rand_big", num_blocks=128)
 _SHARING = dict(share=0.6, max_running=4, out_max=6, num_requests=80, p_ext=0.1, p_deferred=0.2, p_lookahead=0.2)
@@ -330,6 +334,9 @@ RANDOM_SCENARIOS = [
     ("rand_hybrid_sharing", _R_HYB_BIG, _params(24, **_SHARING)),
     ("rand_hybrid_pressure", _R_HYB, _params(22, full_fit=True, **_PRESSURE)),
     ("rand_hybrid_watermark", _R_HYB_WM, _params(23, full_fit=True, **_PRESSURE)),
+    ("rand_hybrid3", _R_HYB3, _params(25, **_PRESSURE)),
+    ("rand_hybrid3_sharing", dict(_R_HYB3, num_blocks=160), _params(26, **_SHARING)),
+    ("rand_hybrid_nocache", _R_HYB_NOCACHE, _params(27, full_fit=True, **_PRESSURE)),
     ("rand_hybrid_mixed", _R_MIX, _params(31, **_PRESSURE)),
     ("rand_hybrid_mixed_fit", _R_MIX, _params(32, full_fit=True, **_PRESSURE)),
 ]

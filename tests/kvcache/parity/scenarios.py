@@ -96,6 +96,10 @@ FULL4 = config("full4", [full(4)], num_blocks=16, max_model_len=256)
 SWA4 = config("swa4", [swa(4, 10)], num_blocks=16, max_model_len=256, max_num_batched_tokens=16)
 HYBRID4 = config("hybrid4", [full(4), swa(4, 10)], num_blocks=32, max_model_len=256,
                  max_num_batched_tokens=16)
+HYBRID3 = config("hybrid3", [full(4), swa(4, 10), swa(4, 6)], num_blocks=48, max_model_len=256,
+                 max_num_batched_tokens=16)
+HYBRID_TWIN = config("hybrid_twin", [full(4), swa(4, 10), swa(4, 10)], num_blocks=48,
+                     max_model_len=256, max_num_batched_tokens=16)
 HYBRID_MIXED = config("hybrid_mixed", [full(4), swa(8, 12)], num_blocks=40, max_model_len=256,
                       max_num_batched_tokens=16)
 
@@ -402,6 +406,9 @@ HANDWRITTEN = [
     ("swa_free_split", SWA4, swa_free_split),
     ("hybrid_prefill", HYBRID4, hybrid_prefill),
     ("hybrid_local_and_external", HYBRID4, hybrid_local_and_external),
+    ("hybrid3_prefill", HYBRID3, hybrid_prefill),
+    ("hybrid3_local_and_external", HYBRID3, hybrid_local_and_external),
+    ("hybrid_twin_prefill", HYBRID_TWIN, hybrid_prefill),
     ("hybrid_mixed_prefill", HYBRID_MIXED, hybrid_prefill),
     ("hybrid_mixed_local_and_external", HYBRID_MIXED, hybrid_local_and_external),
 ]
