@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from parity import runner, scenarios
+from parity import configs, runner
 
 
 class _Req:
@@ -51,7 +51,7 @@ class _Driver:
         self.prompts: list[list[int]] = []
         self.step_no = 0
         self.num_created = 0
-        block = scenarios.block_sizes(cfg)[0]
+        block = configs.block_sizes(cfg)[0]
         self.prefixes = [self._rand(n) for n in (3 * block + 1, 6 * block, 9 * block + 2)]
 
     # --- helpers -------------------------------------------------------------------------
@@ -300,20 +300,20 @@ def _params(seed, **kw):
     return {**_BASE, "seed": seed, **kw}
 
 
-_R_FULL = scenarios.config("full4_rand", [scenarios.full(4)], num_blocks=40,
+_R_FULL = configs.config("full4_rand", [configs.full(4)], num_blocks=40,
                            max_model_len=256, max_num_batched_tokens=32)
 _R_FULL_WM = dict(_R_FULL, name="full4_rand_wm", watermark=0.1)
-_R_SWA = scenarios.config("swa4_rand", [scenarios.swa(4, 10)], num_blocks=24,
+_R_SWA = configs.config("swa4_rand", [configs.swa(4, 10)], num_blocks=24,
                           max_model_len=256, max_num_batched_tokens=32)
 _R_SWA_WM = dict(_R_SWA, name="swa4_rand_wm", watermark=0.1)
-_R_HYB = scenarios.config("hybrid4_rand", [scenarios.full(4), scenarios.swa(4, 10)],
+_R_HYB = configs.config("hybrid4_rand", [configs.full(4), configs.swa(4, 10)],
                           num_blocks=56, max_model_len=256, max_num_batched_tokens=32)
 _R_HYB_WM = dict(_R_HYB, name="hybrid4_rand_wm", watermark=0.1)
-_R_MIX = scenarios.config("hybrid_mixed_rand", [scenarios.full(4), scenarios.swa(8, 12)],
+_R_MIX = configs.config("hybrid_mixed_rand", [configs.full(4), configs.swa(8, 12)],
                           num_blocks=64, max_model_len=256, max_num_batched_tokens=32)
 
-_R_HYB3 = scenarios.config("hybrid3_rand", [scenarios.full(4), scenarios.swa(4, 10),
-                                            scenarios.swa(4, 6)],
+_R_HYB3 = configs.config("hybrid3_rand", [configs.full(4), configs.swa(4, 10),
+                                            configs.swa(4, 6)],
                            num_blocks=72, max_model_len=256, max_num_batched_tokens=32)
 _R_HYB_NOCACHE = dict(_R_HYB, name="hybrid4_rand_nocache", enable_caching=False)
 _R_SWA_BIG = dict(_R_SWA, name="swa4_rand_big", num_blocks=64)

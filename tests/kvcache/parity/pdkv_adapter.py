@@ -12,7 +12,7 @@ from kvcache import (
     SlidingWindowSpec,
 )
 
-from parity import runner, scenarios
+from parity import configs, runner
 
 
 def _spec(group):
@@ -28,7 +28,7 @@ def make_manager(cfg: dict) -> tuple[KVCacheManager, BlockHasher]:
         num_blocks=cfg["num_blocks"],
         groups=tuple(KVCacheGroupSpec(layer_names=(f"layer{i}",), spec=_spec(g))
                      for i, g in enumerate(cfg["groups"])))
-    _, hash_block_size = scenarios.block_sizes(cfg)
+    _, hash_block_size = configs.block_sizes(cfg)
     mgr = KVCacheManager(kv_cfg, cfg["max_model_len"], enable_caching=cfg["enable_caching"],
                          hash_block_size=hash_block_size, watermark=cfg["watermark"],
                          max_num_batched_tokens=cfg["max_num_batched_tokens"])

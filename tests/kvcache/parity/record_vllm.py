@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from parity import driver, runner, scenarios  # noqa: E402
+from parity import configs, driver, runner, scenarios  # noqa: E402
 
 HASH_FN = get_hash_fn_by_name("sha256")
 init_none_hash(HASH_FN)
@@ -55,7 +55,7 @@ class VllmAdapter(runner.ManagerAdapter):
             num_blocks=cfg["num_blocks"], kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], _spec(g))
                              for i, g in enumerate(cfg["groups"])])
-        scheduler_block_size, hash_block_size = scenarios.block_sizes(cfg)
+        scheduler_block_size, hash_block_size = configs.block_sizes(cfg)
         self.mgr = KVCacheManager(
             kv_cfg, max_model_len=cfg["max_model_len"],
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,

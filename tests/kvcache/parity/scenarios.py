@@ -1,38 +1,17 @@
-"""Parity configurations and hand-written scenarios (plain JSON-able data).
+"""Hand-written parity scenarios (plain JSON-able op lists, configs in configs.py).
 
-A config describes one KVCacheManager: its groups ("full" or "swa" with a block size and, for
-SWA, a window), num_blocks (including the null block), max_model_len, max_num_batched_tokens,
-watermark and enable_caching. Scenarios are op lists executed by `runner.execute`; the
-hand-written ones follow vLLM's tests/v1/core cases listed in the reference (§12-13).
+Scenarios are op lists executed by `runner.execute`; they follow vLLM's tests/v1/core cases
+listed in the reference (§12-13) plus the manager arguments those tests leave out (watermark,
+reserved_blocks, full_sequence_must_fit, delay_cache_blocks, pop_blocks_for_free).
 Expected values come from running them against vLLM 0.25.1 (record_vllm.py), except the
 free-order example whose vLLM value is also asserted literally by the test.
 """
 from __future__ import annotations
 
-from math import gcd, lcm
-
-
-def config(name, groups, num_blocks, max_model_len=8192, max_num_batched_tokens=None,
-           watermark=0.0, enable_caching=True):
-    return {"name": name, "groups": groups, "num_blocks": num_blocks,
-            "max_model_len": max_model_len, "max_num_batched_tokens": max_num_batched_tokens,
-            "watermark": watermark, "enable_caching": enable_caching}
-
-
-def full(block_size):
-    return {"kind": "full", "block_size": block_size}
-
-
-def swa(block_size, window):
-    return {"kind": "swa", "block_size": block_size, "sliding_window": window}
-
-
-def block_sizes(cfg) -> tuple[int, int]:
-    """(scheduler_block_size, hash_block_size) the way vLLM resolves them for the manager."""
-    sizes = [g["block_size"] for g in cfg["groups"]]
-    if len(sizes) == 1:
-        return sizes[0], sizes[0]
-    return lcm(*sizes), gcd(*sizes)
+from parity.configs import (
+    FULL4, FULL16, FULL16_3, FULL16_64, FULL16_NOCACHE, FULL16_WM, HYBRID3, HYBRID4,
+    HYBRID_MIXED, HYBRID_TWIN, SWA4,
+)
 
 
 # --- op constructors ------------------------------------------------------------------------
@@ -85,23 +64,6 @@ def admit_alloc(id, **kw):
 def seq(start, n):
     return list(range(start, start + n))
 
-
-# --- configs -------------------------------------------------------------------------------
-FULL16 = config("full16", [full(16)], num_blocks=11)
-FULL16_NOCACHE = config("full16_nocache", [full(16)], num_blocks=11, enable_caching=False)
-FULL16_3 = config("full16_3", [full(16)], num_blocks=3)
-FULL16_64 = config("full16_64", [full(16)], num_blocks=64)
-FULL16_WM = config("full16_watermark", [full(16)], num_blocks=11, watermark=0.2)
-FULL4 = config("full4", [full(4)], num_blocks=16, max_model_len=256)
-SWA4 = config("swa4", [swa(4, 10)], num_blocks=16, max_model_len=256, max_num_batched_tokens=16)
-HYBRID4 = config("hybrid4", [full(4), swa(4, 10)], num_blocks=32, max_model_len=256,
-                 max_num_batched_tokens=16)
-HYBRID3 = config("hybrid3", [full(4), swa(4, 10), swa(4, 6)], num_blocks=48, max_model_len=256,
-                 max_num_batched_tokens=16)
-HYBRID_TWIN = config("hybrid_twin", [full(4), swa(4, 10), swa(4, 10)], num_blocks=48,
-                     max_model_len=256, max_num_batched_tokens=16)
-HYBRID_MIXED = config("hybrid_mixed", [full(4), swa(8, 12)], num_blocks=40, max_model_len=256,
-                      max_num_batched_tokens=16)
 
 COMMON = seq(0, 48)  # three full 16-token blocks
 
