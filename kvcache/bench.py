@@ -16,7 +16,8 @@ sides see the identical workload. Prints one line `JSON:{...}` with the anchor's
 --vs-vllm runs the anchor script in the given venv and this benchmark alternately (fresh
 processes, same generated trace, sha256 on both), checks that the trace and the decisions
 (prefix_hit_rate, free_blocks_end, hit_tokens, alloc_failures) agree, and prints both
-figures and the median ratio as one `JSON:{...}` line.
+figures and the median ratio as one `JSON:{...}` line; it exits non-zero if the traces or the
+decisions differ.
 """
 from __future__ import annotations
 
@@ -339,7 +340,10 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.vs_vllm is not None:
-        print("JSON:" + json.dumps(vs_vllm(args)))
+        result = vs_vllm(args)
+        print("JSON:" + json.dumps(result))
+        if not (result["trace_identical"] and result["decisions_agree"]):
+            raise SystemExit("pdkv and vLLM replayed different traces or made different decisions")
         return
     trace = trace_for(args)
     if args.dump_trace:
