@@ -32,6 +32,7 @@ class RequestState:
     generator: torch.Generator | None
     skip_connector_load: bool = False  # set once a remote load failed: compute locally from then on
     load_failed: bool = False
+    num_external_tokens: int = 0  # tokens of the current async load
     awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
     awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent
 

@@ -180,6 +180,7 @@ class Scheduler:
                 self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
             req.num_computed_tokens = num_computed
             if load_async:
+                state.num_external_tokens = num_external
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.remote_waiting.append(state)
                 continue
@@ -214,6 +215,7 @@ class Scheduler:
                 self.stats.num_load_failures_recomputed += 1
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
+                self.stats.num_remote_tokens += state.num_external_tokens
                 if req.num_computed_tokens >= req.num_tokens:
                     req.num_computed_tokens = req.num_tokens - 1  # recompute the last token for its logits
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING

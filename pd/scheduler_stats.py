@@ -12,6 +12,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_errors: int = 0
     num_load_failures_recomputed: int = 0
+    num_remote_tokens: int = 0  # tokens whose KV arrived through the connector (verified)
     prefix_queries: int = 0  # tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found cached
 
