@@ -2,8 +2,9 @@
 
 Every scenario in parity/fixtures/vllm_0_25_1.json (recorded by parity/record_vllm.py inside
 the vLLM anchor venv) is replayed against pdkv; each op's observation (block ids per group,
-hit lengths, None results, contract errors, and the free-block count after the op) must equal
-vLLM's. Hash values are never compared. Re-record after changing scenarios:
+hit lengths, None results, contract errors, KV events, prefix-cache stats, and the free-block
+count after the op) must equal vLLM's. Hash values are never compared (events carry first-seen
+ordinals instead). Re-record after changing scenarios:
 
     $VENV/bin/python tests/kvcache/parity/record_vllm.py \
         --out tests/kvcache/parity/fixtures/vllm_0_25_1.json
@@ -125,7 +126,7 @@ def test_fixture_matches_handwritten_scenarios():
         assert recorded is not None, f"scenario {name} missing from fixture: re-record"
         assert recorded["config"] == cfg, f"scenario {name}: config changed, re-record"
         playback = iter(recorded["expected"])
-        ops, _ = runner.resolve_and_run(lambda op: next(playback), build())
+        ops, _ = runner.resolve_and_run(lambda op: next(playback), scenarios.observed(build()))
         assert ops == recorded["ops"], f"scenario {name}: ops changed, re-record"
 
 

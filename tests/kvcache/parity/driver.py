@@ -238,6 +238,9 @@ class _Driver:
             self.reqs[w].status == "WAITING_FOR_REMOTE_KVS" for w in self.waiting)
         if self._chance("p_reset") or (idle and self.rng.random() < 0.3):
             self.call({"op": "reset_prefix_cache"})
+        self.call({"op": "take_events"})
+        if self.step_no % 4 == 0:
+            self.call({"op": "prefix_cache_stats"})
 
     def step(self, arrivals):
         self.step_no += 1
@@ -271,6 +274,8 @@ class _Driver:
         self.call({"op": "reset_prefix_cache"})
         self.call({"op": "new_request", "id": "final", "tokens": self.prompts[0]})
         self.call({"op": "get_computed_blocks", "id": "final"})
+        self.call({"op": "take_events"})
+        self.call({"op": "prefix_cache_stats"})
 
     def run(self):
         while len(self.ops) < self.p["max_ops"] and self.step_no < 4 * self.p["max_ops"]:
@@ -289,7 +294,7 @@ def generate(adapter, cfg, params):
     return _Driver(adapter, cfg, params).run()
 
 
-_BASE = dict(num_requests=60, max_ops=450, budget=32, chunk=16, max_running=8,
+_BASE = dict(num_requests=60, max_ops=600, budget=32, chunk=16, max_running=8,
              prompt_max=60, out_max=24, share=0.45, full_fit=False, p_ext=0.0, p_lookahead=0.0,
              p_multi_token=0.1, p_abort=0.03, p_deferred=0.0, p_evict=0.0, p_reset=0.0,
              p_cache=0.05, p_salt=0.05, p_lora=0.05, p_skip_read=0.03,

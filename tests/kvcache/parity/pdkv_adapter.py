@@ -31,7 +31,8 @@ def make_manager(cfg: dict) -> tuple[KVCacheManager, BlockHasher]:
     _, hash_block_size = configs.block_sizes(cfg)
     mgr = KVCacheManager(kv_cfg, cfg["max_model_len"], enable_caching=cfg["enable_caching"],
                          hash_block_size=hash_block_size, watermark=cfg["watermark"],
-                         max_num_batched_tokens=cfg["max_num_batched_tokens"])
+                         max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                         log_stats=True, enable_kv_cache_events=True)
     return mgr, BlockHasher(block_size=hash_block_size, algorithm="sha256")
 
 

@@ -60,7 +60,8 @@ class VllmAdapter(runner.ManagerAdapter):
             kv_cfg, max_model_len=cfg["max_model_len"],
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
             max_num_batched_tokens=cfg["max_num_batched_tokens"],
-            enable_caching=cfg["enable_caching"], watermark=cfg["watermark"])
+            enable_caching=cfg["enable_caching"], watermark=cfg["watermark"],
+            log_stats=True, enable_kv_cache_events=True)
         self.hasher = get_request_block_hasher(hash_block_size, HASH_FN)
         self.lora_ids: dict[str, int] = {}
 
@@ -86,7 +87,8 @@ def record_all() -> dict:
     out = {"vllm_version": vllm.__version__, "format": 1, "scenarios": []}
     for name, cfg, build in scenarios.HANDWRITTEN:
         adapter = VllmAdapter(cfg)
-        ops, observed = runner.resolve_and_run(lambda op: runner.execute(adapter, op), build())
+        ops, observed = runner.resolve_and_run(lambda op: runner.execute(adapter, op),
+                                               scenarios.observed(build()))
         out["scenarios"].append({"name": name, "config": cfg, "ops": ops,
                                  "expected": observed})
     for name, cfg, params in driver.RANDOM_SCENARIOS:

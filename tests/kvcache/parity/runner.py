@@ -7,6 +7,9 @@ subclasses only build the manager, requests and status values.
 """
 from __future__ import annotations
 
+import json
+import zlib
+
 # Errors that are part of the documented contract (e.g. allocate_slots with nothing to
 # allocate raises ValueError). Anything else is a bug in a scenario or an implementation.
 CONTRACT_ERRORS = (ValueError,)
@@ -30,6 +33,7 @@ class ManagerAdapter:
         self.requests: dict = {}
         self.last_hit: dict = {}
         self.popped: dict = {}
+        self.hash_ids: dict = {}
 
     # --- subclass hooks ---------------------------------------------------------------------
     def make_request(self, request_id, tokens, salt, lora, skip_read, max_tokens):
@@ -103,6 +107,41 @@ class ManagerAdapter:
 
     def get_block_ids(self, id):
         return [list(ids) for ids in self.mgr.get_block_ids(id)]
+
+    def take_events(self):
+        """KV events with hash values replaced by first-seen ordinals (values differ between
+        implementations, identity does not) and token ids by (count, crc32)."""
+        return [self._event(ev) for ev in self.mgr.take_events()]
+
+    def prefix_cache_stats(self):
+        s = self.mgr.make_prefix_cache_stats()
+        if s is None:
+            return None
+        return [bool(s.reset), s.requests, s.queries, s.hits, s.preempted_requests,
+                s.preempted_queries, s.preempted_hits]
+
+    def _hash_id(self, block_hash):
+        if block_hash is None:
+            return None
+        return self.hash_ids.setdefault(block_hash, len(self.hash_ids))
+
+    def _event(self, ev) -> list:
+        kind = type(ev).__name__
+        if kind == "BlockStored":
+            tokens = list(ev.token_ids)
+            extra = None if ev.extra_keys is None else [
+                None if k is None else list(k) for k in ev.extra_keys]
+            return ["stored", [self._hash_id(h) for h in ev.block_hashes],
+                    self._hash_id(ev.parent_block_hash), len(tokens),
+                    zlib.crc32(json.dumps(tokens).encode()), ev.block_size, ev.lora_name, extra,
+                    ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window,
+                    ev.medium]
+        if kind == "BlockRemoved":
+            return ["removed", [self._hash_id(h) for h in ev.block_hashes], ev.group_idx,
+                    ev.medium]
+        if kind == "AllBlocksCleared":
+            return ["cleared"]
+        return ["unknown", kind]
 
     def num_free_blocks(self) -> int:
         return self.mgr.block_pool.get_num_free_blocks()

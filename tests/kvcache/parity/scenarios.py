@@ -344,6 +344,21 @@ def hybrid_local_and_external():
     ]
 
 
+# ops after which the prefix cache may have changed: the recorder drains KV events there
+MUTATING = {"allocate_slots", "admit_alloc", "free", "free_popped", "cache_blocks",
+            "reset_prefix_cache", "evict_blocks", "preempt", "remove_skipped_blocks"}
+
+
+def observed(ops: list) -> list:
+    """`ops` with take_events after every mutating op and prefix-cache stats at the end."""
+    out = []
+    for o in ops:
+        out.append(o)
+        if o["op"] in MUTATING:
+            out.append(op("take_events"))
+    return out + [op("prefix_cache_stats")]
+
+
 HANDWRITTEN = [
     ("free_order", FULL16, free_order),
     ("prefill", FULL16, prefill),
