@@ -150,8 +150,9 @@ def test_committed_fixture_is_current(tmp_path):
         pytest.skip("vLLM anchor venv not found (set PDKV_VLLM_VENV or run "
                     "/work/shared/anchors/setup_vllm_anchor.sh)")
     out = tmp_path / "live.json"
+    env = dict(os.environ, PYTHONHASHSEED="0")  # vLLM's NONE_HASH and set orders fixed
     proc = subprocess.run([str(python), str(PARITY_DIR / "record_vllm.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=540)
+                          capture_output=True, text=True, timeout=540, env=env)
     if proc.returncode != 0 and "No module named 'vllm" in proc.stderr:
         pytest.skip(f"{python} has no vLLM: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
