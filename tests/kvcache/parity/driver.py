@@ -238,6 +238,8 @@ class _Driver:
             self.reqs[w].status == "WAITING_FOR_REMOTE_KVS" for w in self.waiting)
         if self._chance("p_reset") or (idle and self.rng.random() < 0.3):
             self.call({"op": "reset_prefix_cache"})
+        if self.running and self.step_no % 3 == 0:
+            self.call({"op": "common_prefix_blocks", "id": self.running[0]})
         self.call({"op": "take_events"})
         if self.step_no % 4 == 0:
             self.call({"op": "prefix_cache_stats"})

@@ -105,6 +105,9 @@ class ManagerAdapter:
     def evict_blocks(self, ids):
         self.mgr.evict_blocks(set(ids))
 
+    def common_prefix_blocks(self, id):
+        return list(self.mgr.get_num_common_prefix_blocks(id))
+
     def get_block_ids(self, id):
         return [list(ids) for ids in self.mgr.get_block_ids(id)]
 
