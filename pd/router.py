@@ -156,6 +156,7 @@ class Router:
         return web.json_response(body, status=200 if not missing else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await self.poll_workers()  # fresh worker figures on every scrape
         workers = [(w.endpoint.worker_id, w.endpoint.role.value, w.healthy, w.stats) for w in self.pool.all()]
         return web.Response(text=self.metrics.render(workers), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type": "text/plain; version=0.0.4"})
