@@ -1,0 +1,184 @@
+"""Transfer benchmark: the ZMQ connector's data paths beside a raw loopback socket.
+
+Two processes: this one is the consumer, a spawned child is the producer. The
+child also serves a raw TCP socket (plain `sendall` of the same page bytes,
+received with `recv_into` into preallocated memory), so both are measured in
+the same run, alternating, on the same noisy machine.
+
+    python -m connectors.bench                      # 64 x 256 KiB, tcp and shm
+    python -m connectors.bench --blocks 64 --page-kib 256 --reps 30 --json
+
+Reported per data path: GB/s of a bulk pull (median), raw socket GB/s, their
+ratio, one-block latency (pull request -> page landed and verified) and the
+raw socket's one-block round trip (1-byte request -> page received).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+SECRET = b"bench-secret-not-for-production!"
+COMPAT = "bench"
+
+
+def _fill(pool, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=g))
+
+
+def _producer_main(num_blocks: int, page_bytes: int, conn, stop) -> None:
+    import threading
+
+    import torch
+
+    torch.set_num_threads(1)
+    from connectors.page_pool import PagePool
+    from connectors.producer import Producer, ProducerConfig
+
+    pool = PagePool(num_blocks + 1, page_bytes)
+    _fill(pool, 1)
+    prod = Producer(ProducerConfig(engine_id="bench-P", secret=SECRET, compat_hash=COMPAT, lease_s=3600), pool)
+    prod.start()
+    prod.add_lease("bench", list(range(1, num_blocks + 1)), lease_s=3600)
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(raw, pool), daemon=True).start()
+    conn.send((prod.port, raw.getsockname()[1]))
+    stop.wait()
+    prod.shutdown()
+
+
+def _raw_server(srv: socket.socket, pool) -> None:
+    host = memoryview(pool.buffer.numpy()).cast("B")
+    page = pool.page_size_bytes
+    while True:
+        c, _ = srv.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        req = bytearray(4)
+        try:
+            while True:
+                if c.recv_into(req, 4) != 4:
+                    break
+                n = int.from_bytes(req, "big")
+                c.sendall(host[page : page * (n + 1)])  # pages 1..n, one plain sendall
+        except OSError:
+            pass
+        c.close()
+
+
+class _RawClient:
+    def __init__(self, port: int, nbytes: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(nbytes)  # preallocated
+        self.view = memoryview(self.buf)
+
+    def fetch(self, num_pages: int, page_bytes: int) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(num_pages.to_bytes(4, "big"))
+        want, got = num_pages * page_bytes, 0
+        while got < want:
+            got += self.sock.recv_into(self.view[got:want], want - got)
+        return time.perf_counter() - t0
+
+
+def _measure(path: str, args, ports, pool) -> dict:
+    import random
+
+    import torch
+
+    from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+
+    page = args.page_kib * 1024
+    cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT, data_path=path,
+                                   num_tcp_streams=args.streams, notify_done=False), pool)
+    cons.start()
+    remote = RemoteAddr("bench-P", "127.0.0.1", ports[0])
+    raw = _RawClient(ports[1], args.blocks * page)
+    src = list(range(1, args.blocks + 1))
+    dst = src[:]
+    random.Random(0).shuffle(dst)  # different block ids on each side
+
+    def pull(s, d) -> float:
+        t0 = time.perf_counter()
+        job = cons.load("bench", remote, "bench", s, d)
+        if not job.done.wait(30) or not job.result.ok:
+            raise RuntimeError(f"{path} load failed: {job.result}")
+        return time.perf_counter() - t0
+
+    for _ in range(3):  # warm-up: handshake, connections, page faults
+        pull(src, dst)
+        raw.fetch(args.blocks, page)
+    bulk, raw_bulk, one, raw_one = [], [], [], []
+    for _ in range(args.reps):
+        raw_bulk.append(raw.fetch(args.blocks, page))
+        bulk.append(pull(src, dst))
+    for _ in range(args.reps * 3):
+        raw_one.append(raw.fetch(1, page))
+        one.append(pull(src[:1], dst[:1]))
+    # bytes must be exact: compare the landed pages with the producer's fill
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randint(0, 256, (args.blocks + 1, page), dtype=torch.uint8, generator=g)
+    if not all(torch.equal(pool.buffer[d], ref[s]) for s, d in zip(src, dst)):
+        raise RuntimeError(f"{path}: landed pages differ from the source")
+    cons.shutdown()
+    raw.sock.close()
+    nbytes = args.blocks * page
+    gbps = nbytes / statistics.median(bulk) / 1e9
+    raw_gbps = nbytes / statistics.median(raw_bulk) / 1e9
+    return {
+        "path": path,
+        "blocks": args.blocks,
+        "page_bytes": page,
+        "gbps": round(gbps, 3),
+        "raw_gbps": round(raw_gbps, 3),
+        "ratio": round(gbps / raw_gbps, 3),
+        "latency_us": round(statistics.median(one) * 1e6, 1),
+        "raw_latency_us": round(statistics.median(raw_one) * 1e6, 1),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--page-kib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--streams", type=int, default=2, help="parallel tcp data streams")
+    ap.add_argument("--paths", default="tcp,shm")
+    ap.add_argument("--json", action="store_true", help="one JSON line per data path")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from connectors.page_pool import PagePool
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    stop = ctx.Event()
+    proc = ctx.Process(target=_producer_main, args=(args.blocks, args.page_kib * 1024, child, stop), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("producer process did not start")
+        ports = parent.recv()
+        pool = PagePool(args.blocks + 1, args.page_kib * 1024)
+        for path in args.paths.split(","):
+            r = _measure(path, args, ports, pool)
+            if args.json:
+                print(json.dumps(r), flush=True)
+            else:
+                print(f"{path:4s} {r['gbps']:6.2f} GB/s  raw socket {r['raw_gbps']:6.2f} GB/s  ratio {r['ratio']:.2f}   "
+                      f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us", flush=True)
+    finally:
+        stop.set()
+        proc.join(10)
+
+
+if __name__ == "__main__":
+    main()

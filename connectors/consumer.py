@@ -1,0 +1,422 @@
+"""The consumer (decode) side: sessions with producers and pulled loads.
+
+One control thread owns every ZMQ socket: it connects lazily, once per remote
+engine, runs the handshake (a small state machine with a deadline), sends
+heartbeats for requests still waiting, DONE notices after loads, and enforces
+load deadlines. Data moves on `PullStream`s (one thread each), so a slow or
+vanished producer only ever stalls its own streams.
+
+Guarantees:
+- every `load` ends exactly once, in `take_finished`, as a `LoadResult`:
+  ok (every page landed and matched its xxh3 digest) or failed with the
+  destination blocks that must not be trusted and a `FailureCause`;
+- a load ends only when no stream writes into its pages any more;
+- a load never waits longer than `transfer_timeout_s` (+ `io_timeout_s` to
+  break a stuck socket).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import queue
+import socket
+import threading
+import time
+
+import zmq
+
+from connectors import handshake as hs
+from connectors import wire
+from connectors.metrics import FailureCause, TransferMetrics
+from connectors.page_pool import PagePool
+from connectors.pull_stream import PullPart, PullStream
+from connectors.wire import MalformedMessage, MsgType
+
+logger = logging.getLogger(__name__)
+
+
+class DataPath(str, enum.Enum):
+    AUTO = "auto"  # shared memory when the producer is on this host, else tcp
+    TCP = "tcp"
+    SHM = "shm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerConfig:
+    engine_id: str
+    secret: bytes
+    compat_hash: str
+    data_path: DataPath = DataPath.AUTO
+    num_tcp_streams: int = 2
+    num_shm_streams: int = 1
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    io_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 5.0
+    notify_done: bool = True  # tell the producer to release after each load
+
+    def __post_init__(self) -> None:
+        if not self.engine_id or len(self.secret) < 16:
+            raise ValueError("engine_id must be non-empty and secret at least 16 bytes")
+        if min(self.handshake_timeout_s, self.transfer_timeout_s, self.io_timeout_s, self.heartbeat_interval_s) <= 0:
+            raise ValueError("timeouts and intervals must be positive")
+        if self.num_tcp_streams < 1 or self.num_shm_streams < 1:
+            raise ValueError("need at least one stream per data path")
+        object.__setattr__(self, "data_path", DataPath(self.data_path))
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteAddr:
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclasses.dataclass
+class LoadResult:
+    request_id: str
+    ok: bool
+    invalid_block_ids: list[int]
+    cause: FailureCause | None
+    num_bytes: int
+    seconds: float
+
+
+class _Load:
+    def __init__(self, request_id, remote, remote_request_id, src, dst, deadline):
+        self.request_id = request_id
+        self.remote = remote
+        self.remote_request_id = remote_request_id
+        self.src, self.dst = src, dst
+        self.deadline = deadline
+        self.start = time.perf_counter()
+        self.parts_left = 0
+        self.streams: list[PullStream] = []
+        self.bad: list[int] = []
+        self.cause: FailureCause | None = None
+        self.done = threading.Event()
+        self.result: LoadResult | None = None
+
+
+class _HS(enum.Enum):
+    HELLO_SENT = 1
+    AUTH_SENT = 2
+    READY = 3
+
+
+class _Session:
+    def __init__(self, remote: RemoteAddr, sock: zmq.Socket, deadline: float):
+        self.remote = remote
+        self.sock = sock
+        self.state = _HS.HELLO_SENT
+        self.deadline = deadline
+        self.nonce = hs.make_nonce()
+        self.transcript = b""
+        self.token = b""
+        self.streams: list[PullStream] = []
+        self.pending: list[_Load] = []
+        self.pending_done: list[str] = []
+        self.next_stream = 0
+
+
+class Consumer:
+    def __init__(self, config: ConsumerConfig, pool: PagePool, metrics: TransferMetrics | None = None):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics or TransferMetrics()
+        self.host_id = hs.local_host_id()
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sessions: dict[RemoteAddr, _Session] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[int, _Load] = {}
+        self._finished: list[LoadResult] = []
+        self._heartbeats: dict[RemoteAddr, list[str]] = {}
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._loop, name="kv-consumer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ engine-facing (any thread)
+    def load(self, request_id: str, remote: RemoteAddr, remote_request_id: str,
+             src_block_ids: list[int], dst_block_ids: list[int]) -> _Load:
+        """Starts pulling src pages of `remote` into dst pages; ends in `take_finished`."""
+        if len(src_block_ids) != len(dst_block_ids) or not dst_block_ids:
+            raise ValueError("a load needs as many (non-zero) source as destination blocks")
+        if len(set(dst_block_ids)) != len(dst_block_ids) or not all(0 < b < self.pool.num_blocks for b in dst_block_ids):
+            raise ValueError(f"bad destination block ids for {request_id}")
+        job = _Load(request_id, remote, remote_request_id, list(src_block_ids), list(dst_block_ids),
+                    time.monotonic() + self.config.transfer_timeout_s)
+        with self._lock:
+            self._active[id(job)] = job
+            session = self._sessions.get(remote)
+            if session is not None and session.state is _HS.READY:
+                self._dispatch_locked(session, job)
+                return job
+        self._inbox.put(("load", job))
+        self._wake()
+        return job
+
+    def notify_done(self, remote: RemoteAddr, remote_request_ids: list[str]) -> None:
+        """Tells the producer it may release these requests' blocks (no load needed)."""
+        self._inbox.put(("done", remote, list(remote_request_ids)))
+        self._wake()
+
+    def set_heartbeats(self, waiting: dict[RemoteAddr, list[str]]) -> None:
+        """Replaces the set of remote requests whose leases must be kept alive."""
+        with self._lock:
+            self._heartbeats = {r: list(ids) for r, ids in waiting.items() if ids}
+
+    def take_finished(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._finished = self._finished, []
+            return out
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch_locked(self, session: _Session, job: _Load) -> None:
+        if job.result is not None:  # already ended (deadline passed while waiting for the handshake)
+            return
+        live = [s for s in session.streams if not s.dead] or session.streams
+        n = len(job.dst)
+        k = min(len(live), max(1, n // 4)) if n > 1 else 1  # tiny loads ride one stream
+        per = -(-n // k)
+        slices = [(i, min(n, i + per)) for i in range(0, n, per)]
+        job.parts_left = len(slices)
+        for a, b in slices:
+            stream = live[session.next_stream % len(live)]
+            session.next_stream += 1
+            job.streams.append(stream)
+            stream.submit(PullPart(job.remote_request_id, job.src[a:b], job.dst[a:b], lambda p, j=job: self._on_part(j, p)))
+
+    def _on_part(self, job: _Load, part: PullPart) -> None:
+        with self._lock:
+            job.bad.extend(part.bad_block_ids)
+            if part.cause is not None and job.cause is None:
+                job.cause = part.cause
+            job.parts_left -= 1
+            if job.parts_left == 0:
+                self._finish_locked(job)
+
+    def _finish_locked(self, job: _Load) -> None:
+        self._active.pop(id(job), None)
+        seconds = time.perf_counter() - job.start
+        ok = job.cause is None and not job.bad
+        nbytes = len(job.dst) * self.pool.page_size_bytes if ok else 0
+        job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)
+        self._finished.append(job.result)
+        if ok:
+            self.metrics.record_load(len(job.dst), nbytes, seconds)
+        else:
+            self.metrics.record_failure(job.cause or FailureCause.CHECKSUM)
+            logger.warning("KV load of %s from %s failed (%s): %d invalid blocks", job.request_id,
+                           job.remote.engine_id, (job.cause or FailureCause.CHECKSUM).value, len(job.bad))
+        if self.config.notify_done and job.cause is not FailureCause.PEER_GONE:
+            self._inbox.put(("done", job.remote, [job.remote_request_id]))
+            self._wake()
+        job.done.set()
+
+    def _fail_locked(self, job: _Load, cause: FailureCause) -> None:
+        job.cause = job.cause or cause
+        job.bad = list(job.dst)
+        self._finish_locked(job)
+
+    # ------------------------------------------------------------------ control thread
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # buffer full: a wake-up is already pending
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        last_hb = 0.0
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(50))
+                if self._wake_r in events or self._wake_r.fileno() in events:
+                    try:
+                        self._wake_r.recv(4096)
+                    except OSError:
+                        pass
+                self._drain_inbox(poller)
+                for session in list(self._sessions.values()):
+                    if events.get(session.sock) is not None:
+                        self._on_socket(session, poller)
+                now = time.monotonic()
+                self._check_deadlines(now, poller)
+                if now - last_hb >= self.config.heartbeat_interval_s:
+                    last_hb = now
+                    self._send_heartbeats(poller)
+        except Exception:
+            logger.exception("KV consumer control thread crashed")
+        finally:
+            for session in list(self._sessions.values()):
+                self._close_session(session, poller, FailureCause.SHUTDOWN)
+            with self._lock:
+                for job in list(self._active.values()):
+                    if job.parts_left == 0:
+                        self._fail_locked(job, FailureCause.SHUTDOWN)
+
+    def _drain_inbox(self, poller) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            remote = item[1].remote if item[0] == "load" else item[1]
+            session = self._session_for(remote, poller)
+            with self._lock:
+                if item[0] == "load":
+                    if session.state is _HS.READY:
+                        self._dispatch_locked(session, item[1])
+                    else:
+                        session.pending.append(item[1])
+                else:
+                    session.pending_done.extend(item[2])
+            if session.state is _HS.READY:
+                self._flush_done(session)
+
+    def _session_for(self, remote: RemoteAddr, poller) -> _Session:
+        session = self._sessions.get(remote)
+        if session is not None:
+            return session
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(f"tcp://{remote.host}:{remote.port}")
+        session = _Session(remote, sock, time.monotonic() + self.config.handshake_timeout_s)
+        with self._lock:
+            self._sessions[remote] = session
+        poller.register(sock, zmq.POLLIN)
+        cfg = self.config
+        self._send(session, wire.encode(MsgType.HELLO, engine_id=cfg.engine_id, expect_engine_id=remote.engine_id,
+                                        compat=cfg.compat_hash, nonce=session.nonce))
+        return session
+
+    def _on_socket(self, session: _Session, poller) -> None:
+        while True:
+            try:
+                payload = session.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg_type, msg = wire.decode(payload)
+                self._on_message(session, msg_type, msg, poller)
+            except MalformedMessage as e:
+                self.metrics.record_malformed()
+                logger.debug("dropped malformed frame from %s: %s", session.remote, e)
+            except hs.HandshakeRefused as e:
+                logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host, session.remote.port)
+                self.metrics.record_refused(e.reason.value)
+                self._close_session(session, poller, FailureCause.HANDSHAKE_REFUSED)
+                return
+            if session.sock.closed:
+                return
+
+    def _on_message(self, session: _Session, msg_type: MsgType, msg: dict, poller) -> None:
+        cfg, remote = self.config, session.remote
+        if msg_type is MsgType.REFUSE:
+            raise hs.HandshakeRefused(_reason(msg["reason"]), f"refused by the producer: {msg['detail']}")
+        if msg_type is MsgType.CHALLENGE and session.state is _HS.HELLO_SENT:
+            if msg["engine_id"] != remote.engine_id:
+                raise hs.HandshakeRefused(hs.RefuseReason.ENGINE_ID, f"peer is {msg['engine_id']!r}, expected {remote.engine_id!r}")
+            session.transcript = hs.transcript(session.nonce, msg["nonce"], cfg.compat_hash, remote.engine_id, cfg.engine_id)
+            if not hs.check_proof(cfg.secret, "producer", session.transcript, msg["proof"]):
+                raise hs.HandshakeRefused(hs.RefuseReason.AUTH, "the producer failed to prove the shared secret")
+            session.state = _HS.AUTH_SENT
+            self._send(session, wire.encode(MsgType.AUTH, proof=hs.proof(cfg.secret, "consumer", session.transcript)))
+        elif msg_type is MsgType.WELCOME and session.state is _HS.AUTH_SENT:
+            self._open_streams(session, msg)
+        else:
+            raise MalformedMessage(f"unexpected {msg_type.value} in state {session.state.name}")
+
+    def _open_streams(self, session: _Session, msg: dict) -> None:
+        cfg = self.config
+        same_host = msg["host_id"] == self.host_id and msg["shm"]
+        use_shm = cfg.data_path is DataPath.SHM or (cfg.data_path is DataPath.AUTO and same_host)
+        if cfg.data_path is DataPath.SHM and not same_host:
+            logger.warning("KV producer %s is not on this host; using tcp", session.remote.engine_id)
+            use_shm = False
+        mode, count = ("shm", cfg.num_shm_streams) if use_shm else ("tcp", cfg.num_tcp_streams)
+        session.token = msg["session"]
+        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.token, mode, cfg.io_timeout_s)
+                           for _ in range(count)]
+        with self._lock:
+            session.state = _HS.READY
+            for job in session.pending:
+                self._dispatch_locked(session, job)
+            session.pending = []
+        self._flush_done(session)
+
+    def _flush_done(self, session: _Session) -> None:
+        if session.pending_done:
+            ids, session.pending_done = session.pending_done, []
+            self._send(session, wire.encode(MsgType.DONE, session=session.token, request_ids=ids))
+
+    def _send_heartbeats(self, poller) -> None:
+        with self._lock:
+            beats = dict(self._heartbeats)
+        for remote, ids in beats.items():
+            session = self._sessions.get(remote) or self._session_for(remote, poller)
+            if session.state is _HS.READY:
+                self._send(session, wire.encode(MsgType.HEARTBEAT, session=session.token, request_ids=ids))
+
+    def _check_deadlines(self, now: float, poller) -> None:
+        for session in list(self._sessions.values()):
+            dead_streams = session.state is _HS.READY and any(s.dead for s in session.streams)
+            if session.state is not _HS.READY and now > session.deadline:
+                logger.error("KV handshake with %s at %s:%d timed out", session.remote.engine_id,
+                             session.remote.host, session.remote.port)
+                self._close_session(session, poller, FailureCause.TIMEOUT)
+            elif dead_streams:
+                self._close_session(session, poller, FailureCause.PEER_GONE)
+        with self._lock:
+            late = [j for j in self._active.values() if now > j.deadline]
+        for job in late:
+            for stream in job.streams:
+                stream.abort(FailureCause.TIMEOUT)  # its part then fails; the load ends when all parts did
+            if not job.streams:
+                with self._lock:
+                    if id(job) in self._active:
+                        self._fail_locked(job, FailureCause.TIMEOUT)
+
+    def _close_session(self, session: _Session, poller, cause: FailureCause) -> None:
+        with self._lock:
+            if self._sessions.get(session.remote) is session:
+                del self._sessions[session.remote]
+            session.state = None
+            pending, session.pending = session.pending, []
+            for job in pending:
+                self._fail_locked(job, cause)
+        for stream in session.streams:
+            stream.close(cause)  # queued parts fail; the load ends through _on_part
+        try:
+            poller.unregister(session.sock)
+        except KeyError:
+            pass
+        session.sock.close(linger=0)
+
+    def _send(self, session: _Session, payload: bytes) -> None:
+        try:
+            session.sock.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("side-channel send to %s failed: %s", session.remote, e)
+
+
+def _reason(value: str) -> hs.RefuseReason:
+    try:
+        return hs.RefuseReason(value)
+    except ValueError:
+        return hs.RefuseReason.AUTH

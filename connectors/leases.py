@@ -1,0 +1,157 @@
+"""Producer-side leases on the blocks a finished prefill keeps for its consumer.
+
+Lifecycle of one lease::
+
+    ACTIVE --(done | expiry | abort)--> DRAINING --(no pull in flight)--> RELEASED
+
+A lease names exactly the block ids a consumer may read for one request (a
+per-request capability: pulls for other blocks are refused). It ends once,
+for the first of: the consumer reports done, the lease passes its expiry with
+no heartbeat, or the request is aborted. Its blocks are handed back (through
+`take_released`, which feeds `finished_sending`) only when no pull is still
+reading them, so a page is never reused while it is on the wire.
+
+Digests are sealed when the lease is created or soon after (`seal_pending`),
+so a page overwritten by mistake between lease and pull is caught by the
+consumer's checksum rather than served as good data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from typing import Callable
+
+from connectors.metrics import LeaseEnd, TransferMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseState(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+@dataclasses.dataclass
+class Lease:
+    request_id: str
+    block_ids: frozenset[int]
+    expiry: float
+    state: LeaseState = LeaseState.ACTIVE
+    end: LeaseEnd | None = None
+    active_pulls: int = 0
+    digests: dict[int, int] | None = None
+
+
+class PullRefused(Exception):
+    """A pull that names no active lease or blocks outside it."""
+
+
+class LeaseTable:
+    """Thread-safe table of leases; released request ids queue up for the engine."""
+
+    def __init__(self, lease_s: float, metrics: TransferMetrics):
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.lease_s = lease_s
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._released: set[str] = set()
+
+    def add(self, request_id: str, block_ids: list[int], lease_s: float | None = None) -> None:
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            expiry = time.monotonic() + (lease_s if lease_s is not None else self.lease_s)
+            self._leases[request_id] = Lease(request_id, frozenset(block_ids), expiry)
+
+    def end(self, request_id: str, end: LeaseEnd) -> bool:
+        """Ends a lease (first cause wins); False when there is no active lease."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                return False
+            lease.state, lease.end = LeaseState.DRAINING, end
+            self._maybe_release_locked(lease)
+            return True
+
+    def renew(self, request_ids: list[str]) -> int:
+        """Heartbeat: pushes expiry to max(old, now + 2/3 lease). Returns how many were renewed."""
+        now = time.monotonic()
+        renewed = 0
+        with self._lock:
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is not None and lease.state is LeaseState.ACTIVE:
+                    lease.expiry = max(lease.expiry, now + self.lease_s * 2 / 3)
+                    renewed += 1
+        return renewed
+
+    def expire(self) -> list[str]:
+        """Ends every lease past its expiry; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [lz for lz in self._leases.values() if lz.state is LeaseState.ACTIVE and lz.expiry <= now]
+            for lease in expired:
+                lease.state, lease.end = LeaseState.DRAINING, LeaseEnd.EXPIRED
+                self._maybe_release_locked(lease)
+        for lease in expired:
+            logger.warning("KV lease for request %s expired without a heartbeat; releasing its blocks", lease.request_id)
+        return [lz.request_id for lz in expired]
+
+    def begin_pull(self, request_id: str, block_ids: list[int]) -> Lease:
+        """Pins a lease for one pull; raises `PullRefused` if the pull is not covered."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                raise PullRefused(f"no active lease for request {request_id!r}")
+            outside = set(block_ids) - lease.block_ids
+            if outside:
+                raise PullRefused(f"blocks {sorted(outside)[:8]} are not leased to request {request_id!r}")
+            lease.active_pulls += 1
+            return lease
+
+    def end_pull(self, lease: Lease) -> None:
+        with self._lock:
+            lease.active_pulls -= 1
+            self._maybe_release_locked(lease)
+
+    def seal_pending(self, compute: Callable[[list[int]], list[int]], limit: int = 8) -> None:
+        """Computes digests for up to `limit` unsealed active leases (outside the lock)."""
+        with self._lock:
+            todo = [lz for lz in self._leases.values() if lz.digests is None and lz.state is LeaseState.ACTIVE][:limit]
+            for lease in todo:
+                lease.active_pulls += 1  # keep the blocks while reading them
+        for lease in todo:
+            ids = sorted(lease.block_ids)
+            try:
+                lease.digests = dict(zip(ids, compute(ids)))
+            finally:
+                self.end_pull(lease)
+
+    def take_released(self) -> set[str]:
+        with self._lock:
+            out, self._released = self._released, set()
+            return out
+
+    def num_active(self) -> int:
+        with self._lock:
+            return sum(1 for lz in self._leases.values() if lz.state is LeaseState.ACTIVE)
+
+    def end_all(self, end: LeaseEnd) -> None:
+        with self._lock:
+            ids = [rid for rid, lz in self._leases.items() if lz.state is LeaseState.ACTIVE]
+        for rid in ids:
+            self.end(rid, end)
+
+    def _maybe_release_locked(self, lease: Lease) -> None:
+        if lease.state is LeaseState.DRAINING and lease.active_pulls == 0:
+            lease.state = LeaseState.RELEASED
+            del self._leases[lease.request_id]
+            self._released.add(lease.request_id)
+            if lease.end is not None:
+                self._metrics.record_lease_end(lease.end)

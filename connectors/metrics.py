@@ -1,0 +1,94 @@
+"""Transfer metrics: bytes and blocks moved, latency, GB/s, failures by cause.
+
+`TransferMetrics` is thread-safe (one lock, counters only) and cheap enough to
+update on every page. `snapshot()` returns a plain dict suitable for JSON.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter, deque
+
+
+class FailureCause(str, enum.Enum):
+    TIMEOUT = "timeout"
+    PEER_GONE = "peer_gone"
+    CHECKSUM = "checksum"
+    HANDSHAKE_REFUSED = "handshake_refused"
+    PULL_REFUSED = "pull_refused"  # producer has no lease for it (expired, unknown, blocks not leased)
+    SHUTDOWN = "shutdown"
+
+
+class LeaseEnd(str, enum.Enum):
+    DONE = "done"  # the consumer reported its read finished
+    EXPIRED = "expired"  # no heartbeat within the lease
+    ABORTED = "aborted"  # the request was aborted on the producer
+    SHUTDOWN = "shutdown"
+
+
+class TransferMetrics:
+    """Counters for one connector (both directions)."""
+
+    def __init__(self, keep_latencies: int = 1024):
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.blocks_sent = 0
+        self.bytes_recv = 0
+        self.blocks_recv = 0
+        self.loads_ok = 0
+        self.load_seconds = 0.0
+        self.failures: Counter[str] = Counter()
+        self.leases: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self.malformed_frames = 0
+        self._latencies: deque[float] = deque(maxlen=keep_latencies)
+
+    def record_sent(self, num_blocks: int, num_bytes: int) -> None:
+        with self._lock:
+            self.blocks_sent += num_blocks
+            self.bytes_sent += num_bytes
+
+    def record_load(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self.loads_ok += 1
+            self.blocks_recv += num_blocks
+            self.bytes_recv += num_bytes
+            self.load_seconds += seconds
+            self._latencies.append(seconds)
+
+    def record_failure(self, cause: FailureCause) -> None:
+        with self._lock:
+            self.failures[cause.value] += 1
+
+    def record_lease_end(self, end: LeaseEnd) -> None:
+        with self._lock:
+            self.leases[end.value] += 1
+
+    def record_refused(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+
+    def record_malformed(self) -> None:
+        with self._lock:
+            self.malformed_frames += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            lat = sorted(self._latencies)
+            p50 = lat[len(lat) // 2] if lat else 0.0
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
+            return {
+                "bytes_sent": self.bytes_sent,
+                "blocks_sent": self.blocks_sent,
+                "bytes_recv": self.bytes_recv,
+                "blocks_recv": self.blocks_recv,
+                "loads_ok": self.loads_ok,
+                "recv_gbps": (self.bytes_recv / self.load_seconds / 1e9) if self.load_seconds else 0.0,
+                "load_latency_p50_s": p50,
+                "load_latency_p99_s": p99,
+                "failures": dict(self.failures),
+                "leases_ended": dict(self.leases),
+                "leases_expired": self.leases.get(LeaseEnd.EXPIRED.value, 0),
+                "handshakes_refused": dict(self.refused),
+                "malformed_frames": self.malformed_frames,
+            }

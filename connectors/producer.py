@@ -1,0 +1,344 @@
+"""The producer (prefill) side: side channel, leases, and serving pulls.
+
+Threads (all daemon, all with timeouts, none ended by bad input):
+- side channel: a ZMQ ROUTER bound on (host, port) - port 0 picks a free port,
+  reported as `port`. It runs the handshake (see `handshake.py`), renews
+  leases on heartbeats, ends them on DONE, expires them, and seals digests;
+- data listener: a TCP socket on (host, data_port) accepting data streams;
+- one thread per data stream: the first frame must ATTACH with a session
+  token issued by a completed handshake; then it serves PULL requests for
+  leased blocks, as raw page bytes after a PAGES header (tcp mode) or through
+  a shared-memory staging segment with CHUNK / CREDIT frames (shm mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+
+import zmq
+
+from connectors import handshake as hs
+from connectors import wire
+from connectors.leases import LeaseTable, PullRefused
+from connectors.metrics import LeaseEnd, TransferMetrics
+from connectors.page_access import PageAccess
+from connectors.page_pool import PagePool
+from connectors.shm import ShmSegment
+from connectors.wire import MalformedMessage, MsgType
+
+logger = logging.getLogger(__name__)
+
+_MAX_PENDING_HANDSHAKES = 256
+_MAX_SESSIONS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerConfig:
+    engine_id: str
+    secret: bytes
+    compat_hash: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_port: int = 0
+    lease_s: float = 30.0
+    io_timeout_s: float = 5.0  # longest wait for a peer in the middle of a frame or a credit
+    handshake_timeout_s: float = 5.0
+    max_streams: int = 64
+    shm_chunk_bytes: int = 4 * 1024 * 1024
+    offer_shm: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("engine_id must be non-empty")
+        if len(self.secret) < 16:
+            raise ValueError("secret must be at least 16 bytes (the side channel is always authenticated)")
+        if self.lease_s <= 0 or self.io_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if not (0 <= self.port < 65536 and 0 <= self.data_port < 65536):
+            raise ValueError("ports must be in [0, 65535]")
+
+
+class Producer:
+    """Serves a page pool's leased blocks to authenticated consumers.
+
+    Guarantees: only blocks of an active lease are ever sent; a lease's blocks
+    are released (via `take_released`) exactly once, after every pull reading
+    them has finished.
+    """
+
+    def __init__(self, config: ProducerConfig, pool: PagePool, metrics: TransferMetrics | None = None):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics or TransferMetrics()
+        self.leases = LeaseTable(config.lease_s, self.metrics)
+        self.host_id = hs.local_host_id()
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._sessions: set[bytes] = set()
+        self._sessions_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._streams: set[socket.socket] = set()
+        self._seal_access = PageAccess(pool)
+        self.port = 0
+        self.data_port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.config.port:
+            self._router.bind(f"tcp://{self.config.host}:{self.config.port}")
+            self.port = self.config.port
+        else:
+            self.port = self._router.bind_to_random_port(f"tcp://{self.config.host}")
+        self._listener = socket.create_server((self.config.host, self.config.data_port), backlog=64)
+        self._listener.settimeout(0.2)
+        self.data_port = self._listener.getsockname()[1]
+        for target, name in ((self._side_channel_loop, "side"), (self._accept_loop, "accept")):
+            t = threading.Thread(target=target, name=f"kv-producer-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        logger.info("KV producer %s listening: side channel %s:%d, data %d",
+                    self.config.engine_id, self.config.host, self.port, self.data_port)
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for s in list(self._streams):
+            _close_quietly(s)
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self.leases.end_all(LeaseEnd.SHUTDOWN)
+
+    # ------------------------------------------------------------------ engine-facing
+    def add_lease(self, request_id: str, block_ids: list[int], lease_s: float | None = None) -> None:
+        self.leases.add(request_id, block_ids, lease_s)
+
+    def abort_lease(self, request_id: str) -> None:
+        self.leases.end(request_id, LeaseEnd.ABORTED)
+
+    def take_released(self) -> set[str]:
+        return self.leases.take_released()
+
+    # ------------------------------------------------------------------ side channel
+    def _side_channel_loop(self) -> None:
+        pending: dict[bytes, tuple[float, bytes, bytes, str]] = {}  # identity -> (deadline, transcript, ...)
+        router = self._router
+        try:
+            while not self._stop.is_set():
+                if router.poll(50):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        frames = []
+                    if len(frames) == 2:
+                        self._on_side_message(frames[0], frames[1], pending)
+                    elif frames:
+                        self.metrics.record_malformed()
+                self.leases.expire()
+                self.leases.seal_pending(self._seal_access.page_digests)
+                now = time.monotonic()
+                for ident in [i for i, p in pending.items() if p[0] < now]:
+                    del pending[ident]
+        except Exception:  # the side channel must not die silently
+            logger.exception("KV producer side channel crashed")
+        finally:
+            router.close(linger=0)
+
+    def _on_side_message(self, ident: bytes, payload: bytes, pending: dict) -> None:
+        try:
+            msg_type, msg = wire.decode(payload)
+        except MalformedMessage as e:
+            self.metrics.record_malformed()
+            logger.debug("dropped malformed side-channel frame: %s", e)
+            return
+        if msg_type is MsgType.HELLO:
+            self._on_hello(ident, msg, pending)
+        elif msg_type is MsgType.AUTH:
+            self._on_auth(ident, msg, pending)
+        elif msg_type in (MsgType.HEARTBEAT, MsgType.DONE):
+            with self._sessions_lock:
+                known = msg["session"] in self._sessions
+            if not known:
+                self._refuse(ident, hs.RefuseReason.SESSION, "heartbeat/done without a valid session")
+                return
+            if msg_type is MsgType.HEARTBEAT:
+                self.leases.renew(msg["request_ids"])
+            else:
+                for rid in msg["request_ids"]:
+                    self.leases.end(rid, LeaseEnd.DONE)
+        else:
+            self.metrics.record_malformed()
+
+    def _on_hello(self, ident: bytes, msg: dict, pending: dict) -> None:
+        cfg = self.config
+        if msg["expect_engine_id"] != cfg.engine_id:
+            self._refuse(ident, hs.RefuseReason.ENGINE_ID,
+                         f"this producer is engine {cfg.engine_id!r}, not {msg['expect_engine_id']!r}")
+            return
+        if msg["compat"] != cfg.compat_hash:
+            self._refuse(ident, hs.RefuseReason.COMPAT,
+                         f"compatibility hash {msg['compat'][:12]}.. != producer's {cfg.compat_hash[:12]}..")
+            return
+        if len(pending) >= _MAX_PENDING_HANDSHAKES:
+            pending.pop(next(iter(pending)))
+        nonce_p = hs.make_nonce()
+        transcript = hs.transcript(msg["nonce"], nonce_p, cfg.compat_hash, cfg.engine_id, msg["engine_id"])
+        pending[ident] = (time.monotonic() + cfg.handshake_timeout_s, transcript)
+        self._send(ident, wire.encode(MsgType.CHALLENGE, engine_id=cfg.engine_id, nonce=nonce_p,
+                                      proof=hs.proof(cfg.secret, "producer", transcript)))
+
+    def _on_auth(self, ident: bytes, msg: dict, pending: dict) -> None:
+        entry = pending.pop(ident, None)
+        if entry is None:
+            self._refuse(ident, hs.RefuseReason.AUTH, "AUTH without a pending challenge")
+            return
+        if not hs.check_proof(self.config.secret, "consumer", entry[1], msg["proof"]):
+            self._refuse(ident, hs.RefuseReason.AUTH, "wrong proof of the shared secret")
+            return
+        token = hs.make_session_token()
+        with self._sessions_lock:
+            if len(self._sessions) >= _MAX_SESSIONS:
+                self._sessions.pop()
+            self._sessions.add(token)
+        self._send(ident, wire.encode(MsgType.WELCOME, session=token, data_port=self.data_port,
+                                      host_id=self.host_id, shm=self.config.offer_shm))
+
+    def _refuse(self, ident: bytes, reason: hs.RefuseReason, detail: str) -> None:
+        logger.warning("KV producer %s refused a peer (%s): %s", self.config.engine_id, reason.value, detail)
+        self.metrics.record_refused(reason.value)
+        self._send(ident, wire.encode(MsgType.REFUSE, reason=reason.value, detail=detail))
+
+    def _send(self, ident: bytes, payload: bytes) -> None:
+        try:
+            self._router.send_multipart([ident, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:  # peer gone or its queue full: it will time out on its side
+            pass
+
+    # ------------------------------------------------------------------ data streams
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    break
+                continue
+            if len(self._streams) >= self.config.max_streams:
+                _close_quietly(conn)
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._streams.add(conn)
+            threading.Thread(target=self._stream_loop, args=(conn,), name="kv-producer-stream", daemon=True).start()
+        _close_quietly(self._listener)
+
+    def _stream_loop(self, conn: socket.socket) -> None:
+        seg: ShmSegment | None = None
+        try:
+            conn.settimeout(self.config.handshake_timeout_s)
+            msg_type, msg = wire.recv_frame(conn)
+            with self._sessions_lock:
+                known = msg_type is MsgType.ATTACH and msg["session"] in self._sessions
+            if not known:
+                self.metrics.record_refused(hs.RefuseReason.SESSION.value)
+                logger.warning("KV producer: data stream without a valid session token, closing it")
+                return
+            if msg["mode"] == "shm" and self.config.offer_shm:
+                chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
+                seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
+                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
+            else:
+                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
+            access = PageAccess(self.pool)
+            self._serve(conn, access, seg)
+        except (ConnectionError, OSError, MalformedMessage) as e:
+            if isinstance(e, MalformedMessage):
+                self.metrics.record_malformed()
+            logger.debug("KV producer stream ended: %s", e)
+        except Exception:
+            logger.exception("KV producer stream failed")
+        finally:
+            self._streams.discard(conn)
+            _close_quietly(conn)
+            if seg is not None:
+                seg.close()
+
+    def _serve(self, conn: socket.socket, access: PageAccess, seg: ShmSegment | None) -> None:
+        while not self._stop.is_set():
+            conn.settimeout(0.5)  # idle: wake up now and then to notice shutdown
+            try:
+                msg_type, msg = wire.recv_frame(conn)
+            except (TimeoutError, socket.timeout):
+                continue
+            conn.settimeout(self.config.io_timeout_s)
+            if msg_type is not MsgType.PULL:
+                raise MalformedMessage(f"expected pull, got {msg_type.value}")
+            block_ids = msg["block_ids"]
+            try:
+                lease = self.leases.begin_pull(msg["request_id"], block_ids)
+            except PullRefused as e:
+                wire.send_frame(conn, wire.encode(MsgType.ERROR, xfer=msg["xfer"], reason=str(e)))
+                continue
+            try:
+                digests = self._digests_for(lease, block_ids, access)
+                if seg is None:
+                    self._send_pages(conn, access, msg["xfer"], block_ids, digests)
+                else:
+                    self._send_chunks(conn, access, seg, msg["xfer"], block_ids, digests)
+                self.metrics.record_sent(len(block_ids), len(block_ids) * self.pool.page_size_bytes)
+            finally:
+                self.leases.end_pull(lease)
+
+    def _digests_for(self, lease, block_ids: list[int], access: PageAccess) -> list[int]:
+        sealed = lease.digests
+        if sealed is not None:
+            return [sealed[b] for b in block_ids]
+        return access.page_digests(block_ids)
+
+    def _send_pages(self, conn, access: PageAccess, xfer: int, block_ids: list[int], digests: list[int]) -> None:
+        header = wire.encode(MsgType.PAGES, xfer=xfer, digests=digests, page_bytes=self.pool.page_size_bytes)
+        step = access.staging_pages
+        bufs: list = [len(header).to_bytes(4, "big") + header]
+        for i in range(0, len(block_ids), step):
+            bufs.extend(access.gather(block_ids[i : i + step]))
+            wire.sendmsg_all(conn, bufs)
+            bufs = []
+
+    def _send_chunks(self, conn, access: PageAccess, seg: ShmSegment, xfer: int, block_ids: list[int], digests: list[int]) -> None:
+        # Double buffering: fill one half while the consumer drains the other;
+        # a half is reused only after its CREDIT came back.
+        n = seg.chunk_pages
+        busy = [False, False]
+        for k, i in enumerate(range(0, len(block_ids), n)):
+            half = k % 2
+            if busy[half]:
+                self._await_credit(conn, busy)
+            access.copy_out(block_ids[i : i + n], seg.half(half))
+            busy[half] = True
+            wire.send_frame(conn, wire.encode(MsgType.CHUNK, xfer=xfer, half=half, digests=digests[i : i + n]))
+        while any(busy):
+            self._await_credit(conn, busy)
+
+    def _await_credit(self, conn, busy: list[bool]) -> None:
+        msg_type, msg = wire.recv_frame(conn)
+        if msg_type is not MsgType.CREDIT or msg["half"] not in (0, 1) or not busy[msg["half"]]:
+            raise MalformedMessage("expected a credit for a busy half")
+        busy[msg["half"]] = False
+
+
+def _close_quietly(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass

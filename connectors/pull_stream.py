@@ -1,0 +1,202 @@
+"""One consumer data stream: a socket (plus, on one host, a shared-memory
+segment) and the thread that runs pulls over it, one after another.
+
+Guarantees:
+- every `PullPart` handed to `submit` is resolved exactly once (landed and
+  verified, landed with some pages failing their checksum, or failed);
+- when a part is resolved the stream thread no longer writes into any of its
+  destination pages, so the engine may reuse them at once;
+- every socket wait is bounded by `io_timeout_s`; `abort` breaks a wait at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+from typing import Callable
+
+from connectors import wire
+from connectors.metrics import FailureCause
+from connectors.page_access import PageAccess, digest
+from connectors.page_pool import PagePool
+from connectors.shm import ShmSegment
+from connectors.wire import MalformedMessage, MsgType
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PullPart:
+    """A slice of one load that travels on one stream."""
+
+    remote_request_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    on_done: Callable[[PullPart], None]
+    bad_block_ids: list[int] = dataclasses.field(default_factory=list)
+    cause: FailureCause | None = None  # None: all pages landed and verified
+
+    def fail(self, cause: FailureCause) -> None:
+        self.cause = cause
+        self.bad_block_ids = list(self.dst_block_ids)
+
+
+class PullStream:
+    """Runs pulls on one data stream to one producer."""
+
+    def __init__(self, pool: PagePool, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float):
+        self._pool = pool
+        self._addr = (host, data_port)
+        self._session = session
+        self.mode = mode
+        self._io_timeout_s = io_timeout_s
+        self._queue: queue.SimpleQueue[PullPart | None] = queue.SimpleQueue()
+        self._sock: socket.socket | None = None
+        self._seg: ShmSegment | None = None
+        self._xfer = 0
+        self._abort_cause: FailureCause | None = None
+        self.dead = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-pull-{mode}", daemon=True)
+        self._thread.start()
+
+    def submit(self, part: PullPart) -> None:
+        self._queue.put(part)
+
+    def close(self, cause: FailureCause = FailureCause.SHUTDOWN) -> None:
+        """No more parts after this; queued parts fail with `cause`, the thread exits."""
+        self._queue.put(None)
+        self.abort(cause)
+
+    def abort(self, cause: FailureCause) -> None:
+        """Breaks the stream now: the part in flight fails with `cause`."""
+        if self._abort_cause is None:
+            self._abort_cause = cause
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        access = None
+        try:
+            self._connect()
+            access = PageAccess(self._pool)
+        except Exception as e:
+            logger.warning("KV data stream to %s:%d failed to open: %s", *self._addr, e)
+            self.dead = True
+        while True:
+            part = self._queue.get()
+            if part is None:
+                break
+            if self.dead or self._abort_cause is not None:
+                part.fail(self._abort_cause or FailureCause.PEER_GONE)
+                self.dead = True
+            else:
+                self._run_part(part, access)
+            part.on_done(part)
+        self._teardown()
+
+    def _connect(self) -> None:
+        sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        wire.send_frame(sock, wire.encode(MsgType.ATTACH, session=self._session, mode=self.mode))
+        msg_type, msg = wire.recv_frame(sock)
+        if msg_type is not MsgType.ATTACHED:
+            raise MalformedMessage(f"expected attached, got {msg_type.value}")
+        if self.mode == "shm":
+            if not msg["shm_name"]:
+                raise ConnectionError("producer declined shared memory")
+            self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
+
+    def _run_part(self, part: PullPart, access: PageAccess) -> None:
+        self._xfer += 1
+        try:
+            wire.send_frame(self._sock, wire.encode(MsgType.PULL, xfer=self._xfer, request_id=part.remote_request_id,
+                                                    block_ids=part.src_block_ids))
+            if self._seg is None:
+                self._recv_pages(part, access)
+            else:
+                self._recv_chunks(part, access)
+        except _Refused as e:
+            logger.warning("KV pull of %s refused by the producer: %s", part.remote_request_id, e)
+            part.fail(FailureCause.PULL_REFUSED)
+        except (TimeoutError, socket.timeout):
+            part.fail(self._abort_cause or FailureCause.TIMEOUT)
+            self._break()
+        except (ConnectionError, OSError, MalformedMessage) as e:
+            logger.warning("KV data stream to %s:%d broke: %s", *self._addr, e)
+            part.fail(self._abort_cause or FailureCause.PEER_GONE)
+            self._break()
+
+    def _expect(self, want: MsgType) -> dict:
+        msg_type, msg = wire.recv_frame(self._sock)
+        if msg_type is MsgType.ERROR and msg["xfer"] == self._xfer:
+            raise _Refused(msg["reason"])
+        if msg_type is not want or msg["xfer"] != self._xfer:
+            raise MalformedMessage(f"expected {want.value} for transfer {self._xfer}, got {msg_type.value}")
+        return msg
+
+    def _recv_pages(self, part: PullPart, access: PageAccess) -> None:
+        msg = self._expect(MsgType.PAGES)
+        digests = msg["digests"]
+        if len(digests) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
+            raise MalformedMessage("pages header does not match the pull")
+        step = access.staging_pages
+        dst = part.dst_block_ids
+        for i in range(0, len(dst), step):
+            ids = dst[i : i + step]
+            for j, view in enumerate(access.landing(ids)):
+                wire.recv_exact(self._sock, memoryview(view))
+                if digest(view) != digests[i + j]:
+                    part.bad_block_ids.append(ids[j])
+            access.commit(ids)
+        if part.bad_block_ids:
+            part.cause = FailureCause.CHECKSUM
+
+    def _recv_chunks(self, part: PullPart, access: PageAccess) -> None:
+        seg = self._seg
+        dst = part.dst_block_ids
+        done = 0
+        while done < len(dst):
+            msg = self._expect(MsgType.CHUNK)
+            half, digests = msg["half"], msg["digests"]
+            if half not in (0, 1) or not digests or len(digests) > seg.chunk_pages or done + len(digests) > len(dst):
+                raise MalformedMessage("chunk does not match the pull")
+            ids = dst[done : done + len(digests)]
+            rows = seg.half(half)
+            access.copy_in(rows, ids)
+            check = access.landing(ids) if access.on_host else [rows[j].numpy() for j in range(len(ids))]
+            for j, view in enumerate(check):
+                if digest(view) != digests[j]:
+                    part.bad_block_ids.append(ids[j])
+            wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
+            done += len(ids)
+        if part.bad_block_ids:
+            part.cause = FailureCause.CHECKSUM
+
+    def _break(self) -> None:
+        self.dead = True
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    def _teardown(self) -> None:
+        self._break()
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
+
+
+class _Refused(Exception):
+    pass

@@ -1,0 +1,82 @@
+"""Shared-memory staging segments for the same-host data path.
+
+A producer stream creates one segment (two halves of `chunk_pages` pages) in
+`/dev/shm`, pre-faults it, and names it to its consumer; the consumer maps it
+and unlinks the name at once, so nothing is left behind if either process
+dies. Pages pass through the segment under credit-based double buffering (see
+`producer.py` / `consumer.py`); the segment only ever holds pages of the pull
+being served, never a view of the producer's pool.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import torch
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmSegment:
+    """A mapped segment viewed as `tensor` of shape (2 * chunk_pages, page_bytes)."""
+
+    def __init__(self, name: str, mm: mmap.mmap, chunk_pages: int, page_bytes: int, owner: bool):
+        self.name = name
+        self.chunk_pages = chunk_pages
+        self.page_bytes = page_bytes
+        self._mm = mm
+        self._owner = owner
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8).view(2 * chunk_pages, page_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.chunk_pages * self.page_bytes
+
+    def half(self, index: int) -> torch.Tensor:
+        return self.tensor[index * self.chunk_pages : (index + 1) * self.chunk_pages]
+
+    @classmethod
+    def create(cls, chunk_pages: int, page_bytes: int) -> ShmSegment:
+        name = f"pdkv-{secrets.token_hex(12)}"
+        size = 2 * chunk_pages * page_bytes
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        seg = cls(name, mm, chunk_pages, page_bytes, owner=True)
+        seg.tensor.zero_()  # pre-fault now rather than inside the first transfer
+        return seg
+
+    @classmethod
+    def open(cls, name: str, size: int, chunk_pages: int, page_bytes: int) -> ShmSegment:
+        if "/" in name or not name.startswith("pdkv-") or size != 2 * chunk_pages * page_bytes:
+            raise ValueError(f"bad shared-memory segment {name!r} of {size} bytes")
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"segment {name} has size {os.fstat(fd).st_size}, expected {size}")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        seg = cls(name, mm, chunk_pages, page_bytes, owner=False)
+        seg.unlink()  # both sides hold a mapping now; the name is no longer needed
+        seg.tensor[:].sum()  # touch (pre-fault) the mapping on this side too
+        return seg
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.tensor = None  # drop the exported buffer before closing the map
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+            pass
