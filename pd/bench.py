@@ -29,6 +29,7 @@ from pd.sampling import SamplingParams
 BENCH_MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=8,
                           num_heads=8, num_kv_heads=4, max_position_embeddings=4096,
                           bos_token_id=1, eos_token_id=2)
+ATTENTION = "fused"  # the C++ decode kernel; the engine falls back to torch where it cannot be built
 TINY_MODEL = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2)
 
@@ -40,7 +41,7 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> dict[str, l
 
 def _engine(cfg: ModelConfig, **kw) -> Engine:
     defaults = dict(model=cfg, block_size=16, kv_cache_bytes=1 << 30, max_num_batched_tokens=4096,
-                    max_num_seqs=256, enable_prefix_caching=False)
+                    max_num_seqs=256, enable_prefix_caching=False, attention_backend=ATTENTION)
     defaults.update(kw)
     return Engine(EngineConfig(**defaults))
 
@@ -54,9 +55,10 @@ def bench_throughput(cfg: ModelConfig, num_requests: int, prompt_len: int, decod
         eng.add_request(rid, ids, params)
     t0 = time.perf_counter()
     prefill_tokens = 0
+    eng.step()
     while any(s.request.num_output_tokens == 0 for s in eng.scheduler.requests.values()) or eng.scheduler.waiting:
         eng.step()
-        prefill_tokens = num_requests * prompt_len
+    prefill_tokens = num_requests * prompt_len
     t_prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
     decoded = 0
@@ -74,6 +76,7 @@ def bench_scheduler_overhead(num_running: int = 256, steps: int = 50) -> dict:
     params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
     for rid, ids in _prompts(num_running, 8, 64, 256).items():
         eng.add_request(rid, ids, params)
+    eng.step()
     while any(s.request.num_output_tokens == 0 for s in eng.scheduler.requests.values()) or eng.scheduler.waiting:
         eng.step()
     assert len(eng.scheduler.running) == num_running
@@ -102,7 +105,8 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(model, tmp)
         hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
-        eng = Engine(EngineConfig(model_path=tmp, block_size=16, kv_cache_bytes=1 << 30,
+        hf.generation_config.eos_token_id = None  # like ignore_eos: every request makes max_new tokens
+        eng = Engine(EngineConfig(model_path=tmp, block_size=16, kv_cache_bytes=1 << 30, attention_backend=ATTENTION,
                                   max_num_batched_tokens=4096, max_num_seqs=num_requests, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     # warm-up both (first calls allocate and pick kernels)
@@ -117,9 +121,9 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
     pad = 0
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-    gen_kw = dict(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad)
+    gen_kw = dict(do_sample=False, max_new_tokens=max_new, pad_token_id=pad)
     with torch.inference_mode():
-        hf.generate(input_ids=input_ids[:1, -16:], attention_mask=mask[:1, -16:], **{**gen_kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        hf.generate(input_ids=input_ids[:1, -16:], attention_mask=mask[:1, -16:], **{**gen_kw, "max_new_tokens": 4})
         t0 = time.perf_counter()
         out = hf.generate(input_ids=input_ids, attention_mask=mask, **gen_kw)
         t_hf = time.perf_counter() - t0

@@ -156,6 +156,7 @@ class ModelConfig:
 
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+ATTENTION_BACKENDS = ("torch", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +184,7 @@ class EngineConfig:
     kv_load_failure_policy: str = "recompute"
     hash_algorithm: str = "sha256"
     device: str = "cpu"
+    attention_backend: str = "torch"  # "fused": C++ decode kernel (float32, CPU), built on first use
     engine_id: str = "engine-0"
 
     def __post_init__(self) -> None:
@@ -200,6 +202,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
 

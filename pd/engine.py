@@ -57,7 +57,7 @@ class Engine:
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
         self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device)
-        self.runner = ModelRunner(model, self.layout, self.page_pool)
+        self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend)
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm)
         self.connector = connector
         self.scheduler = Scheduler(config, self.kv_cache_manager,

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from pd import cpu_kernels
 from pd.kv_layout import KVLayout
 from pd.model import masked_attention
 
@@ -31,7 +32,7 @@ class SeqSlice:
 
 @dataclasses.dataclass
 class _GroupBatch:
-    table: torch.Tensor  # (B, num_gathered_blocks) block ids, null-padded
+    table: torch.Tensor  # (B * num_gathered_blocks,) block ids, null-padded, row-major
     mask: torch.Tensor  # (B, Lq, num_gathered_blocks * block_size) bool
 
 
@@ -43,16 +44,51 @@ class _SubBatch:
     groups: list[_GroupBatch]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclasses.dataclass
+class _FusedDecode:
+    """Decode tokens handled by the fused kernel: no gather, no padding."""
+
+    token_index: torch.Tensor  # (B,) flat index of each decode token
+    key_end: torch.Tensor  # (B,) context length including the new token
+    groups: list[tuple[torch.Tensor, torch.Tensor]]  # per group: (block table (B, W), first key position (B,))
+
+
+class Workspace:
+    """Reusable scratch buffers for gathered K/V.
+
+    Fresh multi-megabyte tensors cost page faults on every allocation (the
+    allocator hands big blocks back to the OS); reusing one buffer per name
+    makes the per-layer gather a plain copy. Buffers only grow.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._buffers[(name, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+# Decode requests are grouped by context length so that padding stays below this factor.
+DECODE_BUCKET_RATIO = 2.0
 
 
 class PagedAttention:
     """AttentionBackend over a page pool for one step's batch of sequences."""
 
-    def __init__(self, layout: KVLayout, group_views: list[torch.Tensor], seqs: list[SeqSlice]):
+    def __init__(self, layout: KVLayout, group_views: list[torch.Tensor], seqs: list[SeqSlice],
+                 workspace: Workspace | None = None, fused_decode: bool = False):
         self.layout = layout
         self.group_views = group_views
+        self.workspace = workspace or Workspace()
+        # Per group, each block's K and V of one layer as rows: (num_blocks, layers * 2, bs * H * D).
+        self.group_rows = [v.reshape(v.shape[0], v.shape[1] * 2, -1) for v in group_views]
         bs = layout.block_size
         starts = [s.start for s in seqs]
         counts = [s.num_tokens for s in seqs]
@@ -73,16 +109,32 @@ class PagedAttention:
             if bool((blocks == 0).any()):
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
         self.sub_batches: list[_SubBatch] = []
-        decode = [i for i, n in enumerate(counts) if n == 1]
-        if decode:
-            self.sub_batches.append(self._build(decode, seqs, tables, first_token))
+        decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: -starts[i])
+        self.fused: _FusedDecode | None = None
+        if fused_decode and decode:
+            self.fused = self._build_fused(decode, starts, tables, first_token)
+            decode = []
+        while decode:
+            longest = starts[decode[0]] + 1
+            bucket = [i for i in decode if (starts[i] + 1) * DECODE_BUCKET_RATIO >= longest]
+            decode = decode[len(bucket):]
+            self.sub_batches.append(self._build(bucket, seqs, tables, first_token))
         for i, n in enumerate(counts):
             if n > 1:
                 self.sub_batches.append(self._build([i], seqs, tables, first_token))
         # One sub-batch whose queries are exactly the step's tokens in order: no scatter needed.
-        only = self.sub_batches[0]
-        self._identity = (len(self.sub_batches) == 1 and only.valid is None
-                          and bool((only.out_index == torch.arange(self.num_tokens)).all()))
+        self._identity = (self.fused is None and len(self.sub_batches) == 1 and self.sub_batches[0].valid is None
+                          and bool((self.sub_batches[0].out_index == torch.arange(self.num_tokens)).all()))
+
+    def _build_fused(self, members: list[int], starts: list[int], tables: list[torch.Tensor],
+                     first_token: torch.Tensor) -> _FusedDecode:
+        idx = torch.tensor(members)
+        key_end = torch.tensor([starts[i] + 1 for i in members])
+        per_group = []
+        for g, grp in enumerate(self.layout.groups):
+            key_start = torch.zeros_like(key_end) if grp.window is None else torch.clamp(key_end - grp.window, min=0)
+            per_group.append((tables[g][idx].contiguous(), key_start))
+        return _FusedDecode(token_index=first_token[idx], key_end=key_end, groups=per_group)
 
     def _build(self, members: list[int], seqs: list[SeqSlice], tables: list[torch.Tensor],
                first_token: torch.Tensor) -> _SubBatch:
@@ -113,7 +165,7 @@ class PagedAttention:
             mask = delta >= 0
             if grp.window is not None:
                 mask &= delta < grp.window
-            groups.append(_GroupBatch(table=table, mask=mask))
+            groups.append(_GroupBatch(table=table.flatten(), mask=mask))
         padded = not bool(valid.all())
         return _SubBatch(q_index=q_index, out_index=q_index[valid], valid=valid if padded else None, groups=groups)
 
@@ -124,14 +176,25 @@ class PagedAttention:
         # Write first, then read: the new tokens attend to themselves through the pages.
         k_cache[self.slot_blocks[g], self.slot_offsets] = k.to(k_cache.dtype)
         v_cache[self.slot_blocks[g], self.slot_offsets] = v.to(v_cache.dtype)
+        k_rows = self.group_rows[g][:, 2 * slot]
+        v_rows = self.group_rows[g][:, 2 * slot + 1]
         h, d = k.shape[1], k.shape[2]
+        bs = self.layout.block_size
         out = q if self._identity else torch.empty_like(q)
+        if self.fused is not None:
+            table, key_start = self.fused.groups[g]
+            out[self.fused.token_index] = cpu_kernels.paged_decode_attention(
+                q[self.fused.token_index], layer_cache, table, key_start, self.fused.key_end, d ** -0.5)
         for sb in self.sub_batches:
             gb = sb.groups[g]
-            b, width = gb.table.shape
-            keys = k_cache[gb.table].reshape(b, width * self.layout.block_size, h, d)
-            values = v_cache[gb.table].reshape(b, width * self.layout.block_size, h, d)
-            res = masked_attention(q[sb.q_index], keys, values, gb.mask)
+            b = sb.q_index.shape[0]
+            n = gb.table.shape[0]
+            keys = self.workspace.take("k", (n, k_rows.shape[1]), k_rows.dtype, k_rows.device)
+            values = self.workspace.take("v", (n, v_rows.shape[1]), v_rows.dtype, v_rows.device)
+            torch.index_select(k_rows, 0, gb.table, out=keys)
+            torch.index_select(v_rows, 0, gb.table, out=values)
+            s_len = n // b * bs
+            res = masked_attention(q[sb.q_index], keys.view(b, s_len, h, d), values.view(b, s_len, h, d), gb.mask)
             if self._identity:
                 return res.reshape(q.shape)
             out[sb.out_index] = res[sb.valid] if sb.valid is not None else res.reshape(-1, *q.shape[1:])

@@ -8,13 +8,17 @@ block tables) and returns logits for the chunks that end a sequence.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from connectors.page_pool import PagePool
+from pd import cpu_kernels
 from pd.kv_layout import KVLayout
 from pd.model import CausalLM
-from pd.paged_attention import PagedAttention, SeqSlice
+from pd.paged_attention import PagedAttention, SeqSlice, Workspace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +40,27 @@ class ModelRunner:
     `needs_logits`, in chunk order.
     """
 
-    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool, attention_backend: str = "torch"):
         self.model = model
         self.layout = layout
         self.page_pool = page_pool
         self.group_views = layout.group_views(page_pool)
         self.device = page_pool.device
+        self.workspace = Workspace()
+        # "fused": decode tokens use the C++ kernel (float32 on CPU); prefill chunks always use torch.
+        self.fused_decode = False
+        if attention_backend == "fused":
+            usable = layout.dtype == torch.float32 and self.device.type == "cpu"
+            self.fused_decode = usable and cpu_kernels.load() is not None
+            if not self.fused_decode:
+                logger.warning("fused decode attention not usable here (dtype %s, device %s); using torch",
+                               layout.dtype, self.device)
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if not chunks:
             return torch.empty((0, self.model.config.vocab_size))
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
-        backend = PagedAttention(self.layout, self.group_views, seqs)
+        backend = PagedAttention(self.layout, self.group_views, seqs, self.workspace, self.fused_decode)
         flat: list[int] = []
         logit_rows: list[int] = []
         for c in chunks:
