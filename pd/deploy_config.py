@@ -138,14 +138,14 @@ class TransferSection:
     timeout_s: float = 10.0
     lease_s: float = 30.0
     kv_load_failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
-    transport: str = "tcp"
+    data_path: str = "auto"  # auto: shared memory to a producer on the same host, else tcp
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "transfer.host", "must be a non-empty host name or address")
         _require(0 <= self.port <= 65535, "transfer.port", f"must be a TCP port (0 = any free), got {self.port}")
         _require(self.timeout_s > 0, "transfer.timeout_s", "must be positive")
         _require(self.lease_s > 0, "transfer.lease_s", "must be positive")
-        _require(self.transport in ("tcp", "ipc", "auto"), "transfer.transport", "must be 'tcp', 'ipc' or 'auto'")
+        _require(self.data_path in ("auto", "tcp", "shm"), "transfer.data_path", "must be 'auto', 'tcp' or 'shm'")
 
 
 @dataclasses.dataclass(frozen=True)

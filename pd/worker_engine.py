@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import uuid
 from typing import Any
@@ -72,10 +73,40 @@ def build_engine(spec) -> tuple[Any, Any]:
 
 
 def _build_connector(spec, engine_config: EngineConfig):
-    """INTEGRATION POINT with connectors/ (ZMQ connector owner)."""
-    from connectors.zmq_connector import ZmqConnector  # noqa: PLC0415 - optional until the connector lands
+    """The ZMQ connector for a prefill (producer) or decode (consumer) worker.
 
-    raise NotImplementedError(f"connector wiring pending ({ZmqConnector})")
+    Every worker of a deployment gets the same `model_id` and secret, so the
+    connector's handshake accepts exactly the peers of this deployment.
+    """
+    from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+    from pd.checkpoint import load_config
+    from pd.kv_layout import KVLayout
+
+    cfg = spec.config
+    model_config = load_config(cfg.model.path) if cfg.model.path else engine_config.model
+    groups = KVLayout(model_config, engine_config.block_size).kv_cache_groups()
+    role = KVRole.PRODUCER if spec.role is Role.PREFILL else KVRole.CONSUMER
+    connector_config = ZmqConnectorConfig(
+        engine_id=engine_config.engine_id,
+        role=role,
+        secret=spec.secret,
+        model_id=_model_id(cfg),
+        host=spec.host,
+        port=cfg.transfer.port,
+        lease_s=cfg.transfer.lease_s,
+        handshake_timeout_s=min(5.0, cfg.transfer.timeout_s),
+        transfer_timeout_s=cfg.transfer.timeout_s,
+        io_timeout_s=min(5.0, cfg.transfer.timeout_s),
+        data_path=cfg.transfer.data_path,
+    )
+    return ZmqConnector(connector_config, groups)
+
+
+def _model_id(cfg) -> str:
+    """Model identity for the connector's compatibility hash: same weights <=> same id."""
+    m = cfg.model
+    source = f"path={m.path}" if m.path else f"seed={m.seed}"
+    return f"{m.name}|{source}|{m.dtype}|{json.dumps(m.architecture, sort_keys=True)}"
 
 
 def engine_stats(engine, connector) -> dict[str, Any]:
@@ -88,18 +119,12 @@ def engine_stats(engine, connector) -> dict[str, Any]:
 
 
 def _transfer_stats(connector) -> dict:
-    if connector is None:
+    """The connector's transfer figures, plus a failure total that is always present."""
+    if connector is None or not hasattr(connector, "stats"):
         return {}
-    for half in (getattr(connector, "worker", None), getattr(connector, "scheduler", None), connector):
-        metrics = getattr(half, "metrics", None)
-        if metrics is None:
-            continue
-        snapshot = metrics.snapshot() if hasattr(metrics, "snapshot") else metrics
-        if isinstance(snapshot, dict):
-            return snapshot
-        if dataclasses.is_dataclass(snapshot):
-            return dataclasses.asdict(snapshot)
-    return {}
+    stats = dict(connector.stats())
+    stats["failures_total"] = sum(stats.get("failures", {}).values())
+    return stats
 
 
 def _audit(engine) -> dict:

@@ -15,6 +15,7 @@ import ray
 import requests
 
 from pd.launch import Deployment
+from pd.metrics import parse_prometheus
 from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
                                 worker_reports)
 
@@ -157,7 +158,13 @@ def test_metrics_endpoint(pd):
                  "pdkv_inter_token_latency_seconds_count", "pdkv_worker_kv_usage_ratio",
                  "pdkv_worker_prefix_cache_hit_rate", "pdkv_worker_up"):
         assert name in text, name
-    assert "pdkv_kv_transfer_" in text  # the connectors' transfer figures
+    parsed = parse_prometheus(text)
+    received = {lbl["worker"]: v for lbl, v in parsed["pdkv_kv_transfer_bytes_recv"]}
+    sent = {lbl["worker"]: v for lbl, v in parsed["pdkv_kv_transfer_bytes_sent"]}
+    assert received["decode-0"] > 0 and sent["prefill-0"] > 0  # KV really moved P -> D
+    assert all(v == 0 for _, v in parsed["pdkv_kv_transfer_failures_total"])
+    hit_rate = {lbl["worker"]: v for lbl, v in parsed["pdkv_worker_prefix_cache_hit_rate"]}
+    assert hit_rate["prefill-0"] > 0  # the shared prefixes hit P's prefix cache
 
 
 def test_loadgen_writes_json_and_png(pd, tmp_path):
