@@ -171,8 +171,15 @@ class Engine:
                     self._active_ids.discard(out.request_id)
                 target = self._listeners.get(out.request_id)
                 if target is not None:
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    self._notify(target, out)
+
+    @staticmethod
+    def _notify(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            logger.debug("dropped an output for a closed event loop")
 
     # ------------------------------------------------------------------ loop thread
     def start(self) -> None:
@@ -199,8 +206,8 @@ class Engine:
             logger.exception("engine step loop died")
             with self._lock:
                 self._dead = exc
-                for loop, queue in self._listeners.values():
-                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+                for target in self._listeners.values():
+                    self._notify(target, exc)
 
     def shutdown(self) -> None:
         """Stop the loop thread and the connector; idempotent."""
@@ -209,6 +216,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        with self._lock:  # callers still awaiting generate() must not hang
+            for target in self._listeners.values():
+                self._notify(target, RuntimeError("engine shut down"))
         worker = getattr(self.connector, "worker", None) if self.connector is not None else None
         if worker is not None:
             worker.shutdown()
@@ -227,7 +237,7 @@ class Engine:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
-                    raise RuntimeError("engine step loop died") from out
+                    raise RuntimeError(f"engine stopped: {out}") from out
                 finished = out.finished
                 yield out
         finally:

@@ -213,3 +213,20 @@ def test_stats_report_engine_state():
     drain(eng)
     assert eng.stats()["kv_cache_usage"] == 0
     assert_all_free(eng.kv_cache_manager)
+
+
+def test_shutdown_unblocks_generate():
+    eng = Engine(engine_config(FULL_MODEL, max_model_len=2000))
+
+    async def main():
+        agen = eng.generate("r", [1, 2, 3], SamplingParams(max_tokens=1990, ignore_eos=True))
+        await agen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(RuntimeError, match="shut down"):
+            async for _ in agen:
+                pass
+
+    asyncio.run(main())
+    eng.step()  # applies the abort that generate() queued on its way out
+    assert not eng.has_unfinished_requests()
+    assert_all_free(eng.kv_cache_manager)
