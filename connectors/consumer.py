@@ -320,6 +320,8 @@ class Consumer:
             except hs.HandshakeRefused as e:
                 logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host, session.remote.port)
                 self.metrics.record_refused(e.reason.value)
+                if not getattr(e, "by_peer", False):  # tell the producer why, so both sides log it
+                    self._send(session, wire.encode(MsgType.REFUSE, reason=e.reason.value, detail=e.detail))
                 self._close_session(session, poller, FailureCause.HANDSHAKE_REFUSED)
                 return
             if session.sock.closed:
@@ -328,7 +330,9 @@ class Consumer:
     def _on_message(self, session: _Session, msg_type: MsgType, msg: dict, poller) -> None:
         cfg, remote = self.config, session.remote
         if msg_type is MsgType.REFUSE:
-            raise hs.HandshakeRefused(_reason(msg["reason"]), f"refused by the producer: {msg['detail']}")
+            err = hs.HandshakeRefused(_reason(msg["reason"]), f"refused by the producer: {msg['detail']}")
+            err.by_peer = True
+            raise err
         if msg_type is MsgType.CHALLENGE and session.state is _HS.HELLO_SENT:
             if msg["engine_id"] != remote.engine_id:
                 raise hs.HandshakeRefused(hs.RefuseReason.ENGINE_ID, f"peer is {msg['engine_id']!r}, expected {remote.engine_id!r}")
@@ -406,7 +410,7 @@ class Consumer:
             poller.unregister(session.sock)
         except KeyError:
             pass
-        session.sock.close(linger=0)
+        session.sock.close(linger=100)  # lets a final REFUSE reach the producer
 
     def _send(self, session: _Session, payload: bytes) -> None:
         try:

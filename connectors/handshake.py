@@ -75,11 +75,11 @@ class CompatInfo:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
-    def from_kv_cache_config(cls, model_id: str, kv_cache_config: Any, page_size_bytes: int) -> CompatInfo:
-        """Derives the info from a kvcache `KVCacheConfig` (duck-typed: kvcache is optional here)."""
+    def from_groups(cls, model_id: str, kv_cache_groups: Any, page_size_bytes: int) -> CompatInfo:
+        """Derives the info from kvcache `KVCacheGroupSpec`s (duck-typed: read, never imported)."""
         groups = []
         dtypes = set()
-        for g in kv_cache_config.groups:
+        for g in kv_cache_groups:
             spec = g.spec
             dtype = getattr(spec, "dtype", None) or ",".join(getattr(spec, "dtypes", ()))
             dtypes.add(str(dtype))

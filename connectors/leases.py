@@ -133,6 +133,11 @@ class LeaseTable:
             finally:
                 self.end_pull(lease)
 
+    def is_sealed(self, request_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is not None and lease.digests is not None
+
     def take_released(self) -> set[str]:
         with self._lock:
             out, self._released = self._released, set()

@@ -161,6 +161,11 @@ class Producer:
             self._on_hello(ident, msg, pending)
         elif msg_type is MsgType.AUTH:
             self._on_auth(ident, msg, pending)
+        elif msg_type is MsgType.REFUSE:  # the consumer refused us (e.g. our proof failed)
+            pending.pop(ident, None)
+            logger.warning("KV producer %s was refused by a consumer (%s): %s", self.config.engine_id,
+                           msg["reason"][:40], msg["detail"][:200])
+            self.metrics.record_refused(msg["reason"][:40])
         elif msg_type in (MsgType.HEARTBEAT, MsgType.DONE):
             with self._sessions_lock:
                 known = msg["session"] in self._sessions

@@ -1,0 +1,200 @@
+"""ZmqConnector: configuration, the worker half, and the two halves wired together.
+
+    connector = ZmqConnector(ZmqConnectorConfig(engine_id=..., role=KVRole.CONSUMER,
+                                                secret=..., model_id=...), kv_cache_groups)
+    engine = Engine(engine_config, connector=connector)   # .scheduler / .worker halves
+    ...
+    connector.shutdown()
+
+The worker half starts the producer (side channel + data listener) and/or the
+consumer when the engine registers its page pool; it turns each step's
+metadata into leases, loads, releases and heartbeats, and reports finished
+sends/loads (plus the blocks of failed loads) back through `get_finished` /
+`get_block_ids_with_load_errors`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+from typing import Any
+
+from connectors.base import ConnectorMetadata, KVConnectorWorker
+from connectors.consumer import Consumer, ConsumerConfig, DataPath, LoadResult, RemoteAddr
+from connectors.handshake import CompatInfo
+from connectors.metrics import FailureCause, TransferMetrics
+from connectors.page_pool import PagePool
+from connectors.producer import Producer, ProducerConfig
+from connectors.zmq_scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class KVRole(str, enum.Enum):
+    PRODUCER = "kv_producer"  # prefill worker: leases blocks, serves pulls
+    CONSUMER = "kv_consumer"  # decode worker: pulls blocks
+    BOTH = "kv_both"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZmqConnectorConfig:
+    engine_id: str
+    role: KVRole
+    secret: bytes  # shared by every worker of the deployment; >= 16 bytes
+    model_id: str  # model identity for the compatibility hash (name + revision)
+    host: str = "127.0.0.1"  # side channel and data listener bind here
+    port: int = 0  # side channel port; 0 = pick a free one (see `ZmqConnector.port`)
+    advertise_host: str | None = None  # host written into kv_transfer_params (default: host)
+    lease_s: float = 30.0
+    heartbeat_interval_s: float | None = None  # default lease_s / 6
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    io_timeout_s: float = 5.0
+    data_path: DataPath = DataPath.AUTO
+    num_tcp_streams: int = 2
+    shm_chunk_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", KVRole(self.role))
+        object.__setattr__(self, "data_path", DataPath(self.data_path))
+        if isinstance(self.secret, str):
+            object.__setattr__(self, "secret", self.secret.encode())
+        if len(self.secret) < 16:
+            raise ValueError("secret must be at least 16 bytes")
+        if not self.engine_id or not self.model_id:
+            raise ValueError("engine_id and model_id must be non-empty")
+        if self.lease_s <= 0 or (self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0):
+            raise ValueError("lease_s and heartbeat_interval_s must be positive")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in (KVRole.PRODUCER, KVRole.BOTH)
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in (KVRole.CONSUMER, KVRole.BOTH)
+
+
+class ZmqConnectorWorker(KVConnectorWorker):
+    """Worker half: owns the producer and consumer of this engine."""
+
+    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...], metrics: TransferMetrics):
+        self.config = config
+        self.metrics = metrics
+        self._groups = kv_cache_groups
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self._meta: ConnectorMetadata | None = None
+        self._local_results: list[LoadResult] = []
+        self._invalid: set[int] = set()
+        self._lock = threading.Lock()
+
+    def register_kv_caches(self, page_pool: PagePool) -> None:
+        cfg = self.config
+        compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()
+        if cfg.is_producer:
+            self.producer = Producer(ProducerConfig(
+                engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, host=cfg.host, port=cfg.port,
+                lease_s=cfg.lease_s, io_timeout_s=cfg.io_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
+                shm_chunk_bytes=cfg.shm_chunk_bytes), page_pool, self.metrics)
+            self.producer.start()
+        if cfg.is_consumer:
+            self.consumer = Consumer(ConsumerConfig(
+                engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, data_path=cfg.data_path,
+                num_tcp_streams=cfg.num_tcp_streams, handshake_timeout_s=cfg.handshake_timeout_s,
+                transfer_timeout_s=cfg.transfer_timeout_s, io_timeout_s=cfg.io_timeout_s,
+                heartbeat_interval_s=cfg.heartbeat_interval_s or cfg.lease_s / 6), page_pool, self.metrics)
+            self.consumer.start()
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._meta = metadata
+
+    def start_load_kv(self) -> None:
+        meta, self._meta = self._meta, None
+        if meta is None:
+            return
+        if self.producer is not None:
+            for rid in meta.aborted_request_ids:
+                self.producer.abort_lease(rid)
+        for rid, order in meta.loads.items():
+            self._start_load(rid, order)
+        if isinstance(meta, ZmqConnectorMetadata) and self.consumer is not None:
+            for remote, remote_rid in meta.releases:
+                self.consumer.notify_done(remote, [remote_rid])
+            if meta.heartbeats is not None:
+                self.consumer.set_heartbeats(meta.heartbeats)
+
+    def _start_load(self, rid: str, order: dict) -> None:
+        remote = RemoteAddr(order["remote_engine_id"], order["remote_host"], order["remote_port"])
+        if order["invalid"] or self.consumer is None:
+            why = "this engine is not a KV consumer" if self.consumer is None else "the producer did not send every needed block"
+            logger.warning("KV load for %s cannot run: %s", rid, why)
+            self._finish_locally(rid, order["dst"] + order["invalid"])
+            if self.consumer is not None:
+                self.consumer.notify_done(remote, [order["remote_request_id"]])
+            return
+        if not order["dst"]:
+            self._finish_locally(rid, [])
+            self.consumer.notify_done(remote, [order["remote_request_id"]])
+            return
+        try:
+            self.consumer.load(rid, remote, order["remote_request_id"], order["src"], order["dst"])
+        except ValueError as e:
+            logger.warning("KV load for %s refused: %s", rid, e)
+            self._finish_locally(rid, order["dst"])
+
+    def _finish_locally(self, rid: str, bad: list[int]) -> None:
+        with self._lock:
+            self._local_results.append(LoadResult(rid, not bad, bad, FailureCause.PULL_REFUSED if bad else None, 0, 0.0))
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        sending = self.producer.take_released() if self.producer is not None else set()
+        with self._lock:
+            results, self._local_results = self._local_results, []
+        if self.consumer is not None:
+            results += self.consumer.take_finished()
+        recving = set()
+        for r in results:
+            recving.add(r.request_id)
+            if not r.ok:
+                self._invalid.update(r.invalid_block_ids)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.consumer is not None:
+            self.consumer.shutdown()
+        if self.producer is not None:
+            self.producer.shutdown()
+
+
+class ZmqConnector:
+    """The engine-facing pair: `.scheduler` (KVConnectorScheduler) and `.worker` (KVConnectorWorker)."""
+
+    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...]):
+        """`kv_cache_groups`: the engine's `KVCacheGroupSpec`s (KVCacheConfig.groups), in group order."""
+        self.config = config
+        self.metrics = TransferMetrics()
+        self.worker = ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics)
+        layouts = tuple(GroupLayout.from_spec(g.spec) for g in kv_cache_groups)
+        self.scheduler = ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint)
+
+    def _endpoint(self) -> tuple[str, int, Producer | None]:
+        producer = self.worker.producer
+        return (self.config.advertise_host or self.config.host, producer.port if producer else 0, producer)
+
+    @property
+    def port(self) -> int:
+        """The side channel's port (after the engine registered its page pool)."""
+        return self.worker.producer.port if self.worker.producer else 0
+
+    def stats(self) -> dict:
+        return self.metrics.snapshot()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
