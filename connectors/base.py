@@ -84,6 +84,10 @@ class KVConnectorScheduler(abc.ABC):
     def update_connector_output(self, output: ConnectorOutput) -> None:  # noqa: B027 - optional hook
         """Sees what the worker half reported this step."""
 
+    def on_new_request(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """Called when the engine accepts a request (before it reaches the queue head), so a
+        connector can start keeping remote state alive (e.g. lease heartbeats) while it waits."""
+
 
 class KVConnectorWorker(abc.ABC):
     """Worker half: moves pages between page pools."""
