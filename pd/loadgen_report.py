@@ -86,15 +86,23 @@ def _meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def transfer_figures(before: str, after: str) -> dict:
-    """Workers' KV transfer and cache figures from two /metrics scrapes (after - before for counters)."""
+    """Workers' KV transfer and cache figures from two /metrics scrapes.
+
+    Counters (bytes, blocks, loads, failures, leases) are summed over workers
+    as after - before; rates and latencies are shown per worker as they stand
+    after the run.
+    """
     b, a = parse_prometheus(before), parse_prometheus(after)
     out: dict = {}
     for name, samples in sorted(a.items()):
         if not name.startswith("pdkv_kv_transfer_"):
             continue
+        key = name.removeprefix("pdkv_kv_transfer_")
+        if "latency" in key or "gbps" in key:
+            out[key] = {lbl.get("worker", "?"): v for lbl, v in samples if v}
+            continue
         prev = {tuple(sorted(lbl.items())): v for lbl, v in b.get(name, [])}
-        delta = sum(v - prev.get(tuple(sorted(lbl.items())), 0.0) for lbl, v in samples)
-        out[name.removeprefix("pdkv_kv_transfer_")] = delta
+        out[key] = sum(v - prev.get(tuple(sorted(lbl.items())), 0.0) for lbl, v in samples)
     for name, key in (("pdkv_worker_prefix_cache_hit_rate", "prefix_hit_rate"),
                       ("pdkv_worker_kv_usage_ratio", "kv_usage")):
         out[key] = {lbl.get("worker", "?"): v for lbl, v in a.get(name, [])}
@@ -121,7 +129,7 @@ def format_report(metrics: dict, transfer: dict) -> str:
     lines.append("-" * 18 + " Workers (from /metrics) " + "-" * 19)
     for key, value in transfer.items():
         if isinstance(value, dict):
-            shown = ", ".join(f"{w}={v:.3f}" for w, v in sorted(value.items())) or "-"
+            shown = ", ".join(f"{w}={v:.4g}" for w, v in sorted(value.items())) or "-"
             lines.append(f"{key + ':':<36}{shown}")
         else:
             lines.append(f"{key + ':':<36}{value:>12.6g}")
