@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 
@@ -80,16 +81,16 @@ def bench_scheduler_overhead(num_running: int = 256, steps: int = 50) -> dict:
     while any(s.request.num_output_tokens == 0 for s in eng.scheduler.requests.values()) or eng.scheduler.waiting:
         eng.step()
     assert len(eng.scheduler.running) == num_running
-    for key in eng.timing:
-        eng.timing[key] = 0.0
+    samples = []
     for _ in range(steps):
         eng.step()
-    t = eng.timing
+        samples.append(dict(eng.last_timing))
+    # Medians: robust to other processes stealing the CPU for a few steps.
+    med = {key: statistics.median(s[key] for s in samples) * 1e6 for key in samples[0]}
     out = {"num_running": num_running, "steps": steps,
-           "scheduler_us_per_step": (t["schedule_s"] + t["update_s"]) / steps * 1e6,
-           "schedule_us_per_step": t["schedule_s"] / steps * 1e6,
-           "update_us_per_step": t["update_s"] / steps * 1e6,
-           "model_us_per_step": t["model_s"] / steps * 1e6}
+           "scheduler_us_per_step": statistics.median((s["schedule_s"] + s["update_s"]) for s in samples) * 1e6,
+           "schedule_us_per_step": med["schedule_s"], "update_us_per_step": med["update_s"],
+           "model_us_per_step": med["model_s"]}
     for rid in list(eng.scheduler.requests):
         eng.abort_request(rid)
     eng.step()
@@ -97,7 +98,7 @@ def bench_scheduler_overhead(num_running: int = 256, steps: int = 50) -> dict:
     return out
 
 
-def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: int) -> dict:
+def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: int, rounds: int = 2) -> dict:
     from transformers import LlamaForCausalLM  # optional extra: pip install 'pdkv[bench]'
 
     prompts = _prompts(num_requests, lo, hi, cfg.vocab_size, seed=1)
@@ -111,20 +112,6 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
     # warm-up both (first calls allocate and pick kernels)
     eng.generate_sync({"warm": prompts["r0"][:16]}, SamplingParams(max_tokens=4, ignore_eos=True))
-    ours: dict[str, list[int]] = {rid: [] for rid in prompts}
-    for rid, ids in prompts.items():
-        eng.add_request(rid, ids, params)
-    t0 = time.perf_counter()
-    while any(not toks for toks in ours.values()):  # prefill phase: until every request has its first token
-        for o in eng.step():
-            ours[o.request_id].extend(o.new_token_ids)
-    t1 = time.perf_counter()
-    while eng.has_unfinished_requests():  # decode phase
-        for o in eng.step():
-            ours[o.request_id].extend(o.new_token_ids)
-    t2 = time.perf_counter()
-    eng.shutdown()
-
     ids = list(prompts.values())
     width = max(len(p) for p in ids)
     pad = 0
@@ -133,12 +120,32 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
     gen_kw = dict(do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         hf.generate(input_ids=input_ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=4, **gen_kw)
-        h0 = time.perf_counter()
-        hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=1, **gen_kw)
-        h1 = time.perf_counter()
-        out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, **gen_kw)
-        h2 = time.perf_counter()
-    hf_first, hf_total = h1 - h0, h2 - h1
+    # Interleaved rounds, best of each: other processes on the machine slow either side at random.
+    best = {"ours_prefill": float("inf"), "ours_decode": float("inf"), "hf_first": float("inf"), "hf_total": float("inf")}
+    for r in range(rounds):
+        ours: dict[str, list[int]] = {rid: [] for rid in prompts}
+        for rid, p in prompts.items():
+            eng.add_request(f"{rid}@{r}", p, params)
+        t0 = time.perf_counter()
+        while any(not toks for toks in ours.values()):  # prefill phase: until every request has its first token
+            for o in eng.step():
+                ours[o.request_id.split("@")[0]].extend(o.new_token_ids)
+        t1 = time.perf_counter()
+        while eng.has_unfinished_requests():  # decode phase
+            for o in eng.step():
+                ours[o.request_id.split("@")[0]].extend(o.new_token_ids)
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            h0 = time.perf_counter()
+            hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=1, **gen_kw)
+            h1 = time.perf_counter()
+            out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, **gen_kw)
+            h2 = time.perf_counter()
+        for key, value in (("ours_prefill", t1 - t0), ("ours_decode", t2 - t1), ("hf_first", h1 - h0), ("hf_total", h2 - h1)):
+            best[key] = min(best[key], value)
+    eng.shutdown()
+    t0, t1, t2 = 0.0, best["ours_prefill"], best["ours_prefill"] + best["ours_decode"]
+    hf_first, hf_total = best["hf_first"], best["hf_total"]
     hf_tokens = out[:, width:].tolist()
     same = sum(ours[rid] == hf_tokens[i] for i, rid in enumerate(prompts))
     total = num_requests * max_new
@@ -150,7 +157,7 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
             "decode_ratio": ours_decode / hf_decode,
             "ours_e2e_tokens_per_s": total / (t2 - t0), "hf_e2e_tokens_per_s": total / hf_total,
             "e2e_ratio": hf_total / (t2 - t0), "ours_s": t2 - t0, "hf_s": hf_total,
-            "greedy_outputs_identical": f"{same}/{num_requests}"}
+            "greedy_outputs_identical": f"{same}/{num_requests}", "rounds": rounds}
 
 
 def main() -> None:
@@ -159,6 +166,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in --vs-hf")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     if args.threads:
@@ -170,7 +178,8 @@ def main() -> None:
                                              decode_steps=16 if args.quick else 64)
     results["scheduler"] = bench_scheduler_overhead(256, steps=10 if args.quick else 50)
     if args.vs_hf:
-        results["vs_hf"] = bench_vs_hf(cfg, 32, 16, 128 if args.quick else 512, 16 if args.quick else args.new_tokens)
+        results["vs_hf"] = bench_vs_hf(cfg, 32, 16, 128 if args.quick else 512, 16 if args.quick else args.new_tokens,
+                                       rounds=args.rounds)
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -185,7 +194,7 @@ def main() -> None:
     if args.vs_hf:
         v = results["vs_hf"]
         print(f"vs HF generate: {v['num_requests']} requests, prompts {v['prompt_lens']} tokens, "
-              f"{v['max_new_tokens']} new tokens each, greedy, same weights")
+              f"{v['max_new_tokens']} new tokens each, greedy, same weights, best of {v['rounds']} interleaved rounds")
         print(f"  decode:     pdkv {v['ours_decode_tokens_per_s']:.0f} tok/s   HF {v['hf_decode_tokens_per_s']:.0f} tok/s"
               f"   ratio {v['decode_ratio']:.2f}x")
         print(f"  end-to-end: pdkv {v['ours_e2e_tokens_per_s']:.0f} tok/s ({v['ours_s']:.1f}s)   HF "

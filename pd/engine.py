@@ -74,7 +74,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
-        self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}
+        self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}  # totals since start
+        self.last_timing = dict(self.timing)  # of the latest step
         logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
                     self.layout.page_size_bytes, [g.layer_indices for g in self.layout.groups])
 
@@ -131,9 +132,9 @@ class Engine:
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
             t3 = time.perf_counter()
-            self.timing["schedule_s"] += t1 - t0
-            self.timing["model_s"] += t2 - t1
-            self.timing["update_s"] += t3 - t2
+            self.last_timing = {"schedule_s": t1 - t0, "model_s": t2 - t1, "update_s": t3 - t2}
+            for key, value in self.last_timing.items():
+                self.timing[key] += value
             self._dispatch(outputs)
             return outputs
 
