@@ -182,15 +182,18 @@ def build_model(cfg: ModelConfig, seed: int | None = 0, device: str | torch.devi
     return model.to(device=device, dtype=cfg.torch_dtype).eval()
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool = False) -> torch.Tensor:
     """Batched GQA attention.
 
-    q: (B, Lq, Hq, D); k, v: (B, S, Hkv, D); mask: (B, Lq, S) bool, True = attend.
-    Every query row must attend to at least one key. Returns (B, Lq, Hq, D).
+    q: (B, Lq, Hq, D); k, v: (B, S, Hkv, D); mask: (B, Lq, S) bool, True = attend, or None with
+    `causal` (query i sees keys 0..i; requires Lq == S). Every query row must attend to at least
+    one key. Returns (B, Lq, Hq, D).
     """
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None, :, :], enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=None if mask is None else mask[:, None, :, :], is_causal=mask is None and causal,
+        enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 

@@ -42,6 +42,9 @@ class _SubBatch:
     out_index: torch.Tensor  # (N,) flat index of each real query, in (B, Lq) row-major order
     valid: torch.Tensor | None  # (B, Lq) bool; None when there is no padding
     groups: list[_GroupBatch]
+    # A prompt chunk starting at position 0 ([first, last) of the step's tokens): its keys are exactly
+    # this step's K/V, so attention runs on them directly, without reading the pages back.
+    fresh: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -167,7 +170,12 @@ class PagedAttention:
                 mask &= delta < grp.window
             groups.append(_GroupBatch(table=table.flatten(), mask=mask))
         padded = not bool(valid.all())
-        return _SubBatch(q_index=q_index, out_index=q_index[valid], valid=valid if padded else None, groups=groups)
+        fresh = None
+        if len(members) == 1 and int(starts[0]) == 0:
+            first = int(first_token[members[0]])
+            fresh = (first, first + int(counts[0]))
+        return _SubBatch(q_index=q_index, out_index=q_index[valid], valid=valid if padded else None, groups=groups,
+                         fresh=fresh)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         g, slot = self.layout.layer_to_group[layer_idx]
@@ -187,6 +195,15 @@ class PagedAttention:
                 q[self.fused.token_index], layer_cache, table, key_start, self.fused.key_end, d ** -0.5)
         for sb in self.sub_batches:
             gb = sb.groups[g]
+            if sb.fresh is not None:
+                lo, hi = sb.fresh
+                window = self.layout.groups[g].window
+                mask = None if window is None else gb.mask[:, :, : hi - lo]
+                res = masked_attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], mask, causal=True)
+                if self._identity:
+                    return res.reshape(q.shape)
+                out[lo:hi] = res[0]
+                continue
             b = sb.q_index.shape[0]
             n = gb.table.shape[0]
             keys = self.workspace.take("k", (n, k_rows.shape[1]), k_rows.dtype, k_rows.device)
