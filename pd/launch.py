@@ -19,6 +19,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 
 import ray
 
@@ -66,6 +67,17 @@ class Deployment:
         """Runs a coroutine on the router's loop from any other thread."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
+    def pool_audits(self, timeout_s: float = 15.0) -> dict[str, dict]:
+        """Each live worker's pool audit, polled until every pool is all free or `timeout_s`
+        passes (P workers free their blocks a moment after D reports its pull done)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.run_coro(self.router.poll_workers(), timeout_s + 10.0)
+            audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in self.router.pool.all() if w.healthy}
+            if all(a.get("all_free") for a in audits.values()) or time.monotonic() > deadline:
+                return audits
+            time.sleep(0.2)
+
     def stop(self) -> None:
         if self.router is not None and self._loop is not None:
             try:
@@ -97,7 +109,8 @@ def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: 
         ray.init(address=address, logging_level=logging.WARNING)
         return
     store = object_store_mb * 1024 * 1024 if object_store_mb else None
-    ray.init(num_cpus=num_cpus, object_store_memory=store, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=store, include_dashboard=False,
+             logging_level=logging.WARNING)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -140,7 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                  else f"colocated x{topo.num_colocated}")
         print(f"pdkv router ({shape}, model {config.model.name}) serving at {url}", flush=True)
         if args.run_load:
-            return _run_load(url, args)
+            rc = _run_load(url, args)
+            audits = deployment.pool_audits()
+            leaks = {wid: a.get("detail") or a for wid, a in audits.items() if not a.get("all_free")}
+            print(f"KV pools after the run: {'all free' if not leaks else 'NOT all free'} "
+                  f"({len(audits)} workers audited)", flush=True)
+            for wid, detail in leaks.items():
+                print(f"  {wid}: {detail}", flush=True)
+            return rc if not leaks else 1
         print("press Ctrl-C to stop", flush=True)
         while not stop_event.wait(0.5):
             pass
