@@ -71,6 +71,7 @@ class Worker:
         self._connector = None
         self._http = WorkerHTTPServer(self, spec.secret)
         self._started_at = time.time()
+        self._num_aborted = 0
         self.url: str | None = None
 
     # -- life cycle -------------------------------------------------------
@@ -132,7 +133,9 @@ class Worker:
             }
 
     def abort(self, request_id: str) -> None:
+        """Aborts a request whose consumer went away (counted in stats as `num_aborted`)."""
         if self._engine is not None:
+            self._num_aborted += 1
             self._engine.abort_request(request_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -146,7 +149,8 @@ class Worker:
     def stats(self) -> dict:
         from pd.worker_engine import engine_stats
 
-        out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url}
+        out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url,
+                               "num_aborted": self._num_aborted}
         if self._engine is None:
             out["error"] = "engine not running"
             return out

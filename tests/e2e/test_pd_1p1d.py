@@ -78,6 +78,18 @@ def test_streaming_matches_non_streaming(pd):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_client_disconnect_aborts_the_request(pd):
+    aborted_before = worker_reports(pd)["decode-0"]["stats"]["num_aborted"]
+    body = {"prompt": PROMPTS[4], "max_tokens": 700, "temperature": 0, "stream": True, "ignore_eos": True}
+    with requests.post(f"{pd}/v1/completions", json=body, stream=True, timeout=60) as resp:
+        assert resp.status_code == 200, resp.text
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith(b"data: ")]
+        assert got  # streaming had started; leaving the block closes the connection
+    reports = wait_all_free(pd)  # D aborted the request and freed its blocks
+    assert reports["decode-0"]["stats"]["num_aborted"] == aborted_before + 1
+
+
 def test_stop_string_cuts_output(pd):
     full = complete(pd, PROMPTS[0], max_tokens=24, ignore_eos=True)["choices"][0]["text"]
     visible = full.replace("\ufffd", "")
