@@ -3,9 +3,11 @@
 One `PagedAttention` object serves one engine step. Built once from the
 step's sequences, it holds per KV cache group the slot mapping (where each new
 token's K/V goes) and per attention sub-batch the gathered block tables and
-masks. Decode tokens of all requests form one batched sub-batch (one query
-each); each prefill chunk is its own sub-batch, so padding never grows with
-the longest prompt of the step.
+masks. Decode tokens (one query each) are batched: either all of them through
+the fused C++ kernel (pd/cpu_kernels.py), or in a few sub-batches of similar
+context length so padding stays small. Each prefill chunk is its own
+sub-batch, so padding never grows with the longest prompt of the step; a
+chunk that starts at position 0 attends to its own fresh K/V directly.
 
 Sliding-window groups gather only the blocks that can fall inside the window
 (the evicted ones hold the null block 0 and would be masked anyway).
