@@ -74,7 +74,7 @@ def make_dataset(args: argparse.Namespace) -> list[tuple[str, int]]:
         prefixes = [_text(rng, args.prefix_len) for _ in range(args.num_prefixes)]
         out = []
         for i in range(args.num_prompts):
-            suffix_len = max(1, rng.randint(in_lo, in_hi) - 1 - args.prefix_len)
+            suffix_len = max(1, rng.randint(in_lo, in_hi) - 2 - args.prefix_len)  # BOS and the space
             out.append((prefixes[i % len(prefixes)] + " " + _text(rng, suffix_len), rng.randint(out_lo, out_hi)))
         return out
     raise ValueError(f"unknown dataset {args.dataset!r}; use random, shared-prefix or jsonl:FILE")

@@ -57,6 +57,21 @@ def test_greedy_outputs_match_colocated(pd, colocated):
         assert got["finish_reason"] == "length"
 
 
+def test_seeded_sampling_matches_colocated(pd, colocated):
+    for seed in (7, 8):
+        want = complete(colocated, PROMPTS[1], temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        got = complete(pd, PROMPTS[1], temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
+def test_worker_api_requires_the_deployment_secret(pd):
+    for report in worker_reports(pd).values():
+        worker_url = report["url"]
+        assert requests.get(f"{worker_url}/internal/stats", timeout=10).status_code == 401
+        wrong = {"Authorization": "Bearer " + "0" * 64}
+        assert requests.post(f"{worker_url}/internal/generate", json={}, headers=wrong, timeout=10).status_code == 401
+
+
 def test_batch_prompts_in_one_request(pd, colocated):
     want = complete(colocated, PROMPTS[:3], ignore_eos=True)
     got = complete(pd, PROMPTS[:3], ignore_eos=True)

@@ -89,6 +89,22 @@ def test_metrics_render_and_parse():
     assert parsed["pdkv_kv_transfer_failures_timeout"][0][1] == 1.0
 
 
+def test_loadgen_datasets(tmp_path):
+    from pd.loadgen import make_dataset, parse_args
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "hello", "output_len": 3}\n\n{"prompt": "bye"}\n')
+    rows = make_dataset(parse_args(["--url", "x", "--dataset", f"jsonl:{data}", "--num-prompts", "3",
+                                    "--output-len", "5"]))
+    assert rows == [("hello", 3), ("bye", 5), ("hello", 3)]
+    rows = make_dataset(parse_args(["--url", "x", "--dataset", "shared-prefix", "--num-prompts", "4",
+                                    "--input-len", "40", "--num-prefixes", "2"]))
+    assert rows[0][0][:20] == rows[2][0][:20] and rows[0][0] != rows[2][0]
+    assert all(len(p.encode()) + 1 == 40 for p, _ in rows)
+    rows = make_dataset(parse_args(["--url", "x", "--num-prompts", "5", "--input-len", "10:20", "--seed", "3"]))
+    assert all(10 <= len(p) + 1 <= 20 for p, _ in rows)
+
+
 def test_loadgen_maths():
     assert parse_range("8:16", "x") == (8, 16) and parse_range("5", "x") == (5, 5)
     delays = arrival_delays(2000, rate=50.0, burstiness=1.0, seed=0)
