@@ -41,9 +41,11 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 
 
 def _text(rng: random.Random, num_chars: int) -> str:
-    out = []
-    while sum(len(w) + 1 for w in out) < num_chars:
-        out.append(rng.choice(_WORDS))
+    out, length = [], -1
+    while length < num_chars:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        length += len(word) + 1
     return " ".join(out)[:num_chars]
 
 
