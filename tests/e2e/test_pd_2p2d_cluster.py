@@ -6,6 +6,7 @@ its own requests (clear errors, no hang) while the deployment keeps serving.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -49,6 +50,7 @@ def deployment(cluster):
         yield dep
 
 
+@functools.lru_cache(maxsize=None)
 def _reference_tokens(prompt: str, max_tokens: int) -> list[int]:
     """Greedy tokens from one plain engine with the same model (colocated mode, no Ray, no HTTP)."""
     config = e2e_config("local.yaml", topology__mode=Mode.COLOCATED.value)
@@ -137,4 +139,19 @@ def test_decode_worker_killed_mid_stream(deployment):
     for prompt in PROMPTS[:4]:
         events = stream_events(url, prompt, max_tokens=8)
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] >= 1
+    wait_all_free(url)
+
+
+def test_prefill_worker_killed_requests_move_to_the_other(deployment):
+    """After decode-0's death above: kill prefill-1 too; requests keep succeeding on prefill-0 / decode-1
+    (a request that picks the dead worker before it is noticed is retried, since nothing was produced yet)."""
+    url = deployment.url
+    victim = next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-1")
+    ray.kill(victim.actor, no_restart=True)
+    for prompt in PROMPTS:
+        got = complete(url, prompt, max_tokens=16, ignore_eos=True)["choices"][0]["token_ids"]
+        assert got == _reference_tokens(prompt, 16)
+    reports = worker_reports(url)
+    assert reports["prefill-1"]["healthy"] is False and reports["prefill-0"]["healthy"] is True
+    assert requests.get(f"{url}/health", timeout=10).json()["status"] == "ok"
     wait_all_free(url)

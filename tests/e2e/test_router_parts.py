@@ -115,3 +115,33 @@ def test_loadgen_maths():
     m = compute_metrics(recs, 1.0, {"ttft": 50})
     assert m["completed"] == 1 and m["failed"] == 1 and m["request_goodput"] == 0.0
     assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
+
+
+def test_router_api_key_and_no_workers_over_real_http():
+    import asyncio
+
+    import aiohttp
+
+    from pd.router import Router
+
+    async def scenario() -> None:
+        config = DeployConfig.from_dict({"router": {"port": 0, "api_key": "k" * 20}})
+        router = Router(config, [], "s" * 32)
+        url = await router.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"prompt": "hi", "max_tokens": 2}
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+                auth = {"Authorization": "Bearer " + "k" * 20}
+                async with http.post(f"{url}/v1/completions", json=body, headers=auth) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 503 and error["code"] == "no_worker_available", error
+                async with http.get(f"{url}/health") as resp:
+                    assert resp.status == 503
+                async with http.get(f"{url}/metrics") as resp:  # no key needed for ops endpoints
+                    assert resp.status == 200 and "pdkv_requests_total" in await resp.text()
+        finally:
+            await router.stop()
+
+    asyncio.run(scenario())
