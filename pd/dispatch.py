@@ -72,11 +72,12 @@ class Dispatcher:
             try:
                 async with contextlib.aclosing(self._client.generate(load.endpoint.url, payload)) as stream:
                     async for event in stream:
-                        produced = True
                         if keep_params:
                             if event.get("finished"):
+                                produced = True
                                 yield _checked_params(event.get("kv_transfer_params"), load)
                             continue
+                        produced = True  # from here on the caller has seen output: no retry
                         yield TokenEvent(tuple(event.get("token_ids") or ()),
                                          event.get("finish_reason") if event.get("finished") else None)
                 return

@@ -183,12 +183,16 @@ class Router:
         completion_id = oa.new_completion_id()
         if req.stream:
             return await self._stream(request, req, completion_id, prompts[0], arrived)
+        tasks = [asyncio.create_task(self._collect(req, f"{completion_id}-{i}", ids, arrived))
+                 for i, ids in enumerate(prompts)]
         try:
-            results = await asyncio.gather(*(self._collect(req, f"{completion_id}-{i}", ids, arrived)
-                                             for i, ids in enumerate(prompts)))
+            results = await asyncio.gather(*tasks)
         except oa.APIError as exc:
             self.metrics.requests.inc(outcome=f"error_{exc.status}")
             return _error_response(exc)
+        finally:
+            for task in tasks:  # one prompt failed (or the client left): stop the others too
+                task.cancel()
         choices = [oa.choice(i, text, reason, ids if req.return_token_ids else None)
                    for i, (text, reason, ids) in enumerate(results)]
         usage = oa.usage_dict(sum(len(p) for p in prompts), sum(len(ids) for _, _, ids in results))
