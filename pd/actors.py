@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 
 import ray
 
@@ -33,7 +34,9 @@ class WorkerActor:
     """Hosts one `Worker`; every method takes and returns str/int only."""
 
     def __init__(self, worker_id: str, role: str, config_json: str, secret: str) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # PDKV_LOG_LEVEL reaches workers through the environment (pd.launch sets it for a local Ray).
+        logging.basicConfig(level=os.environ.get("PDKV_LOG_LEVEL", "INFO").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from pd.worker import Worker, WorkerSpec
 
         config = DeployConfig.from_json(config_json)

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers
     init_ray(args.address, args.num_cpus, args.object_store_mb)
     stop_event = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
