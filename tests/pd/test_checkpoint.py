@@ -77,3 +77,23 @@ def test_unsupported_rope_scaling(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match="rope_scaling"):
         load_config(tmp_path)
+
+
+def test_engine_serves_a_checkpoint_directory(tmp_path):
+    from kvcache.audit import assert_all_free
+    from pd_engine_cases import HYBRID_MODEL, engine_config
+
+    from pd.config import EngineConfig
+    from pd.engine import Engine
+    from pd.sampling import SamplingParams
+
+    cfg = engine_config(HYBRID_MODEL)
+    in_memory = Engine(cfg)
+    save_checkpoint(in_memory.runner.model, tmp_path)
+    loaded = Engine(EngineConfig(model_path=str(tmp_path), block_size=cfg.block_size, num_blocks=cfg.num_blocks))
+    assert loaded.model_config.to_hf_dict() == HYBRID_MODEL.to_hf_dict()
+    prompts = {"a": list(range(40)), "b": [9, 8, 7]}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert loaded.generate_sync(prompts, params) == in_memory.generate_sync(prompts, params)
+    assert_all_free(loaded.kv_cache_manager)
+    assert_all_free(in_memory.kv_cache_manager)
