@@ -42,6 +42,8 @@ FULL4 = config("full4", [full(4)], num_blocks=16, max_model_len=256)
 SWA4 = config("swa4", [swa(4, 10)], num_blocks=16, max_model_len=256, max_num_batched_tokens=16)
 HYBRID4 = config("hybrid4", [full(4), swa(4, 10)], num_blocks=32, max_model_len=256,
                  max_num_batched_tokens=16)
+# kvcache/tests/test_state_machine.py's "hybrid" layout
+HYBRID4_SM = config("hybrid4_sm", [full(4), swa(4, 10)], num_blocks=40, max_model_len=96)
 HYBRID3 = config("hybrid3", [full(4), swa(4, 10), swa(4, 6)], num_blocks=48, max_model_len=256,
                  max_num_batched_tokens=16)
 HYBRID_TWIN = config("hybrid_twin", [full(4), swa(4, 10), swa(4, 10)], num_blocks=48,

@@ -174,25 +174,33 @@ def resolve_and_run(run_op, ops: list) -> tuple[list, list]:
     """Run a hand-written op list, turning derived ops into concrete ones first.
 
     `run_op(op) -> observation` executes one op (e.g. `lambda op: execute(adapter, op)`).
-    `admit_alloc` becomes allocate_slots(use_hit=True) for the tokens the request's last
-    get_computed_blocks result left. Returns (concrete ops, observations).
+    Derived ops: `admit_alloc` becomes allocate_slots(use_hit=True) for what the request's
+    last get_computed_blocks result left (at most `chunk` tokens if given); `admitted` becomes
+    set_num_computed(last hit + last admitted tokens). Returns (concrete ops, observations).
     """
     num_tokens: dict = {}
     last_hit: dict = {}
+    last_new: dict = {}
     concrete, observed = [], []
     for op in ops:
+        rid = op.get("id")
         if op["op"] == "admit_alloc":
-            kw = {k: v for k, v in op.items() if k not in ("op", "id")}
-            op = {"op": "allocate_slots", "id": op["id"],
-                  "num_new": num_tokens[op["id"]] - last_hit.get(op["id"], 0),
-                  "use_hit": True, **kw}
+            kw = {k: v for k, v in op.items() if k not in ("op", "id", "chunk")}
+            num_new = num_tokens[rid] - last_hit.get(rid, 0)
+            if op.get("chunk") is not None:
+                num_new = min(num_new, op["chunk"])
+            last_new[rid] = num_new
+            op = {"op": "allocate_slots", "id": rid, "num_new": num_new, "use_hit": True, **kw}
+        elif op["op"] == "admitted":
+            op = {"op": "set_num_computed", "id": rid,
+                  "n": last_hit.get(rid, 0) + last_new.get(rid, 0)}
         obs = run_op(op)
         if op["op"] == "new_request":
-            num_tokens[op["id"]] = len(op["tokens"])
+            num_tokens[rid] = len(op["tokens"])
         elif op["op"] == "append_tokens":
-            num_tokens[op["id"]] += len(op["tokens"])
+            num_tokens[rid] += len(op["tokens"])
         elif op["op"] == "get_computed_blocks":
-            last_hit[op["id"]] = obs[0][1]
+            last_hit[rid] = obs[0][1]
         concrete.append(op)
         observed.append(obs)
     return concrete, observed

@@ -9,7 +9,7 @@ free-order example whose vLLM value is also asserted literally by the test.
 from __future__ import annotations
 
 from parity.configs import (
-    FULL4, FULL16, FULL16_3, FULL16_64, FULL16_NOCACHE, FULL16_WM, HYBRID3, HYBRID4,
+    FULL4, FULL16, FULL16_3, FULL16_64, FULL16_NOCACHE, FULL16_WM, HYBRID3, HYBRID4, HYBRID4_SM,
     HYBRID_MIXED, HYBRID_TWIN, SWA4,
 )
 
@@ -359,6 +359,24 @@ def observed(ops: list) -> list:
     return out + [op("prefix_cache_stats")]
 
 
+def hybrid_probe_after_window_eviction():
+    """kvcache state-machine falsifying example (08:25): a probe of a running request's prompt
+    in a full+SWA hybrid after the request's out-of-window SWA blocks were recycled."""
+    def admit(rid, chunk, has_sched):
+        return [hit(rid), admit_alloc(rid, chunk=chunk, has_sched=has_sched),
+                op("admitted", id=rid), status(rid, "RUNNING")]
+    return ([new("r0", seq(100, 24) + [0], salt="s")] + admit("r0", 16, False)
+            + [op("preempt", id="r0")] + admit("r0", 4, False)
+            + [op("preempt", id="r0")] + admit("r0", 1, False)
+            + [new("r1", seq(200, 10) + [0])] + admit("r1", 9, True)
+            + [new("r2", [7] * 16 + [0])] + admit("r2", 17, True)
+            + [append("r2", [0]), alloc("r2", 1), computed("r2", 18)]
+            + [new("r3", seq(100, 24) + [0])] + admit("r3", 25, True)
+            + [status("r0", "FINISHED_STOPPED"), free("r0")]
+            + [new("probe", [7] * 16 + [0, 0]), hit("probe")]
+            + [free("r1"), free("r2"), free("r3")])
+
+
 HANDWRITTEN = [
     ("free_order", FULL16, free_order),
     ("prefill", FULL16, prefill),
@@ -383,6 +401,7 @@ HANDWRITTEN = [
     ("swa_free_split", SWA4, swa_free_split),
     ("hybrid_prefill", HYBRID4, hybrid_prefill),
     ("hybrid_local_and_external", HYBRID4, hybrid_local_and_external),
+    ("hybrid_probe_after_window_eviction", HYBRID4_SM, hybrid_probe_after_window_eviction),
     ("hybrid3_prefill", HYBRID3, hybrid_prefill),
     ("hybrid3_local_and_external", HYBRID3, hybrid_local_and_external),
     ("hybrid_twin_prefill", HYBRID_TWIN, hybrid_prefill),
