@@ -88,12 +88,13 @@ class PagedAttention:
     """AttentionBackend over a page pool for one step's batch of sequences."""
 
     def __init__(self, layout: KVLayout, group_views: list[torch.Tensor], seqs: list[SeqSlice],
-                 workspace: Workspace | None = None, fused_decode: bool = False):
+                 token_rows: torch.Tensor, workspace: Workspace | None = None, fused_decode: bool = False):
         self.layout = layout
         self.group_views = group_views
         self.workspace = workspace or Workspace()
         # Per group, each block's K and V of one layer as rows: (num_blocks, layers * 2, bs * H * D).
         self.group_rows = [v.reshape(v.shape[0], v.shape[1] * 2, -1) for v in group_views]
+        self.token_rows = token_rows  # the pool as rows of one token's K or V (see KVLayout.token_rows)
         bs = layout.block_size
         starts = [s.start for s in seqs]
         counts = [s.num_tokens for s in seqs]
@@ -113,6 +114,8 @@ class PagedAttention:
         for g, blocks in enumerate(self.slot_blocks):
             if bool((blocks == 0).any()):
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
+        # Row of each new token's K in slot 0 of its group; layer slot s adds 2*s*bs (V: one more bs).
+        self.slot_rows = [blocks * layout.rows_per_page + self.slot_offsets for blocks in self.slot_blocks]
         self.sub_batches: list[_SubBatch] = []
         decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: -starts[i])
         self.fused: _FusedDecode | None = None
@@ -182,14 +185,15 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         g, slot = self.layout.layer_to_group[layer_idx]
         layer_cache = self.group_views[g][:, slot]  # (num_blocks, 2, bs, H, D)
-        k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
         # Write first, then read: the new tokens attend to themselves through the pages.
-        k_cache[self.slot_blocks[g], self.slot_offsets] = k.to(k_cache.dtype)
-        v_cache[self.slot_blocks[g], self.slot_offsets] = v.to(v_cache.dtype)
+        bs = self.layout.block_size
+        rows = self.slot_rows[g] + 2 * slot * bs
+        width = self.token_rows.shape[1]
+        self.token_rows.index_copy_(0, rows, k.reshape(-1, width).to(self.token_rows.dtype))
+        self.token_rows.index_copy_(0, rows + bs, v.reshape(-1, width).to(self.token_rows.dtype))
         k_rows = self.group_rows[g][:, 2 * slot]
         v_rows = self.group_rows[g][:, 2 * slot + 1]
         h, d = k.shape[1], k.shape[2]
-        bs = self.layout.block_size
         out = q if self._identity else torch.empty_like(q)
         if self.fused is not None:
             table, key_start = self.fused.groups[g]

@@ -45,6 +45,7 @@ class ModelRunner:
         self.layout = layout
         self.page_pool = page_pool
         self.group_views = layout.group_views(page_pool)
+        self.token_rows = layout.token_rows(page_pool)
         self.device = page_pool.device
         self.workspace = Workspace()
         # "fused": decode tokens use the C++ kernel (float32 on CPU); prefill chunks always use torch.
@@ -60,7 +61,7 @@ class ModelRunner:
         if not chunks:
             return torch.empty((0, self.model.config.vocab_size))
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
-        backend = PagedAttention(self.layout, self.group_views, seqs, self.workspace, self.fused_decode)
+        backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace, self.fused_decode)
         flat: list[int] = []
         logit_rows: list[int] = []
         for c in chunks:
