@@ -128,19 +128,18 @@ def _transfer_stats(connector) -> dict:
 
 
 def _audit(engine) -> dict:
-    """Pool audit between steps: `all_free` is True when no block is held by anyone."""
-    try:
-        from kvcache.audit import assert_all_free
-    except ImportError:  # older kvcache: fall back to counting free blocks (block 0 is the null block)
-        def assert_all_free(manager) -> None:
-            free, total = manager.block_pool.get_num_free_blocks(), engine.page_pool.num_blocks
-            assert free == total - 1, f"{total - 1 - free} of {total - 1} blocks still held"
+    """Pool audit between steps (`kvcache.audit`): `all_free` is True when no block is
+    held by anyone; `consistent` is True when the pool's bookkeeping checks out."""
+    from kvcache.audit import assert_all_free, check_invariants
 
+    out = {"all_free": True, "consistent": True, "detail": ""}
     # The step lock keeps the engine thread from changing the pool mid-audit.
     lock = getattr(engine, "_step_lock", None)
     with lock if lock is not None else contextlib.nullcontext():
-        try:
-            assert_all_free(engine.kv_cache_manager)
-        except AssertionError as exc:
-            return {"all_free": False, "detail": str(exc)[:2000]}
-    return {"all_free": True, "detail": ""}
+        for key, check in (("consistent", check_invariants), ("all_free", assert_all_free)):
+            try:
+                check(engine.kv_cache_manager)
+            except AssertionError as exc:
+                out[key] = False
+                out["detail"] += str(exc)[:2000] + " "
+    return out

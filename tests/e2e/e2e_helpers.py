@@ -80,6 +80,7 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict:
         reports = worker_reports(url)
         audits = {wid: r["stats"].get("audit", {}) for wid, r in reports.items() if r["healthy"]}
         if audits and all(a.get("all_free") for a in audits.values()):
+            assert all(a.get("consistent") for a in audits.values()), audits
             return reports
         if time.monotonic() > deadline:
             pytest.fail(f"pools not all free after {timeout_s}s: {json.dumps(audits, indent=1)[:3000]}")

@@ -17,6 +17,7 @@ import requests
 from ray.cluster_utils import Cluster
 
 from e2e_helpers import PROMPTS, complete, e2e_config, stream_events, wait_all_free, worker_reports
+from kvcache.audit import assert_all_free
 from pd.deploy_config import Mode
 from pd.engine import Engine
 from pd.launch import Deployment
@@ -58,9 +59,23 @@ def _reference_tokens(prompt: str, max_tokens: int) -> list[int]:
     try:
         out = engine.generate_sync({"ref": ByteTokenizer().encode(prompt)},
                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        assert_all_free(engine.kv_cache_manager)
         return out["ref"]
     finally:
         engine.shutdown()
+
+
+def _kill(actor) -> None:
+    """Kills a worker's process and returns once Ray reports it dead (ray.kill is asynchronous)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.health.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
+    pytest.fail("killed actor still answers")
 
 
 def test_workers_spread_over_nodes(deployment):
@@ -114,8 +129,7 @@ def test_decode_worker_killed_mid_stream(deployment):
     for t in threads:
         t.start()
     first_tokens.wait()  # every stream is producing tokens
-    victim = next(w for w in deployment.workers if w.endpoint.worker_id == "decode-0")
-    ray.kill(victim.actor, no_restart=True)
+    _kill(next(w for w in deployment.workers if w.endpoint.worker_id == "decode-0").actor)
     started = time.monotonic()
     for t in threads:
         t.join(timeout=90)
@@ -146,8 +160,7 @@ def test_prefill_worker_killed_requests_move_to_the_other(deployment):
     """After decode-0's death above: kill prefill-1 too; requests keep succeeding on prefill-0 / decode-1
     (a request that picks the dead worker before it is noticed is retried, since nothing was produced yet)."""
     url = deployment.url
-    victim = next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-1")
-    ray.kill(victim.actor, no_restart=True)
+    _kill(next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-1").actor)
     for prompt in PROMPTS:
         got = complete(url, prompt, max_tokens=16, ignore_eos=True)["choices"][0]["token_ids"]
         assert got == _reference_tokens(prompt, 16)

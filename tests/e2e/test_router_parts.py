@@ -2,10 +2,12 @@
 request parsing, stop strings, routing, Prometheus text, load-generator maths."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pd import openai_api as oa
-from pd.deploy_config import ConfigError, DeployConfig, Mode
+from pd.deploy_config import ConfigError, DeployConfig, Mode, load_deploy_config
 from pd.loadgen import arrival_delays, parse_range
 from pd.loadgen_report import RequestRecord, compute_metrics, percentile
 from pd.metrics import RouterMetrics, parse_prometheus
@@ -27,6 +29,19 @@ from pd.tokenizer import ByteTokenizer
 def test_deploy_config_errors_name_the_key(data, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         DeployConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_deploy_config_is_valid(path):
+    import yaml
+
+    if path.name.startswith("kuberay"):
+        docs = list(yaml.safe_load_all(path.read_text()))
+        assert docs[0]["kind"] == "RayJob" and "pd.launch" in docs[0]["spec"]["entrypoint"]
+        return
+    config = load_deploy_config(path)
+    assert config.topology.num_workers >= 1
 
 
 def test_deploy_config_round_trips_through_json():
