@@ -48,7 +48,7 @@ class ConsumerConfig:
     secret: bytes
     compat_hash: str
     data_path: DataPath = DataPath.AUTO
-    num_tcp_streams: int = 2
+    num_tcp_streams: int = 4
     num_shm_streams: int = 1
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0

@@ -45,6 +45,7 @@ class PageAccess:
         n = len(block_ids)
         assert n <= self.staging_pages, "caller chunks to staging_pages"
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
+        self._stream.wait_stream(torch.cuda.default_stream(self.pool.device))  # the forward wrote these pages
         with torch.cuda.stream(self._stream):
             self._staging_t[:n].copy_(self.pool.buffer.index_select(0, idx), non_blocking=True)
         self._stream.synchronize()
@@ -59,6 +60,7 @@ class PageAccess:
                 np.copyto(out[i], self._host[b])
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
+        self._stream.wait_stream(torch.cuda.default_stream(self.pool.device))
         with torch.cuda.stream(self._stream):
             dst[: len(block_ids)].copy_(self.pool.buffer.index_select(0, idx))
             self._stream.synchronize()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
+import collections
+import select
 import socket
 import threading
 from typing import Callable
@@ -37,6 +38,7 @@ class PullPart:
     on_done: Callable[[PullPart], None]
     bad_block_ids: list[int] = dataclasses.field(default_factory=list)
     cause: FailureCause | None = None  # None: all pages landed and verified
+    xfer: int = 0  # set once its PULL went out
 
     def fail(self, cause: FailureCause) -> None:
         self.cause = cause
@@ -52,22 +54,47 @@ class PullStream:
         self._session = session
         self.mode = mode
         self._io_timeout_s = io_timeout_s
-        self._queue: queue.SimpleQueue[PullPart | None] = queue.SimpleQueue()
+        self._parts: collections.deque[PullPart] = collections.deque()  # guarded by _send_lock
+        self._closing = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._sock: socket.socket | None = None
         self._seg: ShmSegment | None = None
         self._xfer = 0
+        self._send_lock = threading.Lock()  # PULLs go out in queue order, from either thread
+        self._outstanding = 0  # parts submitted and not yet resolved
+        self._ready = False
         self._abort_cause: FailureCause | None = None
         self.dead = False
         self._thread = threading.Thread(target=self._run, name=f"kv-pull-{mode}", daemon=True)
         self._thread.start()
 
     def submit(self, part: PullPart) -> None:
-        self._queue.put(part)
+        """Queues a part. On an idle, open stream its PULL leaves at once from the caller's
+        thread and the stream thread (waiting on the socket) first wakes when the answer
+        arrives: one thread wake-up per transfer, which matters on a busy host."""
+        with self._send_lock:
+            idle = self._ready and not self._parts and self._abort_cause is None and not self.dead
+            self._parts.append(part)
+            if idle:
+                try:
+                    self._send_pull(part)
+                    return
+                except OSError:
+                    part.xfer = 0  # the stream thread finds the stream broken and fails it
+        self._wake()
 
     def close(self, cause: FailureCause = FailureCause.SHUTDOWN) -> None:
         """No more parts after this; queued parts fail with `cause`, the thread exits."""
-        self._queue.put(None)
+        self._closing = True
         self.abort(cause)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # full: a wake-up is pending anyway
 
     def abort(self, cause: FailureCause) -> None:
         """Breaks the stream now: the part in flight fails with `cause`."""
@@ -89,20 +116,41 @@ class PullStream:
         try:
             self._connect()
             access = PageAccess(self._pool)
+            with self._send_lock:
+                self._ready = True
         except Exception as e:
             logger.warning("KV data stream to %s:%d failed to open: %s", *self._addr, e)
             self.dead = True
         while True:
-            part = self._queue.get()
+            with self._send_lock:
+                part = self._parts[0] if self._parts else None
             if part is None:
-                break
+                if self._closing:
+                    break
+                self._idle_wait()
+                continue
             if self.dead or self._abort_cause is not None:
                 part.fail(self._abort_cause or FailureCause.PEER_GONE)
                 self.dead = True
             else:
                 self._run_part(part, access)
+            with self._send_lock:
+                self._parts.popleft()
             part.on_done(part)
         self._teardown()
+
+    def _idle_wait(self) -> None:
+        """Sleeps until a part is queued, its answer arrives, or close() (bounded)."""
+        watch = [self._wake_r] + ([self._sock] if self._sock is not None and not self.dead else [])
+        try:
+            ready, _, _ = select.select(watch, [], [], 0.5)
+        except (OSError, ValueError):
+            ready = []
+        if self._wake_r in ready:
+            try:
+                self._wake_r.recv(4096)
+            except OSError:
+                pass
 
     def _connect(self) -> None:
         sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
@@ -117,11 +165,17 @@ class PullStream:
                 raise ConnectionError("producer declined shared memory")
             self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
 
-    def _run_part(self, part: PullPart, access: PageAccess) -> None:
+    def _send_pull(self, part: PullPart) -> None:
         self._xfer += 1
+        part.xfer = self._xfer
+        wire.send_frame(self._sock, wire.encode(MsgType.PULL, xfer=part.xfer, request_id=part.remote_request_id,
+                                                block_ids=part.src_block_ids))
+
+    def _run_part(self, part: PullPart, access: PageAccess) -> None:
         try:
-            wire.send_frame(self._sock, wire.encode(MsgType.PULL, xfer=self._xfer, request_id=part.remote_request_id,
-                                                    block_ids=part.src_block_ids))
+            if not part.xfer:
+                with self._send_lock:
+                    self._send_pull(part)
             if self._seg is None:
                 self._recv_pages(part, access)
             else:
@@ -137,16 +191,16 @@ class PullStream:
             part.fail(self._abort_cause or FailureCause.PEER_GONE)
             self._break()
 
-    def _expect(self, want: MsgType) -> dict:
+    def _expect(self, want: MsgType, xfer: int) -> dict:
         msg_type, msg = wire.recv_frame(self._sock)
-        if msg_type is MsgType.ERROR and msg["xfer"] == self._xfer:
+        if msg_type is MsgType.ERROR and msg["xfer"] == xfer:
             raise _Refused(msg["reason"])
-        if msg_type is not want or msg["xfer"] != self._xfer:
-            raise MalformedMessage(f"expected {want.value} for transfer {self._xfer}, got {msg_type.value}")
+        if msg_type is not want or msg["xfer"] != xfer:
+            raise MalformedMessage(f"expected {want.value} for transfer {xfer}, got {msg_type.value}")
         return msg
 
     def _recv_pages(self, part: PullPart, access: PageAccess) -> None:
-        msg = self._expect(MsgType.PAGES)
+        msg = self._expect(MsgType.PAGES, part.xfer)
         digests = msg["digests"]
         if len(digests) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
             raise MalformedMessage("pages header does not match the pull")
@@ -167,7 +221,7 @@ class PullStream:
         dst = part.dst_block_ids
         done = 0
         while done < len(dst):
-            msg = self._expect(MsgType.CHUNK)
+            msg = self._expect(MsgType.CHUNK, part.xfer)
             half, digests = msg["half"], msg["digests"]
             if half not in (0, 1) or not digests or len(digests) > seg.chunk_pages or done + len(digests) > len(dst):
                 raise MalformedMessage("chunk does not match the pull")
@@ -193,6 +247,8 @@ class PullStream:
 
     def _teardown(self) -> None:
         self._break()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
         if self._seg is not None:
             self._seg.close()
             self._seg = None

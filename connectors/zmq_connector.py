@@ -52,7 +52,7 @@ class ZmqConnectorConfig:
     transfer_timeout_s: float = 30.0
     io_timeout_s: float = 5.0
     data_path: DataPath = DataPath.AUTO
-    num_tcp_streams: int = 2
+    num_tcp_streams: int = 4
     shm_chunk_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
