@@ -38,7 +38,8 @@ class PullPart:
     on_done: Callable[[PullPart], None]
     bad_block_ids: list[int] = dataclasses.field(default_factory=list)
     cause: FailureCause | None = None  # None: all pages landed and verified
-    xfer: int = 0  # set once its PULL went out
+    xfer: int = 0  # set once its PULL started to go out
+    unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
 
     def fail(self, cause: FailureCause) -> None:
         self.cause = cause
@@ -78,8 +79,8 @@ class PullStream:
             self._parts.append(part)
             if idle:
                 try:
-                    self._send_pull(part)
-                    return
+                    if self._send_pull(part, blocking=False):
+                        return
                 except OSError:
                     part.xfer = 0  # the stream thread finds the stream broken and fails it
         self._wake()
@@ -165,17 +166,33 @@ class PullStream:
                 raise ConnectionError("producer declined shared memory")
             self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
 
-    def _send_pull(self, part: PullPart) -> None:
+    def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:
+        """Sends the part's PULL. Non-blocking from the caller's thread: whatever does not
+        fit in the (idle, so empty) send buffer at once is left in `part.unsent` for the
+        stream thread, so the engine's thread never waits on the network."""
         self._xfer += 1
         part.xfer = self._xfer
-        wire.send_frame(self._sock, wire.encode(MsgType.PULL, xfer=part.xfer, request_id=part.remote_request_id,
-                                                block_ids=part.src_block_ids))
+        payload = wire.encode(MsgType.PULL, xfer=part.xfer, request_id=part.remote_request_id,
+                              block_ids=part.src_block_ids)
+        frame = len(payload).to_bytes(4, "big") + payload
+        if blocking:
+            self._sock.sendall(frame)
+            return True
+        try:
+            sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        part.unsent = frame[sent:]
+        return not part.unsent
 
     def _run_part(self, part: PullPart, access: PageAccess) -> None:
         try:
             if not part.xfer:
                 with self._send_lock:
                     self._send_pull(part)
+            elif part.unsent:
+                self._sock.sendall(part.unsent)
+                part.unsent = b""
             if self._seg is None:
                 self._recv_pages(part, access)
             else:
