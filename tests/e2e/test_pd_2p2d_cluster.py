@@ -164,6 +164,9 @@ def test_prefill_worker_killed_requests_move_to_the_other(deployment):
     for prompt in PROMPTS:
         got = complete(url, prompt, max_tokens=16, ignore_eos=True)["choices"][0]["token_ids"]
         assert got == _reference_tokens(prompt, 16)
+    deadline = time.monotonic() + 15  # found by a failed call, or by the health loop's polls
+    while worker_reports(url)["prefill-1"]["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.2)
     reports = worker_reports(url)
     assert reports["prefill-1"]["healthy"] is False and reports["prefill-0"]["healthy"] is True
     assert requests.get(f"{url}/health", timeout=10).json()["status"] == "ok"
