@@ -50,18 +50,21 @@ class Dispatcher:
         payload = {"request_id": request_id, "prompt_token_ids": prompt_token_ids, "sampling": sampling,
                    "kv_transfer_params": None}
         if self._colocated:
-            async for event in self._run(Role.BOTH, payload):
-                yield event
+            async with contextlib.aclosing(self._run(Role.BOTH, payload)) as events:
+                async for event in events:
+                    yield event
             return
         started = time.perf_counter()
         prefill = dict(payload, sampling=dict(sampling, max_tokens=1), kv_transfer_params={"do_remote_decode": True})
         params = None
-        async for event in self._run(Role.PREFILL, prefill, keep_params=True):
-            params = event  # the last event carries the params
+        async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True)) as answers:
+            async for answer in answers:
+                params = answer  # the prefill's one answer: the kv_transfer_params for decode
         self._metrics.prefill.observe(time.perf_counter() - started)
         decode = dict(payload, kv_transfer_params=params)
-        async for event in self._run(Role.DECODE, decode):
-            yield event
+        async with contextlib.aclosing(self._run(Role.DECODE, decode)) as events:
+            async for event in events:
+                yield event
 
     async def _run(self, role: Role, payload: dict, keep_params: bool = False) -> AsyncIterator:
         """Runs `payload` on a `role` worker; retries once if the first worker is unreachable

@@ -135,7 +135,7 @@ class Router:
     @web.middleware
     async def _api_key(self, request: web.Request, handler):
         key = self.config.router.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and request.path.startswith(("/v1/", "/pd/")):
             header = request.headers.get("Authorization", "")
             if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
                 return _error_response(oa.APIError(401, "invalid or missing API key", code="invalid_api_key"))

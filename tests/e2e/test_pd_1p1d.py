@@ -103,6 +103,7 @@ def test_client_disconnect_aborts_the_request(pd):
         assert got  # streaming had started; leaving the block closes the connection
     reports = wait_all_free(pd)  # D aborted the request and freed its blocks
     assert reports["decode-0"]["stats"]["num_aborted"] == aborted_before + 1
+    assert all(r["num_in_flight"] == 0 for r in reports.values())  # the router released its count too
 
 
 def test_stop_string_cuts_output(pd):
