@@ -33,7 +33,7 @@ def _fill(pool, seed: int) -> None:
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=g))
 
 
-def _producer_main(num_blocks: int, page_bytes: int, conn, stop) -> None:
+def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn, stop) -> None:
     import threading
 
     import torch
@@ -44,7 +44,8 @@ def _producer_main(num_blocks: int, page_bytes: int, conn, stop) -> None:
 
     pool = PagePool(num_blocks + 1, page_bytes)
     _fill(pool, 1)
-    prod = Producer(ProducerConfig(engine_id="bench-P", secret=SECRET, compat_hash=COMPAT, lease_s=3600), pool)
+    prod = Producer(ProducerConfig(engine_id="bench-P", secret=SECRET, compat_hash=COMPAT, lease_s=3600,
+                                   shm_chunk_bytes=shm_chunk_bytes), pool)
     prod.start()
     prod.add_lease("bench", list(range(1, num_blocks + 1)), lease_s=3600)
     raw = socket.create_server(("127.0.0.1", 0))
@@ -146,6 +147,16 @@ def _measure(path: str, args, ports, pool) -> dict:
     }
 
 
+def _median_run(results: list[dict]) -> dict:
+    """Per key, the median over runs (ratio: median of the per-run ratios, both from the same run)."""
+    out = dict(results[0])
+    for key in ("gbps", "raw_gbps", "ratio", "latency_us", "raw_latency_us"):
+        out[key] = round(statistics.median(r[key] for r in results), 3)
+    out["latency_ratio"] = round(statistics.median(r["latency_us"] / r["raw_latency_us"] for r in results), 3)
+    out["runs"] = len(results)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=64)
@@ -153,6 +164,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--streams", type=int, default=4, help="parallel tcp data streams")
     ap.add_argument("--paths", default="tcp,shm")
+    ap.add_argument("--shm-chunk-kib", type=int, default=8192, help="shared-memory staging half size")
+    ap.add_argument("--runs", type=int, default=3, help="measurements per path; the median run is reported")
     ap.add_argument("--json", action="store_true", help="one JSON line per data path")
     args = ap.parse_args(argv)
 
@@ -164,20 +177,26 @@ def main(argv=None) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     stop = ctx.Event()
-    proc = ctx.Process(target=_producer_main, args=(args.blocks, args.page_kib * 1024, child, stop), daemon=True)
+    proc = ctx.Process(target=_producer_main, args=(args.blocks, args.page_kib * 1024, args.shm_chunk_kib * 1024, child, stop),
+                       daemon=True)
     proc.start()
     try:
         if not parent.poll(60):
             raise RuntimeError("producer process did not start")
         ports = parent.recv()
         pool = PagePool(args.blocks + 1, args.page_kib * 1024)
-        for path in args.paths.split(","):
-            r = _measure(path, args, ports, pool)
+        runs: dict[str, list[dict]] = {path: [] for path in args.paths.split(",")}
+        for _ in range(args.runs):  # alternate the paths so both see the same machine
+            for path in runs:
+                runs[path].append(_measure(path, args, ports, pool))
+        for path, results in runs.items():
+            r = _median_run(results)
             if args.json:
                 print(json.dumps(r), flush=True)
             else:
                 print(f"{path:4s} {r['gbps']:6.2f} GB/s  raw socket {r['raw_gbps']:6.2f} GB/s  ratio {r['ratio']:.2f}   "
-                      f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us", flush=True)
+                      f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us "
+                      f"(x{r['latency_ratio']:.2f}, median of {r['runs']} runs)", flush=True)
     finally:
         stop.set()
         proc.join(10)

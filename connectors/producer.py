@@ -47,7 +47,7 @@ class ProducerConfig:
     io_timeout_s: float = 5.0  # longest wait for a peer in the middle of a frame or a credit
     handshake_timeout_s: float = 5.0
     max_streams: int = 64
-    shm_chunk_bytes: int = 4 * 1024 * 1024
+    shm_chunk_bytes: int = 8 * 1024 * 1024
     offer_shm: bool = True
 
     def __post_init__(self) -> None:

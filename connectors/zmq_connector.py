@@ -53,7 +53,7 @@ class ZmqConnectorConfig:
     io_timeout_s: float = 5.0
     data_path: DataPath = DataPath.AUTO
     num_tcp_streams: int = 4
-    shm_chunk_bytes: int = 4 * 1024 * 1024
+    shm_chunk_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", KVRole(self.role))
