@@ -138,20 +138,18 @@ class BlockPool:
         events = self.enable_kv_cache_events
         stored: list[bytes] | None = [] if events else None
         extra: list = []
+        dups = self._dups
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             h = hashes[i]
-            old = blk.block_hash
-            if old is not None:
-                if old == h and blk.hash_group_id == kv_cache_group_id:
+            if blk.block_hash is not None:
+                if blk.block_hash == h and blk.hash_group_id == kv_cache_group_id:
                     continue
                 self._uncache(blk)
-            if h in m:
-                self._dups.setdefault((kv_cache_group_id, h), {})[blk.block_id] = blk
-            else:
-                m[h] = blk
+            if m.setdefault(h, blk) is not blk:
+                dups.setdefault((kv_cache_group_id, h), {})[blk.block_id] = blk
             blk.block_hash = h
             blk.hash_group_id = kv_cache_group_id
             if events:
@@ -172,18 +170,37 @@ class BlockPool:
     # ------------------------------------------------------------------ alloc / free
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` from the queue head (evicting their cache entries), ref 1."""
-        if num_blocks > self.free_block_queue.num_free_blocks:
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ret = self.free_block_queue.popleft_n(num_blocks)
-        if self.enable_caching:
-            for blk in ret:
-                if blk.block_hash is not None:
+        if num_blocks <= 0:
+            return []
+        out: list[KVCacheBlock] = []
+        append = out.append
+        head = queue.head
+        blk = head.next_free_block
+        # fast lazy eviction when no duplicates and no events need handling
+        simple = not self._dups and not self.enable_kv_cache_events
+        cached = self._cached
+        for _ in range(num_blocks):
+            nxt = blk.next_free_block
+            blk.prev_free_block = blk.next_free_block = None
+            h = blk.block_hash
+            if h is not None:
+                m = cached[blk.hash_group_id]
+                if simple and m.get(h) is blk:
+                    del m[h]
+                    blk.block_hash = None
+                    blk.hash_group_id = -1
+                else:
                     self._uncache(blk)
-                blk.ref_cnt = 1
-        else:
-            for blk in ret:
-                blk.ref_cnt = 1
-        return ret
+            blk.ref_cnt = 1
+            append(blk)
+            blk = nxt
+        head.next_free_block = blk
+        blk.prev_free_block = head
+        queue.num_free_blocks -= num_blocks
+        return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on prefix-hit blocks (claiming free ones)."""
@@ -194,20 +211,36 @@ class BlockPool:
             blk.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; `ordered_blocks` first = evicted first."""
-        with_hash = []
-        without_hash = []
+        """Drop one reference per block; `ordered_blocks` first = evicted first.
+
+        Blocks reaching ref 0 go to the queue tail if hashed (kept for hits) and
+        to the head if not (reused first), each set in the given order."""
+        queue = self.free_block_queue
+        tail = queue.tail
+        last = tail.prev_free_block
+        num_appended = 0
+        without_hash = None
         for blk in ordered_blocks:
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0 and not blk.is_null:
+            rc = blk.ref_cnt - 1
+            blk.ref_cnt = rc
+            if rc == 0 and not blk.is_null:
                 if blk.block_hash is None:
-                    without_hash.append(blk)
+                    if without_hash is None:
+                        without_hash = [blk]
+                    else:
+                        without_hash.append(blk)
                 else:
-                    with_hash.append(blk)
-        if without_hash:
-            self.free_block_queue.prepend_n(without_hash)
-        if with_hash:
-            self.free_block_queue.append_n(with_hash)
+                    # append to the tail in place
+                    blk.prev_free_block = last
+                    last.next_free_block = blk
+                    last = blk
+                    num_appended += 1
+        if num_appended:
+            last.next_free_block = tail
+            tail.prev_free_block = last
+            queue.num_free_blocks += num_appended
+        if without_hash is not None:
+            queue.prepend_n(without_hash)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove these blocks' prefix-cache entries (e.g. their KV failed to load);

@@ -201,18 +201,95 @@ class KVCacheManager:
         """Give `request` slots for `num_new_tokens` (+ lookahead) after its computed,
         newly hit (`new_computed_blocks`) and external tokens. Returns only the
         newly allocated blocks, or None when they do not fit."""
+        fa = self._fa
+        if fa is None or num_external_computed_tokens:
+            return self._allocate_generic(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                          num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                          full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+        # One full-attention group without external tokens: nothing is ever
+        # skipped, so the arithmetic of the generic path collapses to this.
+        if num_new_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no external computed tokens")
+        rid = request.request_id
+        req_blocks = fa.req_to_blocks.get(rid)
+        hits = ()
+        explicit = new_computed_blocks is not None and new_computed_blocks.blocks is not self.empty_kv_cache_blocks.blocks
+        if explicit:
+            if req_blocks or rid in fa.num_cached_block:
+                # hits for a request that already holds blocks: let the generic path decide
+                return self._allocate_generic(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                              num_lookahead_tokens, 0, delay_cache_blocks, full_sequence_must_fit,
+                                              reserved_blocks, has_scheduled_reqs)
+            hits = new_computed_blocks.blocks[0]
+        watermark = self.watermark_blocks
+        if watermark and not (has_scheduled_reqs and request.status in _WATERMARK_STATES):
+            watermark = 0
+        max_len = self.max_model_len
+        bs = fa.block_size
+        pool = self.block_pool
+        held = (len(req_blocks) if req_blocks is not None else 0) + len(hits)
+        evictable = 0  # free hit blocks: touching them consumes free capacity
+        for blk in hits:
+            if blk.ref_cnt == 0 and not blk.is_null:
+                evictable += 1
+        num_free = pool.free_block_queue.num_free_blocks
+        if full_sequence_must_fit:
+            full = request.num_tokens if request.num_tokens < max_len else max_len
+            needed = -(-full // bs) - held
+            if (needed if needed > 0 else 0) + evictable + watermark > num_free:
+                return None
+        total = request.num_computed_tokens + num_new_computed_tokens
+        if total > max_len:
+            total = max_len
+        need = total + num_new_tokens + num_lookahead_tokens
+        if need > max_len:
+            need = max_len
+        num_new = -(-need // bs) - held
+        if num_new < 0:
+            num_new = 0
+        if num_new + evictable + watermark > num_free - reserved_blocks:
+            return None
+        if explicit:
+            if self.enable_caching:
+                pool.touch(hits)
+            else:
+                assert not hits, "prefix hits while prefix caching is disabled"
+            if req_blocks is None:
+                req_blocks = fa.req_to_blocks[rid] = []
+            req_blocks.extend(hits)
+            fa.num_cached_block[rid] = len(req_blocks)
+        if num_new:
+            new = pool.get_new_blocks(num_new)
+            if req_blocks is None:
+                req_blocks = fa.req_to_blocks[rid] = list(new)
+            else:
+                req_blocks.extend(new)
+        else:
+            new = None
+            if req_blocks is None:
+                req_blocks = fa.req_to_blocks[rid] = []
+        if self.enable_caching and not delay_cache_blocks:
+            num_cache = total + num_new_tokens
+            if num_cache > request.num_tokens:
+                num_cache = request.num_tokens  # unverified draft tokens are not cached
+            num_full = num_cache // bs
+            num_cached = fa.num_cached_block.get(rid, 0)
+            if num_cached < num_full:
+                pool.cache_full_blocks(request, req_blocks, num_cached, num_full, bs, 0)
+                fa.num_cached_block[rid] = num_full
+        return KVCacheBlocks((new,)) if new else self.empty_kv_cache_blocks
+
+    def _allocate_generic(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                          new_computed_blocks: KVCacheBlocks | None, num_lookahead_tokens: int,
+                          num_external_computed_tokens: int, delay_cache_blocks: bool,
+                          full_sequence_must_fit: bool, reserved_blocks: int,
+                          has_scheduled_reqs: bool) -> KVCacheBlocks | None:
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no external computed tokens")
         empty = self.empty_kv_cache_blocks
         watermark = self.watermark_blocks
         if watermark and not (has_scheduled_reqs and request.status in _WATERMARK_STATES):
             watermark = 0
-        fa = self._fa
-        if (fa is not None and not full_sequence_must_fit and not num_external_computed_tokens
-                and (new_computed_blocks is None or new_computed_blocks is empty)):
-            return self._allocate_fast(fa, request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
-                                       delay_cache_blocks, reserved_blocks, watermark)
-
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else empty.blocks
         rid = request.request_id
         coord = self.coordinator
@@ -241,48 +318,6 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
-
-    def _allocate_fast(self, fa: FullAttentionManager, request: Request, num_new_tokens: int,
-                       num_new_computed_tokens: int, num_lookahead_tokens: int, delay_cache_blocks: bool,
-                       reserved_blocks: int, watermark: int) -> KVCacheBlocks | None:
-        """allocate_slots for one full-attention group without new hits or external
-        tokens: nothing to skip, nothing to touch."""
-        rid = request.request_id
-        max_len = self.max_model_len
-        total = request.num_computed_tokens + num_new_computed_tokens
-        if total > max_len:
-            total = max_len
-        need = total + num_new_tokens + num_lookahead_tokens
-        if need > max_len:
-            need = max_len
-        bs = fa.block_size
-        req_blocks = fa.req_to_blocks.get(rid)
-        num_new = -(-need // bs) - (len(req_blocks) if req_blocks is not None else 0)
-        if num_new < 0:
-            num_new = 0
-        pool = self.block_pool
-        if num_new + watermark > pool.free_block_queue.num_free_blocks - reserved_blocks:
-            return None
-        if num_new:
-            new = pool.get_new_blocks(num_new)
-            if req_blocks is None:
-                req_blocks = fa.req_to_blocks[rid] = list(new)
-            else:
-                req_blocks.extend(new)
-        else:
-            new = None
-            if req_blocks is None:
-                req_blocks = fa.req_to_blocks[rid] = []
-        if self.enable_caching and not delay_cache_blocks:
-            num_cache = total + num_new_tokens
-            if num_cache > len(request.all_token_ids):
-                num_cache = len(request.all_token_ids)
-            num_full = num_cache // bs
-            num_cached = fa.num_cached_block.get(rid, 0)
-            if num_cached < num_full:
-                pool.cache_full_blocks(request, req_blocks, num_cached, num_full, bs, 0)
-                fa.num_cached_block[rid] = num_full
-        return KVCacheBlocks((new,)) if new else self.empty_kv_cache_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to `num_computed_tokens` into the

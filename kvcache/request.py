@@ -49,7 +49,7 @@ class Request:
         "request_id", "prompt_token_ids", "num_prompt_tokens", "_all_token_ids",
         "_output_token_ids", "max_tokens", "cache_salt", "lora_name",
         "skip_reading_prefix_cache", "kv_transfer_params", "num_computed_tokens",
-        "status", "num_preemptions", "block_hashes", "_block_hasher", "spec_token_ids",
+        "status", "num_preemptions", "block_hashes", "_block_hasher", "spec_token_ids", "num_tokens",
     )
 
     def __init__(
@@ -73,6 +73,7 @@ class Request:
         self.prompt_token_ids = prompt
         self.num_prompt_tokens = len(prompt)
         self._all_token_ids = list(prompt)
+        self.num_tokens = len(prompt)  # == len(all_token_ids); a slot, read on every allocation
         self._output_token_ids: list[int] = []
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
@@ -87,10 +88,6 @@ class Request:
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
@@ -122,6 +119,7 @@ class Request:
             token_ids = list(token_ids)
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
+        self.num_tokens = len(self._all_token_ids)
         hasher = self._block_hasher
         if hasher is not None:
             new = hasher(self)

@@ -116,10 +116,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         probe = make_request("probe", req.all_token_ids, block_size=BS, cache_salt=req.cache_salt)
         blocks, hit = self.mgr.get_computed_blocks(probe)
         cached = req.num_computed_tokens // self.mgr.scheduler_block_size * self.mgr.scheduler_block_size
-        # the running request's own computed full blocks are cached, so the probe
-        # hits at least that much (sliding-window hits need only the window)
-        assert hit >= min(cached, probe.num_tokens - 1) // BS * BS or self.mgr.kv_cache_config.groups[0].spec.kind != "full_attention"
-        assert hit <= probe.num_tokens - 1
+        assert hit <= probe.num_tokens - 1 and hit % self.mgr.scheduler_block_size == 0
+        if all(g.spec.kind == "full_attention" for g in self.mgr.kv_cache_config.groups):
+            # the running request's own computed full blocks are cached and held
+            assert hit >= min(cached, probe.num_tokens - 1) // BS * BS
 
     @invariant()
     def pool_is_consistent(self):
