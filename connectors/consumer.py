@@ -295,6 +295,7 @@ class Consumer:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
         sock.connect(f"tcp://{remote.host}:{remote.port}")
         session = _Session(remote, sock, time.monotonic() + self.config.handshake_timeout_s)
         with self._lock:

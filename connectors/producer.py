@@ -90,6 +90,7 @@ class Producer:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)  # zmq drops larger peers
         if self.config.port:
             self._router.bind(f"tcp://{self.config.host}:{self.config.port}")
             self.port = self.config.port
@@ -248,7 +249,7 @@ class Producer:
         seg: ShmSegment | None = None
         try:
             conn.settimeout(self.config.handshake_timeout_s)
-            msg_type, msg = wire.recv_frame(conn)
+            msg_type, msg = wire.recv_frame(conn, max_bytes=1024)  # an ATTACH is tiny: no big buffers for strangers
             with self._sessions_lock:
                 known = msg_type is MsgType.ATTACH and msg["session"] in self._sessions
             if not known:

@@ -57,6 +57,7 @@ class PullStream:
         self._io_timeout_s = io_timeout_s
         self._parts: collections.deque[PullPart] = collections.deque()  # guarded by _send_lock
         self._closing = False
+        self._final_credit: bytes | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._sock: socket.socket | None = None
@@ -75,7 +76,8 @@ class PullStream:
         thread and the stream thread (waiting on the socket) first wakes when the answer
         arrives: one thread wake-up per transfer, which matters on a busy host."""
         with self._send_lock:
-            idle = self._ready and not self._parts and self._abort_cause is None and not self.dead
+            idle = (self._ready and not self._parts and self._final_credit is None
+                    and self._abort_cause is None and not self.dead)
             self._parts.append(part)
             if idle:
                 try:
@@ -138,6 +140,8 @@ class PullStream:
             with self._send_lock:
                 self._parts.popleft()
             part.on_done(part)
+            if self._final_credit is not None:
+                self._send_final_credit()
         self._teardown()
 
     def _idle_wait(self) -> None:
@@ -243,16 +247,32 @@ class PullStream:
             if half not in (0, 1) or not digests or len(digests) > seg.chunk_pages or done + len(digests) > len(dst):
                 raise MalformedMessage("chunk does not match the pull")
             ids = dst[done : done + len(digests)]
+            done += len(ids)
+            last = done == len(dst)
             rows = seg.half(half)
             access.copy_in(rows, ids)
+            if access.on_host and not last:  # the half is copied out: let the producer refill it now
+                wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
             check = access.landing(ids) if access.on_host else [rows[j].numpy() for j in range(len(ids))]
             for j, view in enumerate(check):
                 if digest(view) != digests[j]:
                     part.bad_block_ids.append(ids[j])
-            wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
-            done += len(ids)
+            if last:  # sent once the part is reported (off the latency path), see _run
+                self._final_credit = wire.encode(MsgType.CREDIT, half=half)
+            elif not access.on_host:
+                wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
         if part.bad_block_ids:
             part.cause = FailureCause.CHECKSUM
+
+    def _send_final_credit(self) -> None:
+        # Sent before any later PULL can go out: a direct send needs an empty `_parts`,
+        # and `submit` takes the same lock.
+        with self._send_lock:
+            credit, self._final_credit = self._final_credit, None
+            try:
+                wire.send_frame(self._sock, credit)
+            except OSError:
+                self._break()
 
     def _break(self) -> None:
         self.dead = True

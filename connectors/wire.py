@@ -142,7 +142,7 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_LEN.pack(len(payload)) + payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[MsgType, dict[str, Any]]:
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_CONTROL_BYTES) -> tuple[MsgType, dict[str, Any]]:
     """Reads one length-prefixed control frame and decodes it.
 
     Raises `MalformedMessage` for a bad frame (the stream is then out of sync
@@ -152,7 +152,7 @@ def recv_frame(sock: socket.socket) -> tuple[MsgType, dict[str, Any]]:
     head = bytearray(_LEN.size)
     recv_exact(sock, memoryview(head))
     (length,) = _LEN.unpack(head)
-    if length == 0 or length > MAX_CONTROL_BYTES:
+    if length == 0 or length > max_bytes:
         raise MalformedMessage(f"frame length {length} out of range")
     body = bytearray(length)
     recv_exact(sock, memoryview(body))
