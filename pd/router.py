@@ -158,8 +158,8 @@ class Router:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self.poll_workers()  # fresh worker figures on every scrape
         workers = [(w.endpoint.worker_id, w.endpoint.role.value, w.healthy, w.stats) for w in self.pool.all()]
-        return web.Response(text=self.metrics.render(workers), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(body=self.metrics.render(workers).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _workers(self, request: web.Request) -> web.Response:
         if request.query.get("refresh"):
