@@ -100,19 +100,17 @@ class _Load:
 
 
 class _HS(enum.Enum):
-    HELLO_SENT = 1
-    AUTH_SENT = 2
-    READY = 3
+    HANDSHAKING = 1
+    READY = 2
 
 
 class _Session:
     def __init__(self, remote: RemoteAddr, sock: zmq.Socket, deadline: float):
         self.remote = remote
         self.sock = sock
-        self.state = _HS.HELLO_SENT
+        self.state = _HS.HANDSHAKING
         self.deadline = deadline
-        self.nonce = hs.make_nonce()
-        self.transcript = b""
+        self.handshake: hs.ConsumerHandshake | None = None
         self.token = b""
         self.streams: list[PullStream] = []
         self.pending: list[_Load] = []
@@ -302,8 +300,8 @@ class Consumer:
             self._sessions[remote] = session
         poller.register(sock, zmq.POLLIN)
         cfg = self.config
-        self._send(session, wire.encode(MsgType.HELLO, engine_id=cfg.engine_id, expect_engine_id=remote.engine_id,
-                                        compat=cfg.compat_hash, nonce=session.nonce))
+        session.handshake = hs.ConsumerHandshake(cfg.secret, cfg.compat_hash, cfg.engine_id, remote.engine_id)
+        self._send(session, session.handshake.hello())
         return session
 
     def _on_socket(self, session: _Session, poller) -> None:
@@ -321,7 +319,7 @@ class Consumer:
             except hs.HandshakeRefused as e:
                 logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host, session.remote.port)
                 self.metrics.record_refused(e.reason.value)
-                if not getattr(e, "by_peer", False):  # tell the producer why, so both sides log it
+                if not e.by_peer:  # tell the producer why, so both sides log it
                     self._send(session, wire.encode(MsgType.REFUSE, reason=e.reason.value, detail=e.detail))
                 self._close_session(session, poller, FailureCause.HANDSHAKE_REFUSED)
                 return
@@ -329,20 +327,12 @@ class Consumer:
                 return
 
     def _on_message(self, session: _Session, msg_type: MsgType, msg: dict, poller) -> None:
-        cfg, remote = self.config, session.remote
         if msg_type is MsgType.REFUSE:
-            err = hs.HandshakeRefused(_reason(msg["reason"]), f"refused by the producer: {msg['detail']}")
-            err.by_peer = True
-            raise err
-        if msg_type is MsgType.CHALLENGE and session.state is _HS.HELLO_SENT:
-            if msg["engine_id"] != remote.engine_id:
-                raise hs.HandshakeRefused(hs.RefuseReason.ENGINE_ID, f"peer is {msg['engine_id']!r}, expected {remote.engine_id!r}")
-            session.transcript = hs.transcript(session.nonce, msg["nonce"], cfg.compat_hash, remote.engine_id, cfg.engine_id)
-            if not hs.check_proof(cfg.secret, "producer", session.transcript, msg["proof"]):
-                raise hs.HandshakeRefused(hs.RefuseReason.AUTH, "the producer failed to prove the shared secret")
-            session.state = _HS.AUTH_SENT
-            self._send(session, wire.encode(MsgType.AUTH, proof=hs.proof(cfg.secret, "consumer", session.transcript)))
-        elif msg_type is MsgType.WELCOME and session.state is _HS.AUTH_SENT:
+            raise hs.HandshakeRefused.from_message(msg)
+        shaking = session.state is _HS.HANDSHAKING
+        if msg_type is MsgType.CHALLENGE and shaking and not session.handshake.authed:
+            self._send(session, session.handshake.on_challenge(msg))
+        elif msg_type is MsgType.WELCOME and shaking and session.handshake.authed:
             self._open_streams(session, msg)
         else:
             raise MalformedMessage(f"unexpected {msg_type.value} in state {session.state.name}")
@@ -419,9 +409,3 @@ class Consumer:
         except zmq.ZMQError as e:
             logger.debug("side-channel send to %s failed: %s", session.remote, e)
 
-
-def _reason(value: str) -> hs.RefuseReason:
-    try:
-        return hs.RefuseReason(value)
-    except ValueError:
-        return hs.RefuseReason.AUTH

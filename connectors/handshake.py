@@ -25,9 +25,13 @@ import json
 import os
 import secrets
 import socket
+import time
 from typing import Any
 
-from connectors.wire import PROTOCOL_VERSION
+from connectors import wire
+from connectors.wire import PROTOCOL_VERSION, MsgType
+
+_MAX_PENDING = 256
 
 
 class RefuseReason(str, enum.Enum):
@@ -42,10 +46,19 @@ class RefuseReason(str, enum.Enum):
 class HandshakeRefused(RuntimeError):
     """The peer (or this side) refused the handshake; `reason` says why."""
 
-    def __init__(self, reason: RefuseReason, detail: str):
+    def __init__(self, reason: RefuseReason, detail: str, by_peer: bool = False):
         super().__init__(f"KV handshake refused ({reason.value}): {detail}")
         self.reason = reason
         self.detail = detail
+        self.by_peer = by_peer  # the other side sent the refusal (else: we refuse it)
+
+    @classmethod
+    def from_message(cls, msg: dict) -> HandshakeRefused:
+        try:
+            reason = RefuseReason(msg["reason"])
+        except ValueError:
+            reason = RefuseReason.AUTH
+        return cls(reason, f"refused by the peer: {msg['detail'][:200]}", by_peer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +148,72 @@ def local_host_id() -> str:
     except OSError:
         shm_ino = 0
     return hashlib.sha256(f"{socket.gethostname()}|{boot}|{shm_ino}".encode()).hexdigest()[:32]
+
+
+class ConsumerHandshake:
+    """Client side of one handshake: HELLO, then CHALLENGE -> AUTH (mutual proof)."""
+
+    def __init__(self, secret: bytes, compat: str, engine_id: str, remote_engine_id: str):
+        self._secret, self._compat = secret, compat
+        self._engine_id, self._remote_engine_id = engine_id, remote_engine_id
+        self._nonce = make_nonce()
+        self.authed = False  # AUTH sent; WELCOME expected next
+
+    def hello(self) -> bytes:
+        return wire.encode(MsgType.HELLO, engine_id=self._engine_id, expect_engine_id=self._remote_engine_id,
+                           compat=self._compat, nonce=self._nonce)
+
+    def on_challenge(self, msg: dict) -> bytes:
+        """Checks the producer's identity and proof; returns the AUTH message."""
+        if msg["engine_id"] != self._remote_engine_id:
+            raise HandshakeRefused(RefuseReason.ENGINE_ID, f"peer is {msg['engine_id']!r}, expected {self._remote_engine_id!r}")
+        t = transcript(self._nonce, msg["nonce"], self._compat, self._remote_engine_id, self._engine_id)
+        if not check_proof(self._secret, "producer", t, msg["proof"]):
+            raise HandshakeRefused(RefuseReason.AUTH, "the producer failed to prove the shared secret")
+        self.authed = True
+        return wire.encode(MsgType.AUTH, proof=proof(self._secret, "consumer", t))
+
+
+class ProducerHandshake:
+    """Server side: answers HELLOs with challenges and checks AUTHs, per ZMQ identity.
+
+    At most `_MAX_PENDING` challenges are outstanding (oldest dropped), each
+    valid for `timeout_s`.
+    """
+
+    def __init__(self, secret: bytes, compat: str, engine_id: str, timeout_s: float):
+        self._secret, self._compat, self._engine_id = secret, compat, engine_id
+        self._timeout_s = timeout_s
+        self._pending: dict[bytes, tuple[float, bytes]] = {}  # identity -> (deadline, transcript)
+
+    def on_hello(self, ident: bytes, msg: dict) -> bytes:
+        """Returns the CHALLENGE, or raises `HandshakeRefused`."""
+        if msg["expect_engine_id"] != self._engine_id:
+            raise HandshakeRefused(RefuseReason.ENGINE_ID,
+                                   f"this producer is engine {self._engine_id!r}, not {msg['expect_engine_id'][:80]!r}")
+        if msg["compat"] != self._compat:
+            raise HandshakeRefused(RefuseReason.COMPAT,
+                                   f"compatibility hash {msg['compat'][:12]}.. != producer's {self._compat[:12]}..")
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(next(iter(self._pending)))
+        nonce_p = make_nonce()
+        t = transcript(msg["nonce"], nonce_p, self._compat, self._engine_id, msg["engine_id"])
+        self._pending[ident] = (time.monotonic() + self._timeout_s, t)
+        return wire.encode(MsgType.CHALLENGE, engine_id=self._engine_id, nonce=nonce_p,
+                           proof=proof(self._secret, "producer", t))
+
+    def on_auth(self, ident: bytes, msg: dict) -> None:
+        """Accepts a consumer's proof or raises `HandshakeRefused`."""
+        entry = self._pending.pop(ident, None)
+        if entry is None or entry[0] < time.monotonic():
+            raise HandshakeRefused(RefuseReason.AUTH, "AUTH without a pending challenge")
+        if not check_proof(self._secret, "consumer", entry[1], msg["proof"]):
+            raise HandshakeRefused(RefuseReason.AUTH, "wrong proof of the shared secret")
+
+    def forget(self, ident: bytes) -> None:
+        self._pending.pop(ident, None)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for ident in [i for i, (deadline, _) in self._pending.items() if deadline < now]:
+            del self._pending[ident]

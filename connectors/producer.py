@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import socket
 import threading
-import time
 
 import zmq
 
@@ -31,7 +30,6 @@ from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 
-_MAX_PENDING_HANDSHAKES = 256
 _MAX_SESSIONS = 1024
 
 
@@ -82,6 +80,8 @@ class Producer:
         self._threads: list[threading.Thread] = []
         self._streams: set[socket.socket] = set()
         self._seal_access = PageAccess(pool)
+        self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
+                                               config.handshake_timeout_s)
         self.port = 0
         self.data_port = 0
 
@@ -128,7 +128,6 @@ class Producer:
 
     # ------------------------------------------------------------------ side channel
     def _side_channel_loop(self) -> None:
-        pending: dict[bytes, tuple[float, bytes, bytes, str]] = {}  # identity -> (deadline, transcript, ...)
         router = self._router
         try:
             while not self._stop.is_set():
@@ -138,32 +137,37 @@ class Producer:
                     except zmq.Again:
                         frames = []
                     if len(frames) == 2:
-                        self._on_side_message(frames[0], frames[1], pending)
+                        self._on_side_message(frames[0], frames[1])
                     elif frames:
                         self.metrics.record_malformed()
                 self.leases.expire()
                 self.leases.seal_pending(self._seal_access.page_digests)
-                now = time.monotonic()
-                for ident in [i for i, p in pending.items() if p[0] < now]:
-                    del pending[ident]
+                self._handshake.expire()
         except Exception:  # the side channel must not die silently
             logger.exception("KV producer side channel crashed")
         finally:
             router.close(linger=0)
 
-    def _on_side_message(self, ident: bytes, payload: bytes, pending: dict) -> None:
+    def _on_side_message(self, ident: bytes, payload: bytes) -> None:
         try:
             msg_type, msg = wire.decode(payload)
         except MalformedMessage as e:
             self.metrics.record_malformed()
             logger.debug("dropped malformed side-channel frame: %s", e)
             return
-        if msg_type is MsgType.HELLO:
-            self._on_hello(ident, msg, pending)
-        elif msg_type is MsgType.AUTH:
-            self._on_auth(ident, msg, pending)
-        elif msg_type is MsgType.REFUSE:  # the consumer refused us (e.g. our proof failed)
-            pending.pop(ident, None)
+        try:
+            if msg_type is MsgType.HELLO:
+                self._send(ident, self._handshake.on_hello(ident, msg))
+                return
+            if msg_type is MsgType.AUTH:
+                self._handshake.on_auth(ident, msg)
+                self._welcome(ident)
+                return
+        except hs.HandshakeRefused as e:
+            self._refuse(ident, e.reason, e.detail)
+            return
+        if msg_type is MsgType.REFUSE:  # the consumer refused us (e.g. our proof failed)
+            self._handshake.forget(ident)
             logger.warning("KV producer %s was refused by a consumer (%s): %s", self.config.engine_id,
                            msg["reason"][:40], msg["detail"][:200])
             self.metrics.record_refused(msg["reason"][:40])
@@ -181,32 +185,7 @@ class Producer:
         else:
             self.metrics.record_malformed()
 
-    def _on_hello(self, ident: bytes, msg: dict, pending: dict) -> None:
-        cfg = self.config
-        if msg["expect_engine_id"] != cfg.engine_id:
-            self._refuse(ident, hs.RefuseReason.ENGINE_ID,
-                         f"this producer is engine {cfg.engine_id!r}, not {msg['expect_engine_id']!r}")
-            return
-        if msg["compat"] != cfg.compat_hash:
-            self._refuse(ident, hs.RefuseReason.COMPAT,
-                         f"compatibility hash {msg['compat'][:12]}.. != producer's {cfg.compat_hash[:12]}..")
-            return
-        if len(pending) >= _MAX_PENDING_HANDSHAKES:
-            pending.pop(next(iter(pending)))
-        nonce_p = hs.make_nonce()
-        transcript = hs.transcript(msg["nonce"], nonce_p, cfg.compat_hash, cfg.engine_id, msg["engine_id"])
-        pending[ident] = (time.monotonic() + cfg.handshake_timeout_s, transcript)
-        self._send(ident, wire.encode(MsgType.CHALLENGE, engine_id=cfg.engine_id, nonce=nonce_p,
-                                      proof=hs.proof(cfg.secret, "producer", transcript)))
-
-    def _on_auth(self, ident: bytes, msg: dict, pending: dict) -> None:
-        entry = pending.pop(ident, None)
-        if entry is None:
-            self._refuse(ident, hs.RefuseReason.AUTH, "AUTH without a pending challenge")
-            return
-        if not hs.check_proof(self.config.secret, "consumer", entry[1], msg["proof"]):
-            self._refuse(ident, hs.RefuseReason.AUTH, "wrong proof of the shared secret")
-            return
+    def _welcome(self, ident: bytes) -> None:
         token = hs.make_session_token()
         with self._sessions_lock:
             if len(self._sessions) >= _MAX_SESSIONS:
