@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 class DataPath(str, enum.Enum):
     AUTO = "auto"  # shared memory when the producer is on this host, else tcp
     TCP = "tcp"
-    SHM = "shm"
+    SHM = "shm"  # map the producer's CPU pool and copy once; else staged
+    SHM_STAGED = "shm_staged"  # always through a staging segment (CUDA pools use this)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,11 +341,14 @@ class Consumer:
     def _open_streams(self, session: _Session, msg: dict) -> None:
         cfg = self.config
         same_host = msg["host_id"] == self.host_id and msg["shm"]
-        use_shm = cfg.data_path is DataPath.SHM or (cfg.data_path is DataPath.AUTO and same_host)
-        if cfg.data_path is DataPath.SHM and not same_host:
+        wants_shm = cfg.data_path in (DataPath.SHM, DataPath.SHM_STAGED)
+        use_shm = wants_shm or (cfg.data_path is DataPath.AUTO and same_host)
+        if wants_shm and not same_host:
             logger.warning("KV producer %s is not on this host; using tcp", session.remote.engine_id)
             use_shm = False
-        mode, count = ("shm", cfg.num_shm_streams) if use_shm else ("tcp", cfg.num_tcp_streams)
+        map_pool = cfg.data_path is not DataPath.SHM_STAGED and self.pool.device.type == "cpu"
+        mode = ("map" if map_pool else "shm") if use_shm else "tcp"
+        count = cfg.num_shm_streams if use_shm else cfg.num_tcp_streams
         session.token = msg["session"]
         session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.token, mode, cfg.io_timeout_s)
                            for _ in range(count)]

@@ -8,8 +8,17 @@ one group at a time and each group views it in its own shape.
 Invariants: `buffer` is a uint8 tensor of shape (num_blocks, page_size_bytes)
 that never moves or changes size after construction; `page(i)` is a view of
 row i (no copy).
+
+A CPU pool (not pinned) lives in an anonymous shared-memory file (memfd) when
+the OS offers one: for its owner it is ordinary zeroed memory, and a KV
+consumer on the same host may map it read-only (`shared_path`) to copy pages
+out with a single memcpy. Where memfd is missing the pool is a plain tensor.
 """
 from __future__ import annotations
+
+import mmap
+import os
+import weakref
 
 import torch
 
@@ -23,9 +32,31 @@ class PagePool:
         self.num_blocks = num_blocks
         self.page_size_bytes = page_size_bytes
         self.device = torch.device(device)
-        self.buffer = torch.zeros((num_blocks, page_size_bytes), dtype=torch.uint8, device=self.device)
-        if pin_memory and self.device.type == "cpu" and torch.cuda.is_available():
+        self._fd: int | None = None
+        pinned = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        if self.device.type == "cpu" and not pinned and hasattr(os, "memfd_create"):
+            self.buffer = self._map_memfd(num_blocks, page_size_bytes)
+        else:
+            self.buffer = torch.zeros((num_blocks, page_size_bytes), dtype=torch.uint8, device=self.device)
+        if pinned:
             self.buffer = self.buffer.pin_memory()
+
+    def _map_memfd(self, num_blocks: int, page_size_bytes: int) -> torch.Tensor:
+        fd = os.memfd_create("pdkv-page-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, num_blocks * page_size_bytes)
+            mm = mmap.mmap(fd, num_blocks * page_size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            return torch.zeros((num_blocks, page_size_bytes), dtype=torch.uint8)
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)  # the mapping itself lives as long as the tensor
+        return torch.frombuffer(mm, dtype=torch.uint8).view(num_blocks, page_size_bytes)
+
+    @property
+    def shared_path(self) -> str | None:
+        """A path a same-host process may open read-only to map this pool, or None."""
+        return f"/proc/{os.getpid()}/fd/{self._fd}" if self._fd is not None else None
 
     def page(self, block_id: int) -> torch.Tensor:
         """Row `block_id` as a uint8 view (no copy)."""

@@ -235,14 +235,18 @@ class Producer:
                 self.metrics.record_refused(hs.RefuseReason.SESSION.value)
                 logger.warning("KV producer: data stream without a valid session token, closing it")
                 return
-            if msg["mode"] == "shm" and self.config.offer_shm:
+            mapped = msg["mode"] == "map" and self.config.offer_shm and self.pool.shared_path is not None
+            if mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
+                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
+                                                  shm_bytes=self.pool.nbytes, chunk_pages=0))
+            elif msg["mode"] == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
                 wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
             else:
                 wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
             access = PageAccess(self.pool)
-            self._serve(conn, access, seg)
+            self._serve(conn, access, seg, mapped)
         except (ConnectionError, OSError, MalformedMessage) as e:
             if isinstance(e, MalformedMessage):
                 self.metrics.record_malformed()
@@ -255,7 +259,7 @@ class Producer:
             if seg is not None:
                 seg.close()
 
-    def _serve(self, conn: socket.socket, access: PageAccess, seg: ShmSegment | None) -> None:
+    def _serve(self, conn: socket.socket, access: PageAccess, seg: ShmSegment | None, mapped: bool) -> None:
         while not self._stop.is_set():
             conn.settimeout(0.5)  # idle: wake up now and then to notice shutdown
             try:
@@ -273,7 +277,12 @@ class Producer:
                 continue
             try:
                 digests = self._digests_for(lease, block_ids, access)
-                if seg is None:
+                if mapped:
+                    # Digests only; the lease stays pinned until the consumer says it copied.
+                    wire.send_frame(conn, wire.encode(MsgType.PAGES, xfer=msg["xfer"], digests=digests,
+                                                      page_bytes=self.pool.page_size_bytes))
+                    self._await_credit(conn, [True, False])
+                elif seg is None:
                     self._send_pages(conn, access, msg["xfer"], block_ids, digests)
                 else:
                     self._send_chunks(conn, access, seg, msg["xfer"], block_ids, digests)

@@ -13,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import collections
+import mmap
+import os
 import select
 import socket
 import threading
 from typing import Callable
+
+import numpy as np
 
 from connectors import wire
 from connectors.metrics import FailureCause
@@ -58,6 +62,7 @@ class PullStream:
         self._parts: collections.deque[PullPart] = collections.deque()  # guarded by _send_lock
         self._closing = False
         self._final_credit: bytes | None = None
+        self._mapped: np.ndarray | None = None  # the producer's pool, read-only (mode "map")
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._sock: socket.socket | None = None
@@ -158,6 +163,17 @@ class PullStream:
                 pass
 
     def _connect(self) -> None:
+        if self.mode == "map":
+            try:
+                return self._attach()
+            except (OSError, ValueError) as e:  # e.g. /proc not readable: fall back to staging
+                logger.info("cannot map the producer's pool (%s); using a staging segment", e)
+                self._break()
+                self.dead = False
+                self.mode = "shm"
+        self._attach()
+
+    def _attach(self) -> None:
         sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
@@ -165,7 +181,9 @@ class PullStream:
         msg_type, msg = wire.recv_frame(sock)
         if msg_type is not MsgType.ATTACHED:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")
-        if self.mode == "shm":
+        if self.mode == "map":
+            self._mapped = map_pool(msg["shm_name"], msg["shm_bytes"], self._pool.page_size_bytes)
+        elif self.mode == "shm":
             if not msg["shm_name"]:
                 raise ConnectionError("producer declined shared memory")
             self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
@@ -197,7 +215,9 @@ class PullStream:
             elif part.unsent:
                 self._sock.sendall(part.unsent)
                 part.unsent = b""
-            if self._seg is None:
+            if self._mapped is not None:
+                self._copy_mapped(part, access)
+            elif self._seg is None:
                 self._recv_pages(part, access)
             else:
                 self._recv_chunks(part, access)
@@ -210,6 +230,10 @@ class PullStream:
         except (ConnectionError, OSError, MalformedMessage) as e:
             logger.warning("KV data stream to %s:%d broke: %s", *self._addr, e)
             part.fail(self._abort_cause or FailureCause.PEER_GONE)
+            self._break()
+        except Exception:  # a bug or a hostile peer: fail this part, keep the thread
+            logger.exception("KV pull of %s failed unexpectedly", part.remote_request_id)
+            part.fail(FailureCause.PEER_GONE)
             self._break()
 
     def _expect(self, want: MsgType, xfer: int) -> dict:
@@ -236,6 +260,20 @@ class PullStream:
             access.commit(ids)
         if part.bad_block_ids:
             part.cause = FailureCause.CHECKSUM
+
+    def _copy_mapped(self, part: PullPart, access: PageAccess) -> None:
+        msg = self._expect(MsgType.PAGES, part.xfer)
+        digests = msg["digests"]
+        if len(digests) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
+            raise MalformedMessage("pages header does not match the pull")
+        src = self._mapped
+        for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids))):
+            np.copyto(view, src[s])  # the one copy: producer's page -> our page
+            if digest(view) != digests[j]:
+                part.bad_block_ids.append(part.dst_block_ids[j])
+        if part.bad_block_ids:
+            part.cause = FailureCause.CHECKSUM
+        self._final_credit = wire.encode(MsgType.CREDIT, half=0)  # unpins the lease; sent after reporting
 
     def _recv_chunks(self, part: PullPart, access: PageAccess) -> None:
         seg = self._seg
@@ -289,7 +327,25 @@ class PullStream:
         if self._seg is not None:
             self._seg.close()
             self._seg = None
+        self._mapped = None
 
 
 class _Refused(Exception):
     pass
+
+
+def map_pool(path: str, size: int, page_bytes: int) -> np.ndarray:
+    """Maps a same-host producer's page pool read-only as (num_blocks, page_bytes)."""
+    parts = path.split("/")
+    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd" or not (parts[2].isdigit() and parts[4].isdigit()):
+        raise ValueError(f"not a pool path: {path!r}")
+    if size <= 0 or size % page_bytes:
+        raise ValueError(f"pool of {size} bytes is not whole pages of {page_bytes}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8).reshape(size // page_bytes, page_bytes)

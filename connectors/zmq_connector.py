@@ -54,6 +54,7 @@ class ZmqConnectorConfig:
     data_path: DataPath = DataPath.AUTO
     num_tcp_streams: int = 4
     shm_chunk_bytes: int = 8 * 1024 * 1024
+    allow_shm: bool = True  # producer: let same-host consumers use shared memory (map the pool / staging)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", KVRole(self.role))
@@ -97,7 +98,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.producer = Producer(ProducerConfig(
                 engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, host=cfg.host, port=cfg.port,
                 lease_s=cfg.lease_s, io_timeout_s=cfg.io_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
-                shm_chunk_bytes=cfg.shm_chunk_bytes), page_pool, self.metrics)
+                shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=cfg.allow_shm), page_pool, self.metrics)
             self.producer.start()
         if cfg.is_consumer:
             self.consumer = Consumer(ConsumerConfig(

@@ -244,7 +244,7 @@ def _send_garbage(producer) -> int:
     return len(frames)
 
 
-@pytest.mark.parametrize("path", ["shm", "tcp"])
+@pytest.mark.parametrize("path", ["shm", "shm_staged", "tcp"])
 def test_both_data_paths_move_exact_bytes(producer, path):
     c = PeerProc(engine_id=f"decode-{path}", role="kv_consumer", data_path=path)
     try:

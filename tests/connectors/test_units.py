@@ -156,7 +156,7 @@ def test_noop_connector_moves_nothing():
     assert c.worker.get_finished() == (set(), set())
 
 
-@pytest.mark.parametrize("path", ["tcp", "shm"])
+@pytest.mark.parametrize("path", ["tcp", "shm", "shm_staged"])
 def test_many_concurrent_loads_all_land_exactly(path):
     """Real sockets, one process: many loads in flight share streams; every page verified."""
     import random
@@ -188,6 +188,8 @@ def test_many_concurrent_loads_all_land_exactly(path):
         for job, src, dst in jobs:
             assert job.done.wait(20) and job.result.ok, job.result
             assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
+        modes = {s.mode for session in cons._sessions.values() for s in session.streams}
+        assert modes == {{"shm": "map", "shm_staged": "shm"}.get(path, path)}
         deadline = time.monotonic() + 5
         released: set[str] = set()
         while len(released) < 24 and time.monotonic() < deadline:
