@@ -133,6 +133,14 @@ class PagedAttention:
         # One sub-batch whose queries are exactly the step's tokens in order: no scatter needed.
         self._identity = (self.fused is None and len(self.sub_batches) == 1 and self.sub_batches[0].valid is None
                           and bool((self.sub_batches[0].out_index == torch.arange(self.num_tokens)).all()))
+        device = token_rows.device
+        if device.type != "cpu":  # metadata is built on the CPU; the pages may live elsewhere
+            self.slot_rows = [r.to(device) for r in self.slot_rows]
+            for sb in self.sub_batches:
+                sb.q_index, sb.out_index = sb.q_index.to(device), sb.out_index.to(device)
+                sb.valid = None if sb.valid is None else sb.valid.to(device)
+                for gb in sb.groups:
+                    gb.table, gb.mask = gb.table.to(device), gb.mask.to(device)
 
     def _build_fused(self, members: list[int], starts: list[int], tables: list[torch.Tensor],
                      first_token: torch.Tensor) -> _FusedDecode:

@@ -74,6 +74,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        probs = torch.softmax(filter_logits(logits[row].float(), p), dim=-1)
+        probs = torch.softmax(filter_logits(logits[row].float().cpu(), p), dim=-1)  # generators live on the CPU
         tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
     return tokens
