@@ -28,6 +28,7 @@ import zmq
 
 from connectors import handshake as hs
 from connectors import wire
+from connectors.loads import LoadHandle, LoadResult, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.page_pool import PagePool
 from connectors.pull_stream import PullPart, PullStream
@@ -67,39 +68,6 @@ class ConsumerConfig:
         object.__setattr__(self, "data_path", DataPath(self.data_path))
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteAddr:
-    engine_id: str
-    host: str
-    port: int
-
-
-@dataclasses.dataclass
-class LoadResult:
-    request_id: str
-    ok: bool
-    invalid_block_ids: list[int]
-    cause: FailureCause | None
-    num_bytes: int
-    seconds: float
-
-
-class _Load:
-    def __init__(self, request_id, remote, remote_request_id, src, dst, deadline):
-        self.request_id = request_id
-        self.remote = remote
-        self.remote_request_id = remote_request_id
-        self.src, self.dst = src, dst
-        self.deadline = deadline
-        self.start = time.perf_counter()
-        self.parts_left = 0
-        self.streams: list[PullStream] = []
-        self.bad: list[int] = []
-        self.cause: FailureCause | None = None
-        self.done = threading.Event()
-        self.result: LoadResult | None = None
-
-
 class _HS(enum.Enum):
     HANDSHAKING = 1
     READY = 2
@@ -114,7 +82,7 @@ class _Session:
         self.handshake: hs.ConsumerHandshake | None = None
         self.token = b""
         self.streams: list[PullStream] = []
-        self.pending: list[_Load] = []
+        self.pending: list[LoadHandle] = []
         self.pending_done: list[str] = []
         self.next_stream = 0
 
@@ -129,7 +97,7 @@ class Consumer:
         self._lock = threading.Lock()
         self._sessions: dict[RemoteAddr, _Session] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[int, _Load] = {}
+        self._active: dict[int, LoadHandle] = {}
         self._finished: list[LoadResult] = []
         self._heartbeats: dict[RemoteAddr, list[str]] = {}
         self._stop = threading.Event()
@@ -149,13 +117,13 @@ class Consumer:
 
     # ------------------------------------------------------------------ engine-facing (any thread)
     def load(self, request_id: str, remote: RemoteAddr, remote_request_id: str,
-             src_block_ids: list[int], dst_block_ids: list[int]) -> _Load:
+             src_block_ids: list[int], dst_block_ids: list[int]) -> LoadHandle:
         """Starts pulling src pages of `remote` into dst pages; ends in `take_finished`."""
         if len(src_block_ids) != len(dst_block_ids) or not dst_block_ids:
             raise ValueError("a load needs as many (non-zero) source as destination blocks")
         if len(set(dst_block_ids)) != len(dst_block_ids) or not all(0 < b < self.pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"bad destination block ids for {request_id}")
-        job = _Load(request_id, remote, remote_request_id, list(src_block_ids), list(dst_block_ids),
+        job = LoadHandle(request_id, remote, remote_request_id, list(src_block_ids), list(dst_block_ids),
                     time.monotonic() + self.config.transfer_timeout_s)
         with self._lock:
             self._active[id(job)] = job
@@ -183,7 +151,7 @@ class Consumer:
             return out
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_locked(self, session: _Session, job: _Load) -> None:
+    def _dispatch_locked(self, session: _Session, job: LoadHandle) -> None:
         if job.result is not None:  # already ended (deadline passed while waiting for the handshake)
             return
         live = [s for s in session.streams if not s.dead] or session.streams
@@ -198,7 +166,7 @@ class Consumer:
             job.streams.append(stream)
             stream.submit(PullPart(job.remote_request_id, job.src[a:b], job.dst[a:b], lambda p, j=job: self._on_part(j, p)))
 
-    def _on_part(self, job: _Load, part: PullPart) -> None:
+    def _on_part(self, job: LoadHandle, part: PullPart) -> None:
         with self._lock:
             job.bad.extend(part.bad_block_ids)
             if part.cause is not None and job.cause is None:
@@ -207,7 +175,7 @@ class Consumer:
             if job.parts_left == 0:
                 self._finish_locked(job)
 
-    def _finish_locked(self, job: _Load) -> None:
+    def _finish_locked(self, job: LoadHandle) -> None:
         self._active.pop(id(job), None)
         seconds = time.perf_counter() - job.start
         ok = job.cause is None and not job.bad
@@ -225,7 +193,7 @@ class Consumer:
             self._wake()
         job.done.set()
 
-    def _fail_locked(self, job: _Load, cause: FailureCause) -> None:
+    def _fail_locked(self, job: LoadHandle, cause: FailureCause) -> None:
         job.cause = job.cause or cause
         job.bad = list(job.dst)
         self._finish_locked(job)

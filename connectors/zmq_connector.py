@@ -21,7 +21,8 @@ import threading
 from typing import Any
 
 from connectors.base import ConnectorMetadata, KVConnectorWorker
-from connectors.consumer import Consumer, ConsumerConfig, DataPath, LoadResult, RemoteAddr
+from connectors.consumer import Consumer, ConsumerConfig, DataPath
+from connectors.loads import LoadResult, RemoteAddr
 from connectors.handshake import CompatInfo
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.page_pool import PagePool

@@ -23,7 +23,7 @@ import logging
 from typing import Any, Callable
 
 from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
-from connectors.consumer import RemoteAddr
+from connectors.loads import RemoteAddr
 from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params,
                                parse_remote_prefill, wants_remote_decode, wants_remote_prefill)
 
