@@ -220,7 +220,11 @@ class Consumer:
                 self._drain_inbox(poller)
                 for session in list(self._sessions.values()):
                     if events.get(session.sock) is not None:
-                        self._on_socket(session, poller)
+                        try:
+                            self._on_socket(session, poller)
+                        except Exception:  # one bad peer must not end the control thread
+                            logger.exception("KV consumer: session with %s failed", session.remote)
+                            self._close_session(session, poller, FailureCause.PEER_GONE)
                 now = time.monotonic()
                 self._check_deadlines(now, poller)
                 if now - last_hb >= self.config.heartbeat_interval_s:

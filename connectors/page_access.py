@@ -3,9 +3,11 @@
 On a CPU pool the pages *are* host memory: senders hand page views to
 `sendmsg` and receivers `recv_into` the destination page, so bytes are never
 copied in user space. On a CUDA pool each stream owns a pinned staging buffer
-of `staging_pages` pages and a side stream: pages are gathered device-to-host
-into staging before sending, and landed host-to-device from staging after
-receiving (the copy is synchronised before the load is reported).
+and a side stream (`connectors.cuda_staging.CudaStaging`): pages are gathered
+device-to-host into staging before sending (after the compute stream's latest
+forward, by event), and landed host-to-device from staging after receiving
+(the compute stream waits on the landing event before a forward reads them);
+copies are batched per contiguous run or one index gather, never per page.
 
 Invariant: an instance is used by one thread only (its stream's thread).
 """
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
+from connectors.cuda_staging import CudaStaging
 from connectors.page_pool import PagePool
 
 
@@ -32,24 +35,18 @@ class PageAccess:
             self._host = pool.buffer.numpy()  # shares memory with the pool
             self.staging_pages = 1 << 30  # no staging limit: pages are used in place
         else:
-            self.staging_pages = max(1, staging_pages)
-            self._staging_t = torch.empty((self.staging_pages, self.page_bytes), dtype=torch.uint8).pin_memory()
-            self._host = self._staging_t.numpy()
-            self._stream = torch.cuda.Stream(device=pool.device)
+            self._staging = CudaStaging(pool, max(1, staging_pages))
+            self.staging_pages = self._staging.rows_per_half
+            self._landing_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ send side
     def gather(self, block_ids: list[int]) -> list[np.ndarray]:
         """Host views holding the pages' bytes, in order (at most `staging_pages` on CUDA)."""
         if self.on_host:
             return [self._host[b] for b in block_ids]
-        n = len(block_ids)
-        assert n <= self.staging_pages, "caller chunks to staging_pages"
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        self._stream.wait_stream(torch.cuda.default_stream(self.pool.device))  # the forward wrote these pages
-        with torch.cuda.stream(self._stream):
-            self._staging_t[:n].copy_(self.pool.buffer.index_select(0, idx), non_blocking=True)
-        self._stream.synchronize()
-        return [self._host[i] for i in range(n)]
+        assert len(block_ids) <= self.staging_pages, "caller chunks to staging_pages"
+        rows = self._staging.copy_to_host(block_ids).numpy()
+        return [rows[i] for i in range(len(block_ids))]
 
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
         """dst[i] = page(block_ids[i]) for a host tensor `dst` (shared-memory staging)."""
@@ -59,11 +56,7 @@ class PageAccess:
             for i, b in enumerate(block_ids):
                 np.copyto(out[i], self._host[b])
             return
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        self._stream.wait_stream(torch.cuda.default_stream(self.pool.device))
-        with torch.cuda.stream(self._stream):
-            dst[: len(block_ids)].copy_(self.pool.buffer.index_select(0, idx))
-            self._stream.synchronize()
+        self._staging.copy_to_host(block_ids, out=dst)
 
     # ------------------------------------------------------------------ receive side
     def landing(self, block_ids: list[int]) -> list[np.ndarray]:
@@ -71,17 +64,19 @@ class PageAccess:
         if self.on_host:
             return [self._host[b] for b in block_ids]
         assert len(block_ids) <= self.staging_pages, "caller chunks to staging_pages"
-        return [self._host[i] for i in range(len(block_ids))]
+        self._landing_rows = self._staging.half_rows(len(block_ids))
+        rows = self._landing_rows.numpy()
+        return [rows[i] for i in range(len(block_ids))]
 
     def commit(self, block_ids: list[int]) -> None:
-        """Makes pages returned by `landing` visible in the pool (CUDA: H2D copy, synchronised)."""
+        """Makes pages returned by `landing` visible in the pool (CUDA: batched H2D on the side stream, event-fenced)."""
         if self.on_host:
             return
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        with torch.cuda.stream(self._stream):
-            src = self._staging_t[: len(block_ids)].to(self.pool.device, non_blocking=True)
-            self.pool.buffer.index_copy_(0, idx, src)
-        self._stream.synchronize()
+        rows, self._landing_rows = self._landing_rows, None
+        assert rows is not None and rows.shape[0] == len(block_ids), "commit follows landing"
+        # The compute stream is fenced on the landing event; this thread also waits for the copy so a
+        # resolved part never has a write in flight (PullStream's guarantee, for callers without an engine).
+        self._staging.copy_to_pool(rows, block_ids, wait=True)
 
     def copy_in(self, src: torch.Tensor, block_ids: list[int]) -> None:
         """page(block_ids[i]) = src[i] for a host tensor `src` (shared-memory staging)."""
@@ -90,10 +85,8 @@ class PageAccess:
             for i, b in enumerate(block_ids):
                 np.copyto(self._host[b], rows[i])
             return
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        with torch.cuda.stream(self._stream):
-            self.pool.buffer.index_copy_(0, idx, src[: len(block_ids)].to(self.pool.device, non_blocking=True))
-            self._stream.synchronize()
+        # wait: the caller hands `src` (a shared-memory half) back to the producer next
+        self._staging.copy_to_pool(src, block_ids, wait=True)
 
     def page_digests(self, block_ids: list[int]) -> list[int]:
         """Checksums of pool pages as they are now (CUDA: through staging, chunked)."""

@@ -137,7 +137,11 @@ class Producer:
                     except zmq.Again:
                         frames = []
                     if len(frames) == 2:
-                        self._on_side_message(frames[0], frames[1])
+                        try:
+                            self._on_side_message(frames[0], frames[1])
+                        except Exception:  # never let one message end the side channel
+                            self.metrics.record_malformed()
+                            logger.exception("KV producer: side-channel message failed")
                     elif frames:
                         self.metrics.record_malformed()
                 self.leases.expire()

@@ -23,6 +23,7 @@ from typing import Any
 from connectors.base import ConnectorMetadata, KVConnectorWorker
 from connectors.consumer import Consumer, ConsumerConfig, DataPath
 from connectors.loads import LoadResult, RemoteAddr
+from connectors.cuda_staging import StreamFences, fences_for
 from connectors.handshake import CompatInfo
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.page_pool import PagePool
@@ -91,9 +92,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._local_results: list[LoadResult] = []
         self._invalid: set[int] = set()
         self._lock = threading.Lock()
+        self._fences: StreamFences | None = None  # CUDA pools: compute-stream <-> transfer ordering
 
     def register_kv_caches(self, page_pool: PagePool) -> None:
         cfg = self.config
+        self._fences = fences_for(page_pool)
         compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()
         if cfg.is_producer:
             self.producer = Producer(ProducerConfig(
@@ -150,6 +153,12 @@ class ZmqConnectorWorker(KVConnectorWorker):
         with self._lock:
             self._local_results.append(LoadResult(rid, not bad, bad, FailureCause.PULL_REFUSED if bad else None, 0, 0.0))
 
+    def wait_for_save(self) -> None:
+        # Nothing waits here: on a CUDA pool this only records an event after the forward that
+        # transfer threads' side streams wait on before reading pages (no-op on CPU).
+        if self._fences is not None:
+            self._fences.mark_written()
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         sending = self.producer.take_released() if self.producer is not None else set()
         with self._lock:
@@ -161,6 +170,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
             recving.add(r.request_id)
             if not r.ok:
                 self._invalid.update(r.invalid_block_ids)
+        if self._fences is not None:  # CUDA: later forwards run after every H2D landed so far
+            self._fences.order_reads_after_landing()
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,0 +1,237 @@
+"""Batched page copies between a page pool and host memory, and the CUDA
+stream ordering around them.
+
+Copy planning (any device, tested on CPU): a list of block ids becomes
+contiguous runs; a few runs are copied as a few slice copies (no index tensor,
+no temporary), many runs as one device-side index gather (or scatter) plus one
+host<->device copy. Never one tiny copy per block when many blocks move.
+
+CUDA ordering (per pool, see `StreamFences`):
+- producer: the engine records an event on its compute stream after every
+  forward (`mark_written`); a transfer thread's side stream waits on the
+  latest such event before reading pages device-to-host, so the model's
+  stream never waits for a transfer and a transfer never reads half-written
+  pages;
+- consumer: host-to-device copies run on the side stream and record a
+  "landed" event; the engine's compute stream waits on every landed event
+  (`order_reads_after_landing`) before the pages can be read by a forward.
+
+Only transfer threads ever block on the host (on their own side stream's
+events, e.g. before a pinned staging half is refilled); the engine thread
+never calls a synchronize here.
+
+`CudaStaging` owns one transfer thread's pinned staging buffer (allocated
+once, two halves, reused for the life of the stream) and its side stream.
+Invariant: an instance is used by one thread only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import torch
+
+MAX_RUN_COPIES = 8  # above this many contiguous runs, one index gather/scatter beats slice copies
+STAGING_HALF_BYTES = 32 * 1024 * 1024  # pinned bytes per staging half (capped per stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """How `num_pages` pages move: `runs` of (first block id, first row, count) in
+    row order, copied one slice each unless `use_index` (one gather/scatter)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    num_pages: int
+    use_index: bool
+
+    @property
+    def num_copies(self) -> int:
+        """Host<->device copies the plan issues (the index path issues one)."""
+        return 1 if self.use_index else len(self.runs)
+
+
+def plan_copies(block_ids: list[int], max_runs: int = MAX_RUN_COPIES) -> CopyPlan:
+    """Groups ascending consecutive block ids into runs; many runs -> one index copy."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block in enumerate(block_ids):
+        if not isinstance(block, int) or block < 0:
+            raise ValueError(f"block ids must be non-negative ints, got {block!r}")
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((block, row, 1))
+    return CopyPlan(tuple(runs), len(block_ids), len(runs) > max_runs)
+
+
+def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    if device.type == "cuda":
+        # pinned + non_blocking: the index rides the current (side) stream, not the compute stream
+        idx = idx.pin_memory().to(device, non_blocking=True)
+    return idx
+
+
+def gather_pages(buffer: torch.Tensor, block_ids: list[int], out: torch.Tensor, plan: CopyPlan | None = None) -> None:
+    """out[i] = buffer[block_ids[i]] for every i, issued on the current stream (async on CUDA)."""
+    plan = plan or plan_copies(block_ids)
+    n = plan.num_pages
+    if n > out.shape[0]:
+        raise ValueError(f"{n} pages do not fit in {out.shape[0]} staging rows")
+    if plan.use_index:
+        rows = buffer.index_select(0, _index(block_ids, buffer.device))  # one gather kernel
+        out[:n].copy_(rows, non_blocking=True)  # one device-to-host copy
+        return
+    for first, row, count in plan.runs:
+        out[row : row + count].copy_(buffer[first : first + count], non_blocking=True)
+
+
+def scatter_pages(src: torch.Tensor, buffer: torch.Tensor, block_ids: list[int], plan: CopyPlan | None = None) -> None:
+    """buffer[block_ids[i]] = src[i] for every i, issued on the current stream (async on CUDA)."""
+    plan = plan or plan_copies(block_ids)
+    n = plan.num_pages
+    if n > src.shape[0]:
+        raise ValueError(f"{n} pages but only {src.shape[0]} source rows")
+    if plan.use_index:
+        rows = src[:n].to(buffer.device, non_blocking=True)  # one host-to-device copy
+        buffer.index_copy_(0, _index(block_ids, buffer.device), rows)  # one scatter kernel
+        return
+    for first, row, count in plan.runs:
+        buffer[first : first + count].copy_(src[row : row + count], non_blocking=True)
+
+
+class StreamFences:
+    """Event ordering between one pool's compute stream and the connector's side streams.
+
+    Guarantees (CUDA pools): a side stream that called `order_after_writes`
+    runs after every forward recorded by `mark_written` so far; a forward
+    issued after `order_reads_after_landing` runs after every H2D copy that
+    `add_landed` saw before that call. CPU pools: every method is a no-op.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.enabled = self.device.type == "cuda"
+        self._written: torch.cuda.Event | None = None
+        self._landed: list[torch.cuda.Event] = []
+        self._lock = threading.Lock()
+
+    def mark_written(self) -> None:
+        """Engine thread, after a forward: later transfers read what it wrote."""
+        if not self.enabled:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._written = event  # one reference swap: readers see the old or the new event, both valid
+
+    def order_after_writes(self, stream: torch.cuda.Stream) -> None:
+        """Transfer thread: `stream` waits (on the device) for the pages' writers."""
+        if not self.enabled:
+            return
+        event = self._written
+        if event is None:  # no engine marks this pool (e.g. a bare producer): wait for the default stream
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+        else:
+            stream.wait_event(event)
+
+    def add_landed(self, event: torch.cuda.Event) -> None:
+        """Transfer thread: `event` follows an H2D copy into the pool."""
+        if not self.enabled:
+            return
+        with self._lock:
+            # drop completed events so a pool no engine drains stays bounded
+            self._landed = [e for e in self._landed if not e.query()]
+            self._landed.append(event)
+
+    def order_reads_after_landing(self) -> None:
+        """Engine thread, before the next forward: the compute stream waits for landed pages."""
+        if not self.enabled:
+            return
+        with self._lock:
+            events, self._landed = self._landed, []
+        stream = torch.cuda.current_stream(self.device)
+        for event in events:
+            stream.wait_event(event)
+
+
+_FENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FENCES_LOCK = threading.Lock()
+
+
+def fences_for(pool) -> StreamFences:
+    """The one `StreamFences` of `pool` (a PagePool), shared by its engine and transfer threads."""
+    with _FENCES_LOCK:
+        fences = _FENCES.get(pool)
+        if fences is None:
+            fences = _FENCES[pool] = StreamFences(pool.device)
+        return fences
+
+
+class CudaStaging:
+    """One transfer thread's pinned staging (two halves, allocated once) and side stream.
+
+    `rows_per_half` pages fit in a half; callers chunk transfers to it.
+    Invariant: a half is handed out again only after the H2D copy reading it finished.
+    """
+
+    def __init__(self, pool, max_pages: int = 64):
+        if pool.device.type != "cuda":
+            raise ValueError(f"CudaStaging needs a CUDA pool, got device {pool.device}")
+        self.pool = pool
+        self.device = pool.device
+        page_bytes = pool.page_size_bytes
+        self.rows_per_half = max(1, min(max_pages, STAGING_HALF_BYTES // page_bytes))
+        with torch.cuda.device(self.device):
+            self.host = torch.empty((2 * self.rows_per_half, page_bytes), dtype=torch.uint8, pin_memory=True)
+            self.stream = torch.cuda.Stream(device=self.device)
+        self.fences = fences_for(pool)
+        self._busy: list[torch.cuda.Event | None] = [None, None]  # H2D copies still reading each half
+        self._half = 0
+
+    def half_rows(self, num_pages: int) -> torch.Tensor:
+        """The next free staging half's first `num_pages` rows (waits for its last H2D copy)."""
+        if num_pages > self.rows_per_half:
+            raise ValueError(f"{num_pages} pages exceed a staging half of {self.rows_per_half}")
+        self._half ^= 1
+        event = self._busy[self._half]
+        if event is not None:
+            event.synchronize()  # this thread only; the compute stream is not involved
+            self._busy[self._half] = None
+        start = self._half * self.rows_per_half
+        return self.host[start : start + num_pages]
+
+    def copy_to_host(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pages -> `out` (default: a staging half); complete when this returns."""
+        out = self.half_rows(len(block_ids)) if out is None else out
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.fences.order_after_writes(self.stream)
+            gather_pages(self.pool.buffer, block_ids, out)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()  # the bytes are about to be sent or checksummed by this thread
+        return out
+
+    def copy_to_pool(self, src: torch.Tensor, block_ids: list[int], wait: bool = False) -> None:
+        """`src` rows -> pages, async on the side stream; the compute stream is fenced on it.
+
+        `wait=True` returns only after the copy finished (needed when `src` is
+        not this object's staging, e.g. a shared-memory half about to be refilled).
+        """
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            scatter_pages(src, self.pool.buffer, block_ids)
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        self.fences.add_landed(landed)
+        half = self._staging_half_of(src)
+        if half is not None:
+            self._busy[half] = landed
+        if wait:
+            landed.synchronize()
+
+    def _staging_half_of(self, rows: torch.Tensor) -> int | None:
+        offset = rows.data_ptr() - self.host.data_ptr()
+        half_bytes = self.rows_per_half * self.pool.page_size_bytes
+        if 0 <= offset < 2 * half_bytes:
+            return offset // half_bytes
+        return None
