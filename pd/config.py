@@ -156,6 +156,24 @@ class ModelConfig:
 
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def check_device(device: str) -> None:
+    """'cpu', 'cuda' or 'cuda:N', and a CUDA device must exist on this machine.
+
+    Raises ValueError at config time, so a GPU deployment on a machine
+    without CUDA fails at startup with this message, not inside a forward.
+    """
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                             "use device 'cpu' or run on a GPU node")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
 ATTENTION_BACKENDS = ("torch", "fused")
 
 
@@ -204,6 +222,7 @@ class EngineConfig:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        check_device(self.device)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
 
