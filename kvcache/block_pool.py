@@ -131,6 +131,13 @@ class BlockPool:
         hashes = request.block_hashes
         if block_size != self.hash_block_size:
             hashes = hashes_at_block_size(hashes, self.hash_block_size, block_size)
+        hasher = request.block_hasher
+        if hasher is None:
+            raise ValueError(f"request {request.request_id} has no block hasher but prefix caching is on")
+        if getattr(hasher, "block_size", self.hash_block_size) != self.hash_block_size:
+            # hashes of another granularity would cache blocks under the wrong prefixes
+            raise ValueError(f"request {request.request_id} is hashed in blocks of {hasher.block_size} "
+                             f"tokens; this cache needs {self.hash_block_size}")
         if len(hashes) < num_full_blocks:
             raise AssertionError(f"request {request.request_id} has {len(hashes)} block hashes, "
                                  f"{num_full_blocks} full blocks to cache")

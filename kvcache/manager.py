@@ -171,6 +171,11 @@ class KVCacheManager:
         token is recomputed for logits). Changes no state."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
+        hasher = request.block_hasher
+        if hasher is not None and getattr(hasher, "block_size", self.hash_block_size) != self.hash_block_size:
+            # hashes of another granularity would name the wrong prefixes
+            raise ValueError(f"request {request.request_id} is hashed in blocks of {hasher.block_size} tokens; "
+                             f"this KV cache needs {self.hash_block_size}")
         max_hit = request.num_tokens - 1
         fa = self._fa
         if fa is not None:

@@ -285,3 +285,19 @@ def test_common_prefix_blocks_count_blocks_shared_by_all_holders():
     mgr.free(a)
     mgr.free(b)
     assert_all_free(mgr)
+
+
+def test_hasher_granularity_must_match_the_cache():
+    mgr = make_manager(20, fa_spec(BS))
+    wrong = make_request("0", list(range(40)), block_size=8)
+    with pytest.raises(ValueError, match="blocks of 8 tokens"):
+        mgr.get_computed_blocks(wrong)
+    with pytest.raises(ValueError, match="blocks of 8 tokens"):
+        mgr.allocate_slots(wrong, 40)
+    mgr.free(wrong)
+    from kvcache import Request
+    unhashed = Request("1", list(range(40)))
+    with pytest.raises(ValueError, match="no block hasher"):
+        mgr.allocate_slots(unhashed, 40)
+    mgr.free(unhashed)
+    assert_all_free(mgr)
