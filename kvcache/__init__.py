@@ -8,7 +8,8 @@ from kvcache.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from kvcache.config import KVCacheConfig, KVCacheGroupSpec, num_blocks_for_budget
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.hashing import BlockHasher
-from kvcache.manager import KVCacheBlocks, KVCacheManager
+from kvcache.kv_cache_blocks import KVCacheBlocks
+from kvcache.manager import KVCacheManager
 from kvcache.request import Request, RequestStatus
 from kvcache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvcache.stats import PrefixCacheStats

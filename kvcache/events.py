@@ -8,7 +8,7 @@ AllBlocksCleared on a successful reset. BlockStored carries only `group_idx`;
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 MEDIUM_GPU = "GPU"

@@ -27,6 +27,7 @@ from kvcache.blocks import KVCacheBlock
 from kvcache.config import KVCacheConfig
 from kvcache.coordinator import make_coordinator
 from kvcache.events import BlockStored, KVCacheEvent
+from kvcache.kv_cache_blocks import KVCacheBlocks
 from kvcache.request import Request, RequestStatus
 from kvcache.single_type import FullAttentionManager
 from kvcache.specs import AttentionSpec, cdiv
@@ -35,47 +36,6 @@ from kvcache.stats import PrefixCacheStats
 logger = logging.getLogger(__name__)
 
 _WATERMARK_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-class KVCacheBlocks:
-    """Immutable allocation result: `blocks[i][j]` is block j of KV cache group i."""
-
-    __slots__ = ("blocks",)
-
-    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
-        self.blocks = blocks
-
-    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
-        return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, KVCacheBlocks):
-            return NotImplemented
-        return len(self.blocks) == len(other.blocks) and all(
-            [b.block_id for b in x] == [b.block_id for b in y] for x, y in zip(self.blocks, other.blocks))
-
-    __hash__ = None  # mutable contents
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlocks({self.get_block_ids()})"
-
-    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
-        if allow_none and all(len(g) == 0 for g in self.blocks):
-            return None
-        return tuple([b.block_id for b in g] for g in self.blocks)
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        """Ids of blocks not in the prefix cache (single group only)."""
-        if len(self.blocks) != 1:
-            raise ValueError("get_unhashed_block_ids only supports one KV cache group")
-        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
-
-    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
-        """Per group, ids of real blocks not in the prefix cache (where remote KV lands)."""
-        return [[b.block_id for b in g if b.block_hash is None and not b.is_null] for g in self.blocks]
-
-    def new_empty(self) -> "KVCacheBlocks":
-        return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
 class KVCacheManager:
