@@ -253,8 +253,8 @@ class PullStream:
         dst = part.dst_block_ids
         for i in range(0, len(dst), step):
             ids = dst[i : i + step]
-            for j, view in enumerate(access.landing(ids)):
-                wire.recv_exact(self._sock, memoryview(view))
+            views = [memoryview(v).cast("B") for v in access.landing(ids)]
+            for j, view in enumerate(wire.recv_scatter(self._sock, views)):  # yields pages as they complete
                 if digest(view) != digests[i + j]:
                     part.bad_block_ids.append(ids[j])
             access.commit(ids)

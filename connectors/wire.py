@@ -169,6 +169,25 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
+def recv_scatter(sock: socket.socket, views: list[memoryview]):
+    """Fills `views` in order with scatter reads (`recvmsg_into`: many pages per syscall,
+    straight into their memory); yields each view as soon as it is complete."""
+    i, off, n = 0, 0, len(views)
+    while i < n:
+        batch = [views[i][off:]] + views[i + 1 : i + 64]
+        got = sock.recvmsg_into(batch)[0]
+        if got == 0:
+            raise ConnectionError("peer closed the stream")
+        while got > 0:
+            rest = len(views[i]) - off
+            if got < rest:
+                off += got
+                break
+            got -= rest
+            yield views[i]
+            i, off = i + 1, 0
+
+
 def sendmsg_all(sock: socket.socket, buffers: list) -> None:
     """Sends every buffer in order, zero-copy (scatter/gather `sendmsg`)."""
     views = [memoryview(b).cast("B") for b in buffers]
