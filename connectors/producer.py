@@ -7,8 +7,13 @@ Threads (all daemon, all with timeouts, none ended by bad input):
 - data listener: a TCP socket on (host, data_port) accepting data streams;
 - one thread per data stream: the first frame must ATTACH with a session
   token issued by a completed handshake; then it serves PULL requests for
-  leased blocks, as raw page bytes after a PAGES header (tcp mode) or through
-  a shared-memory staging segment with CHUNK / CREDIT frames (shm mode).
+  leased blocks in one of three modes:
+  - tcp: a PAGES header (xxh3 digests) followed by the raw page bytes;
+  - map (same host, CPU pool): a PAGES header only; the consumer copies the
+    pages out of this pool, mapped read-only, and CREDITs when done - the
+    lease stays pinned until then;
+  - shm (same host, staged): pages pass through a shared-memory segment,
+    double-buffered with CHUNK / CREDIT frames.
 """
 from __future__ import annotations
 

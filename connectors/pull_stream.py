@@ -1,5 +1,6 @@
-"""One consumer data stream: a socket (plus, on one host, a shared-memory
-segment) and the thread that runs pulls over it, one after another.
+"""One consumer data stream: a socket (plus, on one host, a read-only mapping
+of the producer's pool or a shared-memory staging segment) and the thread that
+runs pulls over it, one after another.
 
 Guarantees:
 - every `PullPart` handed to `submit` is resolved exactly once (landed and
