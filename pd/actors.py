@@ -6,10 +6,12 @@ ever sees those, never an object of ours; the data plane (requests, tokens,
 KV blocks) does not touch Ray at all — it goes over the worker's HTTP API and
 the ZMQ connector.
 
-Guarantees: GPU workers ask Ray for `num_gpus=1`, CPU workers for the
-fraction of a CPU in `topology.cpus_per_worker`; workers spread over nodes
-when the cluster has several; `start_workers` either returns every worker
-started or stops those it started and raises.
+Guarantees: GPU workers ask Ray for `num_gpus=1` (each gets its own GPU),
+CPU workers for the fraction of a CPU in `topology.cpus_per_worker`;
+`topology.placement` reserves one placement-group bundle per worker, spread
+over nodes (`spread`) or packed onto few (`pack`), or none (`none`, each
+actor scheduled with Ray's SPREAD strategy); `start_workers` either returns
+every worker started or stops those it started and raises.
 """
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ import logging
 import os
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pd.deploy_config import DeployConfig, Mode
+from pd.deploy_config import DeployConfig, Mode, Placement
 from pd.routing import Role, WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 10.0
+PLACEMENT_TIMEOUT_S = 120.0  # room for an autoscaler to add nodes
 
 
 @ray.remote(max_restarts=0, max_concurrency=1000)
@@ -75,18 +80,77 @@ def worker_roles(config: DeployConfig) -> list[tuple[str, Role]]:
            [(f"decode-{i}", Role.DECODE) for i in range(topo.num_decode)]
 
 
-def actor_options(config: DeployConfig) -> dict:
-    """Ray resources of one worker; SPREAD places workers on distinct nodes where it can."""
+def worker_bundle(config: DeployConfig) -> dict[str, float]:
+    """Ray resources of one worker (one placement-group bundle)."""
+    bundle = {"CPU": float(config.topology.cpus_per_worker)}
+    if config.topology.device == "cuda":
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def resource_shortfall(config: DeployConfig, cluster_resources: dict) -> str | None:
+    """Why the cluster's total resources cannot hold the topology, or None if they can."""
+    n = config.topology.num_workers
+    for key, per_worker in worker_bundle(config).items():
+        have = float(cluster_resources.get(key, 0.0))
+        if have + 1e-9 < per_worker * n:
+            hint = " (device: cuda asks one GPU per worker; use device: cpu on a machine without GPUs)" if key == "GPU" else ""
+            return (f"the topology needs {per_worker * n:g} {key} ({n} workers x {per_worker:g}), "
+                    f"the Ray cluster has {have:g}{hint}")
+    return None
+
+
+def reserve_placement(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> PlacementGroup | None:
+    """One bundle per worker (in `worker_roles` order) per `topology.placement`; None for `none`.
+
+    Raises RuntimeError naming the shortfall when the group is not placed within `timeout_s`.
+    """
+    placement = config.topology.placement
+    if placement is Placement.NONE:
+        return None
+    n = config.topology.num_workers
+    strategy = "SPREAD" if placement is Placement.SPREAD else "PACK"
+    pg = placement_group([worker_bundle(config) for _ in range(n)], strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, TimeoutError):
+        remove_placement_group(pg)
+        why = resource_shortfall(config, ray.cluster_resources()) or f"available now: {ray.available_resources()}"
+        raise RuntimeError(f"could not reserve {n} worker bundles of {worker_bundle(config)} "
+                           f"({strategy}) within {timeout_s:g} s: {why}") from None
+    logger.info("placement group of %d bundles %s (%s) ready", n, worker_bundle(config), strategy)
+    return pg
+
+
+def release_placement(pg: PlacementGroup | None) -> None:
+    """Removes a group from `reserve_placement`; never raises."""
+    if pg is None:
+        return
+    try:
+        remove_placement_group(pg)
+    except Exception as exc:  # noqa: BLE001 - the cluster may already be gone
+        logger.debug("placement group removal: %s", exc)
+
+
+def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle_index: int = 0) -> dict:
+    """Ray options of worker `bundle_index`: its resources, inside its bundle when `pg` is given."""
     num_gpus = 1 if config.topology.device == "cuda" else 0
-    return {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus, "scheduling_strategy": "SPREAD"}
+    options = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus}
+    if pg is None:
+        options["scheduling_strategy"] = "SPREAD"
+    else:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_index)
+    return options
 
 
-def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TIMEOUT_S) -> list[StartedWorker]:
-    """Starts every worker of the topology as an actor and waits for their URLs."""
+def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TIMEOUT_S,
+                  pg: PlacementGroup | None = None) -> list[StartedWorker]:
+    """Starts every worker of the topology as an actor (worker i in bundle i of `pg`) and waits for their URLs."""
     config_json = config.to_json()
     roles = worker_roles(config)
-    actors = [WorkerActor.options(**actor_options(config)).remote(wid, role.value, config_json, secret)
-              for wid, role in roles]
+    actors = [WorkerActor.options(**actor_options(config, pg, i)).remote(wid, role.value, config_json, secret)
+              for i, (wid, role) in enumerate(roles)]
     try:
         answers = ray.get([a.start.remote() for a in actors], timeout=timeout_s)
     except Exception:

@@ -35,6 +35,14 @@ class Mode(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+class Placement(str, enum.Enum):
+    """How worker actors are reserved on the Ray cluster (one bundle per worker)."""
+
+    SPREAD = "spread"  # one placement group, bundles over as many nodes as possible (P and D spread out)
+    PACK = "pack"  # one placement group, bundles packed onto as few nodes as possible (same-host transfers)
+    NONE = "none"  # no placement group: each actor is scheduled on its own (Ray SPREAD strategy)
+
+
 class FailurePolicy(str, enum.Enum):
     RECOMPUTE = "recompute"
     FAIL = "fail"
@@ -110,11 +118,17 @@ class TopologySection:
     num_prefill: int = 1
     num_decode: int = 1
     num_colocated: int = 1
-    device: str = "cpu"
+    device: str = "cpu"  # cuda: each worker actor asks Ray for num_gpus=1 and runs on its own GPU
     cpus_per_worker: float = 0.25
+    placement: Placement = Placement.SPREAD
 
     def __post_init__(self) -> None:
+        # Only the spelling is checked here: the launcher may have no GPU while the workers do;
+        # the worker's EngineConfig checks that CUDA really exists where it runs.
         _require(self.device in ("cpu", "cuda"), "topology.device", f"must be 'cpu' or 'cuda', got {self.device!r}")
+        _require(self.placement in {p.value for p in Placement}, "topology.placement",
+                 f"must be one of {[p.value for p in Placement]}, got {self.placement!r}")
+        object.__setattr__(self, "placement", Placement(self.placement))
         _require(0 < self.cpus_per_worker <= 64, "topology.cpus_per_worker", "must be in (0, 64]")
         if self.mode is Mode.DISAGGREGATED:
             _require(self.num_prefill >= 1, "topology.num_prefill", "must be >= 1 in disaggregated mode")
@@ -150,18 +164,61 @@ class TransferSection:
 
 @dataclasses.dataclass(frozen=True)
 class RouterSection:
-    host: str = "127.0.0.1"
+    """The router's address, timeouts, request limits and admission control.
+
+    Admission: at most `max_in_flight_per_worker` x (healthy decode or colocated workers)
+    prompts run at once; up to `max_queued_requests` more wait (each at most
+    `queue_timeout_s`); anything beyond is refused at once with 429 and `Retry-After`.
+    """
+
+    host: str = "127.0.0.1"  # explicit bind address; never an implicit 0.0.0.0
     port: int = 8000
     request_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     api_key: str | None = None
+    max_body_bytes: int = 1024 * 1024  # larger bodies get 413
+    max_prompt_tokens: int | None = None  # None: scheduler.max_model_len - 1
+    max_prompts_per_request: int = 16
+    max_in_flight_per_worker: int = 32
+    max_queued_requests: int = 64
+    queue_timeout_s: float = 10.0
+    retry_after_s: int = 1
 
     def __post_init__(self) -> None:
+        _require(bool(self.host), "router.host", "must be an explicit bind address (e.g. 127.0.0.1)")
+        _require(self.max_body_bytes >= 1024, "router.max_body_bytes", "must be >= 1024")
+        _require(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "router.max_prompt_tokens",
+                 "must be >= 1 or empty")
+        _require(self.max_prompts_per_request >= 1, "router.max_prompts_per_request", "must be >= 1")
+        _require(self.max_in_flight_per_worker >= 1, "router.max_in_flight_per_worker", "must be >= 1")
+        _require(self.max_queued_requests >= 0, "router.max_queued_requests", "must be >= 0")
+        _require(self.queue_timeout_s > 0, "router.queue_timeout_s", "must be positive")
+        _require(self.retry_after_s >= 1, "router.retry_after_s", "must be >= 1")
         _require(0 <= self.port <= 65535, "router.port", f"must be a TCP port (0 = any free), got {self.port}")
         _require(self.request_timeout_s > 0, "router.request_timeout_s", "must be positive")
         _require(self.connect_timeout_s > 0, "router.connect_timeout_s", "must be positive")
         _require(self.health_interval_s > 0, "router.health_interval_s", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultsSection:
+    """Fault injection plans per worker role (tests only; see pd.fault_points). Empty: none."""
+
+    prefill: str = ""
+    decode: str = ""
+    colocated: str = ""
+
+    def __post_init__(self) -> None:
+        from pd.fault_points import FaultSpecError, parse_worker_faults
+
+        for role in ("prefill", "decode", "colocated"):
+            spec = getattr(self, role)
+            if spec:
+                try:
+                    parse_worker_faults(spec)
+                except FaultSpecError as exc:
+                    raise ConfigError(f"faults.{role}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +229,7 @@ class DeployConfig:
     topology: TopologySection = dataclasses.field(default_factory=TopologySection)
     transfer: TransferSection = dataclasses.field(default_factory=TransferSection)
     router: RouterSection = dataclasses.field(default_factory=RouterSection)
+    faults: FaultsSection = dataclasses.field(default_factory=FaultsSection)
 
     def __post_init__(self) -> None:
         _require(self.scheduler.max_model_len >= self.cache.block_size, "scheduler.max_model_len",
@@ -228,8 +286,9 @@ def _build(cls: type, data: Any, prefix: str):
 _SECTIONS = {
     "ModelSection": ModelSection, "CacheSection": CacheSection, "SchedulerSection": SchedulerSection,
     "TopologySection": TopologySection, "TransferSection": TransferSection, "RouterSection": RouterSection,
+    "FaultsSection": FaultsSection,
 }
-_ENUMS = {"Mode": Mode, "FailurePolicy": FailurePolicy}
+_ENUMS = {"Mode": Mode, "FailurePolicy": FailurePolicy, "Placement": Placement}
 
 
 def _coerce(ftype: str, value: Any, key: str) -> Any:

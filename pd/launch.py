@@ -23,7 +23,8 @@ import time
 
 import ray
 
-from pd.actors import StartedWorker, start_workers, stop_workers
+from pd.actors import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
+                       stop_workers)
 from pd.deploy_config import ConfigError, DeployConfig, load_deploy_config
 from pd.router import Router
 
@@ -43,6 +44,7 @@ class Deployment:
         self.config = config
         self.secret = secret or secrets.token_hex(32)
         self.workers: list[StartedWorker] = []
+        self.placement = None  # the workers' placement group (topology.placement), if any
         self.router: Router | None = None
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -52,7 +54,8 @@ class Deployment:
         if not ray.is_initialized():
             raise RuntimeError("ray.init() must run before Deployment.start()")
         try:
-            self.workers = start_workers(self.config, self.secret)
+            self.placement = reserve_placement(self.config)
+            self.workers = start_workers(self.config, self.secret, pg=self.placement)
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="pd-router", daemon=True)
             self._thread.start()
@@ -93,6 +96,8 @@ class Deployment:
         if self.workers:
             stop_workers([w.actor for w in self.workers])
             self.workers = []
+        release_placement(self.placement)
+        self.placement = None
 
     def __enter__(self) -> Deployment:
         self.start()
@@ -143,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers
     init_ray(args.address, args.num_cpus, args.object_store_mb)
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        # an embedded instance never grows: fail now rather than wait for resources that cannot come
+        short = resource_shortfall(config, ray.cluster_resources())
+        if short is not None:
+            ray.shutdown()
+            print(f"error: {short}", file=sys.stderr)
+            return 2
     stop_event = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_event.set())

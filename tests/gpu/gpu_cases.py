@@ -1,0 +1,72 @@
+"""Shared settings of the GPU tests and their peer process (tests/gpu/gpu_peer.py)."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+
+import torch
+
+from pd.config import EngineConfig, ModelConfig
+
+SECRET = b"gpu-test-secret-0123456789abcdef"
+# "cpu" dry-runs the GPU tests' own logic on a machine without CUDA (the CUDA copies are then not exercised).
+DEVICE = os.environ.get("PDKV_GPU_TEST_DEVICE", "cuda")
+SKIP_REASON = "needs CUDA (GPU path of the connector and engine); PDKV_GPU_TEST_DEVICE=cpu dry-runs the test logic"
+PEER = os.path.join(os.path.dirname(__file__), "gpu_peer.py")
+
+
+def model_config(hybrid: bool) -> ModelConfig:
+    """A small float32 model; `hybrid` alternates full and sliding-window layers."""
+    kw = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+              bos_token_id=1, eos_token_id=2)
+    if hybrid:
+        kw.update(layer_types=("full_attention", "sliding_attention") * 2, sliding_window=32)
+    return ModelConfig(**kw)
+
+
+def engine_config(model: ModelConfig, engine_id: str) -> EngineConfig:
+    return EngineConfig(model=model, device=DEVICE, num_blocks=256, block_size=16, engine_id=engine_id,
+                        max_num_batched_tokens=4096)
+
+
+def seeded_pages(num_blocks: int, page_bytes: int, seed: int) -> torch.Tensor:
+    """The same random bytes in every process (CPU generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_blocks, page_bytes), generator=gen, dtype=torch.uint8)
+
+
+class PeerProc:
+    """gpu_peer.py in its own process; every read is bounded by a timeout."""
+
+    def __init__(self, **first_line):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=os.path.dirname(PEER))
+        self._send(first_line)
+
+    def _send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float = 120.0) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"GPU peer gave no answer within {timeout_s} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"GPU peer exited (rc={self.proc.poll()})")
+        return json.loads(line)
+
+    def quit(self) -> dict:
+        try:
+            self._send({"cmd": "quit"})
+            return self.read(60.0)
+        finally:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

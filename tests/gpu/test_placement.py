@@ -1,0 +1,149 @@
+"""Ray placement of P/D workers, on a simulated two-node cluster (no real GPUs needed).
+
+Ray accepts declared GPU counts on nodes without GPUs, so `device: cuda`
+topologies are placed for real here: each worker bundle holds one GPU, and
+probe actors started with the workers' own actor options report the node
+and GPU ids Ray gave them.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from pd.actors import actor_options, release_placement, reserve_placement, resource_shortfall, worker_bundle, worker_roles
+from pd.deploy_config import ConfigError, DeployConfig, Placement
+
+NODE_GPUS = 2
+STORE = 80 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": NODE_GPUS, "object_store_memory": STORE})
+    c.add_node(num_cpus=1, num_gpus=NODE_GPUS, object_store_memory=STORE)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@ray.remote
+class Probe:
+    def where(self) -> tuple[str, list]:
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+
+def _config(device: str, placement: str, num_prefill: int = 1, num_decode: int = 1) -> DeployConfig:
+    return DeployConfig.from_dict({"topology": {"device": device, "placement": placement, "num_prefill": num_prefill,
+                                                "num_decode": num_decode, "cpus_per_worker": 0.25}})
+
+
+def _wait_all_free(timeout_s: float = 30.0) -> None:
+    """Removing a group or killing an actor frees its resources asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0.0) < 2 * NODE_GPUS or ray.available_resources().get("CPU", 0.0) < 2:
+        assert time.monotonic() < deadline, f"resources not released: {ray.available_resources()}"
+        time.sleep(0.1)
+
+
+def _place(config: DeployConfig, pg) -> list[tuple[str, list]]:
+    probes = [Probe.options(**actor_options(config, pg, i)).remote() for i in range(len(worker_roles(config)))]
+    try:
+        return ray.get([p.where.remote() for p in probes], timeout=60)
+    finally:
+        for p in probes:
+            ray.kill(p)
+
+
+def _available_gpus() -> float:
+    return ray.available_resources().get("GPU", 0.0)
+
+
+def test_spread_puts_prefill_and_decode_gpu_workers_on_different_nodes(cluster):
+    config = _config("cuda", "spread")
+    _wait_all_free()
+    pg = reserve_placement(config, timeout_s=60)
+    try:
+        places = _place(config, pg)
+    finally:
+        release_placement(pg)
+    (p_node, p_gpus), (d_node, d_gpus) = places
+    assert p_node != d_node
+    assert len(p_gpus) == 1 and len(d_gpus) == 1  # num_gpus=1 per worker
+
+
+def test_pack_puts_both_on_one_node_each_on_its_own_gpu(cluster):
+    config = _config("cuda", "pack")
+    _wait_all_free()
+    pg = reserve_placement(config, timeout_s=60)
+    try:
+        places = _place(config, pg)
+    finally:
+        release_placement(pg)
+    (p_node, p_gpus), (d_node, d_gpus) = places
+    assert p_node == d_node
+    assert len(p_gpus) == 1 and len(d_gpus) == 1 and p_gpus != d_gpus
+
+
+def test_2p2d_fills_every_gpu_of_both_nodes_with_one_worker_each(cluster):
+    config = _config("cuda", "spread", 2, 2)
+    _wait_all_free()
+    pg = reserve_placement(config, timeout_s=60)
+    try:
+        places = _place(config, pg)
+        assert _available_gpus() == 0
+    finally:
+        release_placement(pg)
+    by_node: dict[str, list] = {}
+    for node, gpus in places:
+        by_node.setdefault(node, []).extend(gpus)
+    assert len(by_node) == 2
+    assert all(sorted(g) == sorted(set(g)) and len(g) == NODE_GPUS for g in by_node.values())
+
+
+def test_cpu_spread_bundles_hold_no_gpu(cluster):
+    config = _config("cpu", "spread")
+    assert worker_bundle(config) == {"CPU": 0.25}
+    _wait_all_free()
+    pg = reserve_placement(config, timeout_s=60)
+    try:
+        places = _place(config, pg)
+    finally:
+        release_placement(pg)
+    assert places[0][0] != places[1][0] and places[0][1] == [] and places[1][1] == []
+
+
+def test_none_makes_no_group_and_uses_ray_spread(cluster):
+    config = _config("cuda", "none")
+    assert reserve_placement(config) is None
+    assert actor_options(config)["scheduling_strategy"] == "SPREAD"
+    assert actor_options(config)["num_gpus"] == 1
+
+
+def test_too_many_gpu_workers_fail_with_the_shortfall_and_release_everything(cluster):
+    config = _config("cuda", "spread", 3, 2)  # 5 GPUs, the cluster has 4
+    with pytest.raises(RuntimeError, match=r"needs 5 GPU .*has 4"):
+        reserve_placement(config, timeout_s=2)
+    _wait_all_free()  # the unplaceable group was removed
+
+
+def test_resource_shortfall_names_the_missing_gpus_without_a_cluster():
+    config = _config("cuda", "spread", 2, 2)
+    msg = resource_shortfall(config, {"CPU": 16.0})
+    assert "needs 4 GPU" in msg and "has 0" in msg and "device: cpu" in msg
+    assert resource_shortfall(config, {"CPU": 16.0, "GPU": 4.0}) is None
+    assert resource_shortfall(_config("cpu", "pack"), {"CPU": 0.25}) == \
+        "the topology needs 0.5 CPU (2 workers x 0.25), the Ray cluster has 0.25"
+
+
+@pytest.mark.parametrize("bad", ["gpu", "", None])
+def test_placement_setting_is_validated(bad):
+    with pytest.raises(ConfigError, match="topology.placement"):
+        DeployConfig.from_dict({"topology": {"placement": bad}})
+    assert DeployConfig().topology.placement is Placement.SPREAD
