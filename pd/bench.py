@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in --vs-hf")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     if args.threads:
