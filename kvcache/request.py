@@ -50,6 +50,7 @@ class Request:
         "_output_token_ids", "max_tokens", "cache_salt", "lora_name",
         "skip_reading_prefix_cache", "kv_transfer_params", "num_computed_tokens",
         "status", "num_preemptions", "block_hashes", "_block_hasher", "spec_token_ids", "num_tokens",
+        "_hash_block_size", "_next_hash_at",
     )
 
     def __init__(
@@ -86,8 +87,12 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
+        # a hasher with a known block size is only called when a block completes
+        self._hash_block_size = getattr(block_hasher, "block_size", 0)
+        self._next_hash_at = 0
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 
     @property
     def num_tokens_with_spec(self) -> int:
@@ -115,16 +120,18 @@ class Request:
         if isinstance(token_ids, int):
             self._output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
+            self.num_tokens += 1
         else:
             token_ids = list(token_ids)
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.num_tokens = len(self._all_token_ids)
+            self.num_tokens = len(self._all_token_ids)
         hasher = self._block_hasher
-        if hasher is not None:
+        if hasher is not None and self.num_tokens >= self._next_hash_at:
             new = hasher(self)
             if new:
                 self.block_hashes.extend(new)
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
