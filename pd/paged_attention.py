@@ -36,6 +36,9 @@ class SeqSlice:
 class _GroupBatch:
     table: torch.Tensor  # (B * num_gathered_blocks,) block ids, null-padded, row-major
     mask: torch.Tensor  # (B, Lq, num_gathered_blocks * block_size) bool
+    # (B, S) True where the gathered slot holds no token of the request (block tail, padding); None if
+    # there is none. Those slots are zeroed after the gather: masked weights are 0, but 0 * NaN is NaN.
+    unwritten: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -141,6 +144,7 @@ class PagedAttention:
                 sb.valid = None if sb.valid is None else sb.valid.to(device)
                 for gb in sb.groups:
                     gb.table, gb.mask = gb.table.to(device), gb.mask.to(device)
+                    gb.unwritten = None if gb.unwritten is None else gb.unwritten.to(device)
 
     def _build_fused(self, members: list[int], starts: list[int], tables: list[torch.Tensor],
                      first_token: torch.Tensor) -> _FusedDecode:
@@ -181,7 +185,9 @@ class PagedAttention:
             mask = delta >= 0
             if grp.window is not None:
                 mask &= delta < grp.window
-            groups.append(_GroupBatch(table=table.flatten(), mask=mask))
+            unwritten = k_pos >= ends[:, None]
+            groups.append(_GroupBatch(table=table.flatten(), mask=mask,
+                                      unwritten=unwritten[:, :, None] if bool(unwritten.any()) else None))
         padded = not bool(valid.all())
         fresh = None
         if len(members) == 1 and int(starts[0]) == 0:
@@ -225,6 +231,9 @@ class PagedAttention:
             torch.index_select(k_rows, 0, gb.table, out=keys)
             torch.index_select(v_rows, 0, gb.table, out=values)
             s_len = n // b * bs
+            if gb.unwritten is not None:  # defence in depth: stale bytes there must not reach the sums
+                keys.view(b, s_len, -1).masked_fill_(gb.unwritten, 0.0)
+                values.view(b, s_len, -1).masked_fill_(gb.unwritten, 0.0)
             res = masked_attention(q[sb.q_index], keys.view(b, s_len, h, d), values.view(b, s_len, h, d), gb.mask)
             if self._identity:
                 return res.reshape(q.shape)

@@ -91,3 +91,18 @@ def test_config_validation():
         ModelConfig(num_layers=2, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig(dtype="int8")
+
+
+def test_stale_nan_bytes_in_unwritten_slots_do_not_leak():
+    """Slots past a request's end (block tail) may hold garbage, e.g. after a failed load."""
+    cfg = FULL
+    model = build_model(cfg, seed=3)
+    layout = KVLayout(cfg, 4)
+    pool = PagePool(20, layout.page_size_bytes)
+    pool.buffer.view(torch.float32).fill_(float("nan"))
+    runner = ModelRunner(model, layout, pool)
+    prompt = list(range(10, 17))  # 7 tokens: the second block's last slot is never written
+    tables = ([3, 5],)
+    runner.execute([ScheduledChunk("a", prompt[:5], 0, tables, True)])
+    row = runner.execute([ScheduledChunk("a", prompt[5:], 5, tables, True)])[0]
+    assert torch.allclose(row, model.reference_logits(prompt)[-1], atol=1e-5, rtol=0)
