@@ -33,7 +33,7 @@ import weakref
 import torch
 
 MAX_RUN_COPIES = 8  # above this many contiguous runs, one index gather/scatter beats slice copies
-STAGING_HALF_BYTES = 32 * 1024 * 1024  # pinned bytes per staging half (capped per stream)
+STAGING_HALF_BYTES = 16 * 1024 * 1024  # pinned bytes per staging half: 32 MiB pinned per transfer stream
 
 
 @dataclasses.dataclass(frozen=True)

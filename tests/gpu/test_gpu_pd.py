@@ -26,7 +26,7 @@ from connectors.loads import RemoteAddr  # noqa: E402
 from connectors.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
-PAGE_BYTES = 64 * 1024  # 512 pages fit a 32 MiB staging half: 150 pages still cross chunks on tcp (64/chunk)
+PAGE_BYTES = 64 * 1024  # a staging half holds 64 such pages: 150 pages cross chunks on tcp
 
 
 @pytest.mark.parametrize("path", ["tcp", "shm"])
