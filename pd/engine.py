@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
+import torch
+
 from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
 
 from connectors.base import ConnectorOutput
@@ -127,7 +129,10 @@ class Engine:
             if worker is not None:
                 worker.wait_for_save()
                 sending, recving = worker.get_finished()
-                connector_output = ConnectorOutput(set(sending), set(recving), set(worker.get_block_ids_with_load_errors()))
+                invalid = set(worker.get_block_ids_with_load_errors())
+                if invalid:
+                    self._scrub_pages(invalid)
+                connector_output = ConnectorOutput(set(sending), set(recving), invalid)
             t2 = time.perf_counter()
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
@@ -137,6 +142,12 @@ class Engine:
                 self.timing[key] += value
             self._dispatch(outputs)
             return outputs
+
+    def _scrub_pages(self, block_ids: set[int]) -> None:
+        # A failed load may leave arbitrary bytes (NaN/Inf as floats) in its pages. Attention masks
+        # unused slots of a block by weight 0, but 0 * NaN is NaN: zero them before anyone reuses them.
+        index = torch.tensor(sorted(block_ids), dtype=torch.long, device=self.page_pool.buffer.device)
+        self.page_pool.buffer.index_fill_(0, index, 0)
 
     def _apply_pending(self) -> list[RequestOutput]:
         with self._lock:

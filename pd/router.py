@@ -26,6 +26,7 @@ import time
 from aiohttp import web
 
 from pd import openai_api as oa
+from pd.admission import AdmissionGate, AdmissionLimits, Overloaded
 from pd.deploy_config import DeployConfig, Mode
 from pd.dispatch import Dispatcher
 from pd.metrics import RouterMetrics
@@ -58,6 +59,10 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated)
         self._vocab_size = int(config.model.architecture.get("vocab_size", self.tokenizer.vocab_size))
         self._failed_polls: dict[str, int] = {}
+        serving = (Role.BOTH,) if self._colocated else (Role.DECODE,)
+        self.gate = AdmissionGate(
+            lambda: rc.max_in_flight_per_worker * max(1, sum(len(self.pool.healthy(r)) for r in serving)),
+            AdmissionLimits(rc.max_queued_requests, rc.queue_timeout_s, rc.retry_after_s))
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
         self.url: str | None = None
@@ -65,7 +70,7 @@ class Router:
     # -- life cycle -------------------------------------------------------
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         await self.client.open()
-        app = web.Application(middlewares=[self._api_key], client_max_size=16 * 1024 * 1024)
+        app = web.Application(middlewares=[self._api_key], client_max_size=self.config.router.max_body_bytes)
         app.add_routes([
             web.post("/v1/completions", self._completions),
             web.get("/v1/models", self._models),
@@ -176,10 +181,26 @@ class Router:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise oa.APIError(400, "request body is not valid JSON") from None
             req = oa.parse_completion_request(body, served_model=self.config.model.name, vocab_size=self._vocab_size)
+            if len(req.prompts) > self.config.router.max_prompts_per_request:
+                raise oa.APIError(400, f"at most {self.config.router.max_prompts_per_request} prompts per request",
+                                  param="prompt")
             prompts = [self._prompt_ids(p, req.max_tokens) for p in req.prompts]
         except oa.APIError as exc:
             self.metrics.requests.inc(outcome=f"error_{exc.status}")
             return _error_response(exc)
+        try:
+            admitted = await self.gate.acquire(len(prompts))
+        except Overloaded as exc:
+            self.metrics.requests.inc(outcome=f"error_{exc.status}")
+            return _error_response(oa.server_error(exc.message, status=exc.status, code="overloaded"),
+                                   headers={"Retry-After": str(exc.retry_after_s)})
+        try:
+            return await self._serve(request, req, prompts, arrived)
+        finally:
+            self.gate.release(admitted)
+
+    async def _serve(self, request: web.Request, req: oa.CompletionRequest, prompts: list[list[int]],
+                     arrived: float) -> web.StreamResponse:
         completion_id = oa.new_completion_id()
         if req.stream:
             return await self._stream(request, req, completion_id, prompts[0], arrived)
@@ -202,6 +223,10 @@ class Router:
     def _prompt_ids(self, prompt: str | tuple[int, ...], max_tokens: int) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         limit = self.config.scheduler.max_model_len
+        max_prompt = self.config.router.max_prompt_tokens or limit - 1
+        if len(ids) > max_prompt:
+            raise oa.APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {max_prompt}",
+                              param="prompt", code="prompt_too_long")
         if len(ids) + max_tokens > limit:
             raise oa.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                                    f"{len(ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
@@ -272,6 +297,6 @@ class Router:
         return response
 
 
-def _error_response(exc: oa.APIError) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.status)
+def _error_response(exc: oa.APIError, headers: dict | None = None) -> web.Response:
+    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
 

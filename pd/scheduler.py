@@ -68,6 +68,8 @@ class Scheduler:
             logger.warning("request %s carries kv_transfer_params but no connector is configured", rid)
         self.requests[rid] = state
         self.waiting.append(state)
+        if self.connector is not None:  # e.g. lease heartbeats start now, not when the request reaches the head
+            self.connector.on_new_request(state.request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request wherever it is; None if it is unknown or already finished."""

@@ -72,7 +72,13 @@ class Worker:
         self._http = WorkerHTTPServer(self, spec.secret)
         self._started_at = time.time()
         self._num_aborted = 0
+        self._num_rejected = 0
         self.url: str | None = None
+        from pd.fault_points import WorkerFaults, parse_worker_faults
+
+        role_key = "colocated" if spec.role is Role.BOTH else spec.role.value
+        plan = parse_worker_faults(getattr(spec.config.faults, role_key))
+        self._faults = WorkerFaults(plan, spec.host) if plan is not None else None
 
     # -- life cycle -------------------------------------------------------
     async def start(self, port: int = 0) -> str:
@@ -88,6 +94,8 @@ class Worker:
 
     async def stop(self) -> None:
         await self._http.stop()
+        if self._faults is not None:
+            self._faults.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -117,13 +125,55 @@ class Worker:
             sp = SamplingParams(**{k: (tuple(v) if k == "stop_token_ids" else v) for k, v in sampling.items()})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"sampling: {exc}") from None
+        self._check_fits(len(ids) + sp.max_tokens)
         return GenerateJob(request_id, tuple(ids), sp, params)
+
+    def _check_fits(self, num_tokens: int) -> None:
+        """Refuses a request whose whole sequence can never fit in this worker's KV pool
+        (it would wait for blocks forever, keeping its producer's lease alive)."""
+        engine = self._engine
+        if engine is None:
+            return
+        num_tokens = min(num_tokens, engine.config.resolved_max_model_len)
+        need = 0
+        for group in engine.layout.kv_cache_groups():
+            spec = group.spec
+            blocks = -(-num_tokens // spec.block_size)
+            window = getattr(spec, "sliding_window", None)
+            need += min(blocks, -(-window // spec.block_size) + 1) if window else blocks
+        have = engine.page_pool.num_blocks - 1  # block 0 is the null block
+        if need > have:
+            raise ValueError(f"request needs {need} KV blocks for {num_tokens} tokens; this worker's pool "
+                             f"has {have}")
+
+    def release_remote(self, body: Any) -> None:
+        """Tells the producer named in a refused request's kv_transfer_params to free its
+        blocks now, rather than when its lease runs out."""
+        self._num_rejected += 1
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        consumer = getattr(getattr(self._connector, "worker", None), "consumer", None)
+        if consumer is None or not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return
+        from connectors.consumer import RemoteAddr
+
+        engine_id, host, port, rid = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
+                                                              "remote_request_id"))
+        if all(isinstance(v, str) and v for v in (engine_id, host, rid)) and type(port) is int and 0 < port < 65536:
+            consumer.notify_done(RemoteAddr(engine_id, host, port), [rid])
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict]:
         """Yields one event per engine output for the request (see `pd.worker_http`)."""
         engine = self._require_engine()
+        faults = self._faults
+        params = job.kv_transfer_params
+        if faults is not None:
+            await faults.at("worker.request_received")
+            params = faults.route(params)
         async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
-                                         kv_transfer_params=job.kv_transfer_params):
+                                         kv_transfer_params=params):
+            if faults is not None:
+                await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
+                                else "worker.decode_token")
             yield {
                 "token_ids": list(out.new_token_ids),
                 "finished": bool(out.finished),
@@ -150,7 +200,7 @@ class Worker:
         from pd.worker_engine import engine_stats
 
         out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url,
-                               "num_aborted": self._num_aborted}
+                               "num_aborted": self._num_aborted, "num_rejected": self._num_rejected}
         if self._engine is None:
             out["error"] = "engine not running"
             return out

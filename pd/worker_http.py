@@ -85,12 +85,14 @@ class WorkerHTTPServer:
         return web.json_response({"reset": await asyncio.to_thread(self._worker.reset_prefix_cache)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = None
         try:
             body = await request.json()
             job = self._worker.parse_job(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "body must be JSON")
         except ValueError as exc:
+            self._worker.release_remote(body)  # the producer must not keep blocks for a refused request
             return _error(400, str(exc))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
