@@ -228,7 +228,7 @@ class HybridCoordinator(KVCacheCoordinator):
 def make_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
                      enable_caching: bool, enable_kv_cache_events: bool, scheduler_block_size: int,
                      hash_block_size: int) -> KVCacheCoordinator:
-    if not enable_caching:
+    if not enable_caching or not kv_cache_config.groups:  # attention-free models cache nothing
         return NoPrefixCacheCoordinator(kv_cache_config, max_model_len, max_num_batched_tokens,
                                         enable_kv_cache_events, scheduler_block_size, hash_block_size)
     cls = UnitaryCoordinator if len(kv_cache_config.groups) == 1 else HybridCoordinator

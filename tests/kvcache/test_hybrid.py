@@ -32,6 +32,17 @@ def test_coordinator_choice():
         make_manager(10, fa_spec(4), fa_spec(4))  # one distinct spec is not hybrid
 
 
+def test_attention_free_model_has_no_groups_and_no_blocks():
+    from kvcache import KVCacheConfig, KVCacheManager, Request
+    mgr = KVCacheManager(KVCacheConfig(num_blocks=1, groups=()), 100)
+    assert isinstance(mgr.coordinator, NoPrefixCacheCoordinator)
+    r = Request("a", [1, 2, 3])
+    assert mgr.get_computed_blocks(r) == (mgr.empty_kv_cache_blocks, 0)
+    assert mgr.allocate_slots(r, 3).blocks == () and mgr.usage == 0.0
+    mgr.free(r)
+    assert_all_free(mgr)
+
+
 def test_hybrid_hit_is_the_length_every_group_accepts():
     mgr = make_manager(80, fa_spec(16), swa_spec(16, 32), max_model_len=1000)
     a = make_request("a", list(range(85)))
