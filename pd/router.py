@@ -178,7 +178,7 @@ class Router:
         try:
             try:
                 body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nesting deep enough to blow the stack
                 raise oa.APIError(400, "request body is not valid JSON") from None
             req = oa.parse_completion_request(body, served_model=self.config.model.name, vocab_size=self._vocab_size)
             if len(req.prompts) > self.config.router.max_prompts_per_request:

@@ -187,6 +187,9 @@ class Worker:
         if self._engine is not None:
             self._num_aborted += 1
             self._engine.abort_request(request_id)
+            producer = getattr(getattr(self._connector, "worker", None), "producer", None)
+            if producer is not None:  # a finished prefill nobody will pull: free its blocks now, not at lease expiry
+                producer.abort_lease(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._require_engine().kv_cache_manager.reset_prefix_cache())

@@ -89,7 +89,7 @@ class WorkerHTTPServer:
         try:
             body = await request.json()
             job = self._worker.parse_job(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return _error(400, "body must be JSON")
         except ValueError as exc:
             self._worker.release_remote(body)  # the producer must not keep blocks for a refused request
