@@ -57,6 +57,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
       const float* qb = qp + b * Hq * D;
       for (int64_t p = start; p < stop; ++p) {
         const float* krow = cp + tp[b * W + p / bs] * s_blk + (p % bs) * s_tok;
+        if (p + bs < stop) {  // same slot of the next block: its first touch is a cache miss otherwise
+          const char* nxt = reinterpret_cast<const char*>(cp + tp[b * W + (p + bs) / bs] * s_blk + (p % bs) * s_tok);
+          for (int64_t off = 0; off < Hkv * D * 4; off += 64) __builtin_prefetch(nxt + off);
+        }
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const float* k = krow + (hq / G) * D;
           const float* qh = qb + hq * D;
@@ -80,6 +84,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < stop; ++p) {
         const float* vrow = cp + tp[b * W + p / bs] * s_blk + s_kv + (p % bs) * s_tok;
+        if (p + bs < stop) {
+          const char* nxt = reinterpret_cast<const char*>(cp + tp[b * W + (p + bs) / bs] * s_blk + s_kv + (p % bs) * s_tok);
+          for (int64_t off = 0; off < Hkv * D * 4; off += 64) __builtin_prefetch(nxt + off);
+        }
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const float w = scores[hq * n + (p - start)];
           const float* v = vrow + (hq / G) * D;
@@ -109,7 +117,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v2", cpp_sources=_SOURCE, functions=["paged_decode_attention"],
+                    name="pdkv_paged_decode_v3", cpp_sources=_SOURCE, functions=["paged_decode_attention"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
                 logger.warning("fused CPU decode attention unavailable, using the torch path: %s", exc)
