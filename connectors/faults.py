@@ -142,10 +142,12 @@ def _parse_rule(text: str, known_points) -> FaultRule:
         if key in seen:
             raise FaultSpecError(f"fault rule {text!r}: {key} given twice")
         seen.add(key)
+        if key == "seconds" and action not in _TAKES_SECONDS:
+            raise FaultSpecError(f"fault rule {text!r}: {action.value} takes no seconds argument")
+        if key not in ("seconds", "after", "times"):
+            raise FaultSpecError(f"fault rule {text!r}: unknown option {key!r} (after, times)")
         try:
             if key == "seconds":
-                if action not in _TAKES_SECONDS:
-                    raise FaultSpecError(f"fault rule {text!r}: {action.value} takes no seconds argument")
                 seconds = float(value)
                 if not 0 <= seconds < 3600:
                     raise ValueError
@@ -153,8 +155,6 @@ def _parse_rule(text: str, known_points) -> FaultRule:
                 after = int(value)
             elif key == "times":
                 times = None if value == "all" else int(value)
-            else:
-                raise FaultSpecError(f"fault rule {text!r}: unknown option {key!r} (after, times)")
         except ValueError:
             raise FaultSpecError(f"fault rule {text!r}: bad value {value!r} for {key}") from None
     if action in _TAKES_SECONDS and "seconds" not in seen:
