@@ -14,6 +14,7 @@ group's not-yet-claimed hit.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
 from kvcache.block_pool import BlockPool
@@ -40,25 +41,42 @@ def make_single_type_manager(spec: KVCacheSpec, block_pool: BlockPool, enable_ca
     return cls(spec, block_pool, enable_caching, group_id, scheduler_block_size, cap)
 
 
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """Everything a coordinator is built from, validated once."""
+
+    kv_cache_config: KVCacheConfig
+    max_model_len: int
+    max_num_batched_tokens: int
+    enable_caching: bool
+    enable_kv_cache_events: bool
+    scheduler_block_size: int
+    hash_block_size: int
+
+    def __post_init__(self) -> None:
+        sbs, hbs = self.scheduler_block_size, self.hash_block_size
+        if hbs <= 0 or sbs % hbs or any(sbs % g.spec.block_size for g in self.kv_cache_config.groups):
+            raise ValueError(f"scheduler block size {sbs} must be a multiple of the hash block size {hbs} "
+                             f"and of every group's block size")
+
+
 class KVCacheCoordinator:
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-                 enable_caching: bool, enable_kv_cache_events: bool, scheduler_block_size: int,
-                 hash_block_size: int) -> None:
-        groups = kv_cache_config.groups
-        if scheduler_block_size % hash_block_size or any(scheduler_block_size % g.spec.block_size for g in groups):
-            raise ValueError(f"scheduler block size {scheduler_block_size} must be a multiple of the hash "
-                             f"block size {hash_block_size} and of every group's block size")
-        self.kv_cache_config = kv_cache_config
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
-        self.scheduler_block_size = scheduler_block_size
-        self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events)
+    """Fans calls out to one single-type manager per group over one shared pool."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.kv_cache_config = settings.kv_cache_config
+        self.max_model_len = settings.max_model_len
+        self.enable_caching = settings.enable_caching
+        self.scheduler_block_size = settings.scheduler_block_size
+        self.hash_block_size = settings.hash_block_size
+        self.block_pool = BlockPool(settings.kv_cache_config.num_blocks, settings.enable_caching,
+                                    settings.hash_block_size, settings.enable_kv_cache_events)
         self.single_type_managers = tuple(
-            make_single_type_manager(g.spec, self.block_pool, enable_caching, i, scheduler_block_size,
-                                     max_model_len, max_num_batched_tokens)
-            for i, g in enumerate(groups))
+            make_single_type_manager(g.spec, self.block_pool, settings.enable_caching, i,
+                                     settings.scheduler_block_size, settings.max_model_len,
+                                     settings.max_num_batched_tokens)
+            for i, g in enumerate(settings.kv_cache_config.groups))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
@@ -123,10 +141,7 @@ class KVCacheCoordinator:
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
-    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-                 enable_kv_cache_events: bool, scheduler_block_size: int, hash_block_size: int) -> None:
-        super().__init__(kv_cache_config, max_model_len, max_num_batched_tokens, False,
-                         enable_kv_cache_events, scheduler_block_size, hash_block_size)
+    """Caching off (or no groups at all): never a hit, never caches."""
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * len(self.single_type_managers)
@@ -136,8 +151,10 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    """Exactly one group: its manager's hit is the hit."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        super().__init__(settings)
         if len(self.single_type_managers) != 1:
             raise ValueError("UnitaryCoordinator needs exactly one KV cache group")
         self.block_size = self.single_type_managers[0].block_size
@@ -159,8 +176,10 @@ class SpecGroup(NamedTuple):
 
 
 class HybridCoordinator(KVCacheCoordinator):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    """Several groups with at least two distinct specs."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        super().__init__(settings)
         if any(m.block_size % self.hash_block_size for m in self.single_type_managers):
             raise ValueError("every group's block size must be a multiple of the hash block size")
         spec_groups: list[SpecGroup] = []
@@ -225,12 +244,10 @@ class HybridCoordinator(KVCacheCoordinator):
         return tuple(b if b is not None else [] for b in hits_by_group), hit_length
 
 
-def make_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-                     enable_caching: bool, enable_kv_cache_events: bool, scheduler_block_size: int,
-                     hash_block_size: int) -> KVCacheCoordinator:
-    if not enable_caching or not kv_cache_config.groups:  # attention-free models cache nothing
-        return NoPrefixCacheCoordinator(kv_cache_config, max_model_len, max_num_batched_tokens,
-                                        enable_kv_cache_events, scheduler_block_size, hash_block_size)
-    cls = UnitaryCoordinator if len(kv_cache_config.groups) == 1 else HybridCoordinator
-    return cls(kv_cache_config, max_model_len, max_num_batched_tokens, True, enable_kv_cache_events,
-               scheduler_block_size, hash_block_size)
+def make_coordinator(settings: CoordinatorSettings) -> KVCacheCoordinator:
+    if not settings.enable_caching or not settings.kv_cache_config.groups:
+        # caching off, or an attention-free model: nothing can be cached
+        return NoPrefixCacheCoordinator(replace(settings, enable_caching=False))
+    if len(settings.kv_cache_config.groups) == 1:
+        return UnitaryCoordinator(settings)
+    return HybridCoordinator(settings)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from kvcache.blocks import KVCacheBlock
 from kvcache.config import KVCacheConfig
-from kvcache.coordinator import make_coordinator
+from kvcache.coordinator import CoordinatorSettings, make_coordinator
 from kvcache.events import BlockStored, KVCacheEvent
 from kvcache.kv_cache_blocks import KVCacheBlocks
 from kvcache.request import Request, RequestStatus
@@ -39,6 +39,9 @@ _WATERMARK_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class KVCacheManager:
+    """Scheduler-facing facade over one coordinator and its BlockPool (see the
+    module docstring for the guarantees)."""
+
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, *, enable_caching: bool = True,
                  hash_block_size: int | None = None, watermark: float = 0.0, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, max_num_batched_tokens: int | None = None) -> None:
@@ -59,9 +62,9 @@ class KVCacheManager:
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.coordinator = make_coordinator(kv_cache_config, max_model_len, max_num_batched_tokens,
-                                            enable_caching, enable_kv_cache_events, scheduler_block_size,
-                                            hash_block_size)
+        self.coordinator = make_coordinator(CoordinatorSettings(
+            kv_cache_config, max_model_len, max_num_batched_tokens, enable_caching, enable_kv_cache_events,
+            scheduler_block_size, hash_block_size))
         self.num_kv_cache_groups = len(groups)
         self.block_pool = self.coordinator.block_pool
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
