@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in --vs-hf")
+    ap.add_argument("--max-prompt", type=int, default=512, help="prompt lengths in --vs-hf are uniform in [16, this]")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
@@ -187,7 +188,7 @@ def main() -> None:
                                              decode_steps=16 if args.quick else 64)
     results["scheduler"] = bench_scheduler_overhead(256, steps=10 if args.quick else 50)
     if args.vs_hf:
-        results["vs_hf"] = bench_vs_hf(cfg, 32, 16, 128 if args.quick else 512, 16 if args.quick else args.new_tokens,
+        results["vs_hf"] = bench_vs_hf(cfg, 32, 16, 128 if args.quick else args.max_prompt, 16 if args.quick else args.new_tokens,
                                        rounds=args.rounds)
     if args.json:
         print(json.dumps(results, indent=2))
