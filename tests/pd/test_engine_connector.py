@@ -1,5 +1,4 @@
 """Connector hooks of the scheduler, driven by the in-process fake connector (pd_fake_connector.py)."""
-import pytest
 from kvcache import RequestStatus
 from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
