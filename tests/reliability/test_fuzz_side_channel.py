@@ -110,7 +110,7 @@ class Fuzzer(threading.Thread):
         rng, sent = self.rng, 0
         while sent < self.num_frames:
             dealer = ctx.socket(zmq.DEALER)  # a new identity every 500 frames
-            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.LINGER, 10_000)  # close() delivers what is still queued (bounded)
             dealer.setsockopt(zmq.SNDTIMEO, 5000)
             dealer.setsockopt(zmq.RCVHWM, 10)
             dealer.connect(f"tcp://127.0.0.1:{self.port}")
