@@ -191,3 +191,51 @@ def test_fuzz_side_channel_short(fault_record):
 @pytest.mark.slow
 def test_fuzz_side_channel_100k(fault_record):
     fuzz_while_serving(100_000, fault_record)
+
+
+def test_consumer_survives_a_hostile_producer(fault_record):
+    """D is pointed at a 'producer' that answers every message with random and mutated frames
+    (forged challenges and welcomes included): D's load fails cleanly, D recomputes, and its
+    next transfer from the real producer still moves the KV."""
+    ctx = zmq.Context.instance()
+    hostile = ctx.socket(zmq.ROUTER)
+    hostile.setsockopt(zmq.LINGER, 0)
+    port = hostile.bind_to_random_port("tcp://127.0.0.1")
+    stop, sent = threading.Event(), [0]
+
+    def serve():
+        rng = random.Random(11)
+        while not stop.is_set():
+            if hostile.poll(50):
+                ident = hostile.recv_multipart()[0]
+                for _ in range(100):
+                    frame = malformed_frame(rng) if rng.random() < 0.7 else valid_frame(rng)
+                    try:
+                        hostile.send_multipart([ident, frame], zmq.NOBLOCK)
+                        sent[0] += 1
+                    except zmq.ZMQError:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    toks = prompt(50, start=5)
+    want = reference(toks, 6)
+    try:
+        with Pair(Side("prefill-0", lease_s=3.0), Side("decode-0", timeout_s=1.0)) as pair:
+            params = dict(pair.prefill("r1", toks), remote_port=port)  # the router was lied to
+            outs = {"r1": pair.add_decode("r1", toks, params, 6)}
+            pair.drive(outs, timeout_s=20)
+            assert outs["r1"]["tokens"] == want and pair.d.scheduler.stats.num_load_failures_recomputed == 1
+            stats = pair.d.connector.stats()
+            assert stats["malformed_frames"] + sum(stats["handshakes_refused"].values()) >= 1
+            good = pair.run("r2", toks, n=6)
+            assert good.tokens == want and pair.d.connector.stats()["loads_ok"] == 1
+            pair.assert_all_free(timeout_s=15)  # r1's lease on the real P expires (3 s)
+    finally:
+        stop.set()
+        thread.join(5)
+        hostile.close()
+    fault_record(fault=f"hostile producer: {sent[0]} random/forged frames to D", where="D consumer side channel",
+                 user_saw="correct tokens", pdkv_did=f"load failed cleanly ({stats['failures']}, "
+                 f"{stats['malformed_frames']} malformed, refused {stats['handshakes_refused']}); recomputed; "
+                 "next transfer fine", pools="all free")

@@ -154,3 +154,27 @@ def test_duplicate_and_late_completion_messages_end_a_lease_once(want, fault_rec
                  user_saw="correct tokens",
                  pdkv_did=f"no double free; leases ended {ended}; late DONE on a reused id -> {recomputed} recompute",
                  pools="all free")
+
+
+def test_decode_waits_for_blocks_then_serves(want, fault_record):
+    # D's pool (9 usable blocks) holds r1 (130 tokens = 9 blocks) or r2 (5 blocks + growth), not both:
+    # r2's admission is refused for lack of blocks until r1 finishes; heartbeats keep P's lease meanwhile.
+    with Pair(Side("prefill-0", lease_s=1.0), Side("decode-0", num_blocks=10, heartbeat_s=0.15)) as pair:
+        long_prompt = prompt(70, start=21)
+        p1, p2 = pair.prefill("r1", long_prompt), pair.prefill("r2", TOKS)
+        outs = {"r1": pair.add_decode("r1", long_prompt, p1, 60)}
+        deadline = time.monotonic() + 20
+        while not outs["r1"]["tokens"] and time.monotonic() < deadline:
+            pair.collect(outs, pair.d.step())
+        outs["r2"] = pair.add_decode("r2", TOKS, p2, 8)
+        waited = []
+        pair.drive(outs, timeout_s=60, on_step=lambda: (time.sleep(0.02),
+                                                         waited.append(pair.d.stats()["num_waiting"])))
+        assert max(waited) == 1  # r2 really waited for blocks
+        assert outs["r1"]["tokens"] == reference(long_prompt, 60) and outs["r2"]["tokens"] == want
+        assert pair.p.connector.stats()["leases_expired"] == 0
+        assert pair.d.scheduler.stats.num_load_failures_recomputed == 0
+        pair.assert_all_free()
+    fault_record(fault="decode admission refused for lack of blocks (pool busy)", where="D scheduler",
+                 user_saw="correct tokens once blocks freed", pdkv_did="r2 waited; heartbeats kept P's lease; KV transferred",
+                 pools="all free")
