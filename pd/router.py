@@ -223,14 +223,14 @@ class Router:
     def _prompt_ids(self, prompt: str | tuple[int, ...], max_tokens: int) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         limit = self.config.scheduler.max_model_len
-        max_prompt = self.config.router.max_prompt_tokens or limit - 1
-        if len(ids) > max_prompt:
-            raise oa.APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {max_prompt}",
-                              param="prompt", code="prompt_too_long")
         if len(ids) + max_tokens > limit:
             raise oa.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                                    f"{len(ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
                               code="context_length_exceeded")
+        max_prompt = self.config.router.max_prompt_tokens or limit - 1
+        if len(ids) > max_prompt:
+            raise oa.APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {max_prompt}",
+                              param="prompt", code="prompt_too_long")
         return ids
 
     def _sampling(self, req: oa.CompletionRequest) -> dict:
