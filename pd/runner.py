@@ -14,6 +14,7 @@ import torch
 
 from connectors.page_pool import PagePool
 from pd import cpu_kernels
+from pd.fused_decode import FusedDecoder
 from pd.kv_layout import KVLayout
 from pd.model import CausalLM
 from pd.paged_attention import PagedAttention, SeqSlice, Workspace
@@ -56,10 +57,14 @@ class ModelRunner:
             if not self.fused_decode:
                 logger.warning("fused decode attention not usable here (dtype %s, device %s); using torch",
                                layout.dtype, self.device)
+        # Steps made only of decode tokens skip the per-layer Python path entirely.
+        self.fused_decoder = FusedDecoder(model, layout, self.group_views) if self.fused_decode else None
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if not chunks:
             return torch.empty((0, self.model.config.vocab_size))
+        if self.fused_decoder is not None and FusedDecoder.applies(chunks):
+            return self.fused_decoder.execute(chunks)
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
         backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace, self.fused_decode)
         flat: list[int] = []

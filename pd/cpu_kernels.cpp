@@ -1,0 +1,251 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Scores of every query head against `cnt` consecutive tokens of one block (rows `s_tok` apart).
+static inline void qk_rows(const float* qb, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq, int64_t Hkv,
+                           int64_t D, float sc, float* out, int64_t n) {
+  const int64_t G = Hq / Hkv;
+  for (int64_t t = 0; t < cnt; ++t) {
+    const float* krow = base + t * s_tok;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* k = krow + (hq / G) * D;
+      const float* qh = qb + hq * D;
+#if defined(__AVX512F__)
+      if (D % 16 == 0) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
+        for (int64_t d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(k + d), a);
+        out[hq * n + t] = _mm512_reduce_add_ps(a) * sc;
+        continue;
+      }
+#endif
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
+      out[hq * n + t] = s * sc;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// acc[hq] += sum_t w[hq, t] * V[t][hq / G]: C = D / 16 accumulators stay in registers over the block's tokens.
+template <int C>
+static inline void pv_rows_avx512(const float* w, int64_t n, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq,
+                                  int64_t G, float* acc) {
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const float* vh = base + (hq / G) * C * 16;
+    const float* wh = w + hq * n;
+    __m512 r[C];
+    for (int c = 0; c < C; ++c) r[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < cnt; ++t) {
+      const __m512 wv = _mm512_set1_ps(wh[t]);
+      const float* v = vh + t * s_tok;
+      for (int c = 0; c < C; ++c) r[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + 16 * c), r[c]);
+    }
+    float* a = acc + hq * C * 16;
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_add_ps(_mm512_loadu_ps(a + 16 * c), r[c]));
+  }
+}
+#endif
+
+// acc[hq] += w[hq, t] * V[t] for `cnt` consecutive tokens of one block.
+static inline void pv_rows(const float* w, int64_t n, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq,
+                           int64_t Hkv, int64_t D, float* acc) {
+  const int64_t G = Hq / Hkv;
+#if defined(__AVX512F__)
+  if (D == 64) return pv_rows_avx512<4>(w, n, base, s_tok, cnt, Hq, G, acc);
+  if (D == 128) return pv_rows_avx512<8>(w, n, base, s_tok, cnt, Hq, G, acc);
+#endif
+  for (int64_t t = 0; t < cnt; ++t) {
+    const float* vrow = base + t * s_tok;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float wt = w[hq * n + t];
+      const float* v = vrow + (hq / G) * D;
+      float* a = acc + hq * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
+    }
+  }
+}
+
+static inline void prefetch_row(const float* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+// Attention of one request's Hq query heads (qb, D each) over positions [start, stop) of one layer's
+// cache, read through the block table `tb`; writes (Hq, D) to `ob`. `scores` / `acc`: scratch.
+static void attend_one(const float* qb, const float* cp, const int64_t* tb, int64_t start, int64_t stop,
+                       int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t Hq, int64_t Hkv, int64_t D,
+                       float sc, std::vector<float>& scores, std::vector<float>& acc, float* ob) {
+  const int64_t n = stop - start, row_bytes = Hkv * D * 4;
+  scores.resize(Hq * n);
+  acc.assign(Hq * D, 0.f);
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    if (kv == 1) {
+      for (int64_t hq = 0; hq < Hq; ++hq) {  // softmax over each head's scores
+        float* sh = scores.data() + hq * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) { sh[j] = std::exp(sh[j] - mx); sum += sh[j]; }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+      }
+    }
+    // Block by block (no division per token); each K (then V) row is read once, whole.
+    for (int64_t blk = start / bs, p = start; p < stop; ++blk) {
+      const int64_t off = p - blk * bs, cnt = std::min(bs - off, stop - p);
+      const float* base = cp + tb[blk] * s_blk + kv * s_kv + off * s_tok;
+      if (p + cnt < stop) {  // blocks jump in memory: start fetching the next one early
+        const float* nxt = cp + tb[blk + 1] * s_blk + kv * s_kv;
+        for (int64_t t = 0; t < std::min(bs, stop - p - cnt); ++t) prefetch_row(nxt + t * s_tok, row_bytes);
+      }
+      if (kv == 0) qk_rows(qb, base, s_tok, cnt, Hq, Hkv, D, sc, scores.data() + (p - start), n);
+      else pv_rows(scores.data() + (p - start), n, base, s_tok, cnt, Hq, Hkv, D, acc.data());
+      p += cnt;
+    }
+  }
+  std::copy(acc.begin(), acc.end(), ob);
+}
+
+// q: (B, Hq, D) float32 contiguous; cache: (num_blocks, 2, bs, Hkv, D) float32 (any block stride);
+// block_table: (B, W) int64; key_start/key_end: (B,) int64, keys are positions [start, end).
+// Returns (B, Hq, D).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
+                                     torch::Tensor key_start, torch::Tensor key_end, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && block_table.is_contiguous(), "contiguous q and block table");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = cache.size(2), Hkv = cache.size(3);
+  TORCH_CHECK(cache.size(4) == D && cache.stride(4) == 1 && cache.stride(3) == D, "head_dim layout");
+  const int64_t W = block_table.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  const int64_t* tp = block_table.data_ptr<int64_t>();
+  const int64_t* ks = key_start.data_ptr<int64_t>();
+  const int64_t* ke = key_end.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t b = begin; b < end; ++b)
+      attend_one(qp + b * Hq * D, cp, tp + b * W, ks[b], ke[b], bs, cache.stride(0), cache.stride(1),
+                 cache.stride(2), Hq, Hkv, D, static_cast<float>(scale), scores, acc, op + b * Hq * D);
+  });
+  return out;
+}
+
+// y = x / rms(x) * w, row by row (x: (B, H)).
+static torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, float eps) {
+  const int64_t B = x.size(0), H = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xr = xp + b * H;
+    float* yr = yp + b * H;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * rstd * wp[i];
+  }
+  return y;
+}
+
+// Rotate-half RoPE of `heads` heads of D at src into dst (cos/sin: D values of this token's position).
+static inline void rope_heads(const float* src, const float* cs, const float* sn, int64_t heads, int64_t D,
+                              float* dst) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * D;
+    float* o = dst + h * D;
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) o[d] = x[d] * cs[d] - x[d + half] * sn[d];
+#pragma omp simd
+    for (int64_t d = half; d < D; ++d) o[d] = x[d] * cs[d] + x[d - half] * sn[d];
+  }
+}
+
+// Every decoder layer for a batch of decode tokens (one per request), float32 on the CPU: the
+// per-layer small ops (norms, RoPE, K/V write, attention, SiLU) run here, the projections through
+// at::linear. x: (B, hidden) embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors:
+// input norm, fused q|k|v weight, fused q|k|v bias (may be empty), o_proj, post norm, fused
+// gate|up weight, down_proj. Per group (`layer_group` maps layers to groups): the block and offset
+// of each new token's slot, the block table and the first key position. Returns hidden states
+// after the last layer (before the final norm).
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
+                            std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
+                            std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
+                            std::vector<torch::Tensor> tables, std::vector<torch::Tensor> key_starts,
+                            torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale) {
+  const int64_t L = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "contiguous float32 inputs");
+  const int64_t B = x.size(0), D = cos.size(1), qw = Hq * D, kw = Hkv * D;
+  const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
+  const float* cp_cos = cos.data_ptr<float>();
+  const float* cp_sin = sin.data_ptr<float>();
+  const int64_t* offs = slot_offsets.data_ptr<int64_t>();
+  const int64_t* ke = key_end.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = weights.data() + 7 * l;
+    const torch::Tensor& cache = caches[l];
+    TORCH_CHECK(cache.size(4) == D && cache.stride(4) == 1 && cache.stride(3) == D, "head_dim layout");
+    const int64_t g = layer_group[l], bs = cache.size(2);
+    const int64_t s_blk = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2);
+    const torch::Tensor& table = tables[g];
+    const int64_t W = table.size(1);
+    const int64_t* tp = table.data_ptr<int64_t>();
+    const int64_t* ks = key_starts[g].data_ptr<int64_t>();
+    const int64_t* sb = slot_blocks[g].data_ptr<int64_t>();
+    float* cp = cache.data_ptr<float>();
+    auto qkv = w[2].defined() && w[2].numel() ? at::linear(rms_norm_rows(x, w[0], ep), w[1], w[2])
+                                             : at::linear(rms_norm_rows(x, w[0], ep), w[1]);
+    auto attn = torch::empty({B, qw}, x.options());
+    const float* qkvp = qkv.data_ptr<float>();
+    float* ap = attn.data_ptr<float>();
+    const int64_t row = qkv.size(1);
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qbuf(qw), scores, acc;
+      for (int64_t b = begin; b < end; ++b) {
+        const float* src = qkvp + b * row;
+        const float* cs = cp_cos + b * D;
+        const float* sn = cp_sin + b * D;
+        // Write first, then read: the new token attends to itself through the page.
+        float* kdst = cp + sb[b] * s_blk + offs[b] * s_tok;
+        rope_heads(src + qw, cs, sn, Hkv, D, kdst);
+        std::copy(src + qw + kw, src + qw + 2 * kw, kdst + s_kv);
+        rope_heads(src, cs, sn, Hq, D, qbuf.data());
+        attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
+                   ap + b * qw);
+      }
+    });
+    x = x + at::linear(attn, w[3]);
+    auto gu = at::linear(rms_norm_rows(x, w[4], ep), w[5]);
+    const int64_t I = gu.size(1) / 2;
+    auto act = torch::empty({B, I}, x.options());
+    const float* gp = gu.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const float* gr = gp + b * 2 * I;
+      float* o = actp + b * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
+    }
+    x = x + at::linear(act, w[6]);
+  }
+  return x;
+}

@@ -1,0 +1,93 @@
+"""Decode-only steps through one C++ call for all layers (pd/cpu_kernels.cpp `decode_layers`).
+
+When every scheduled chunk of a step is a single decode token and the fused
+CPU kernels are available, the runner skips the per-layer Python path: the
+step's metadata is built straight from the chunks' Python lists (a handful of
+small tensors), and the layers run in C++ with the projections through
+at::linear. The q/k/v and gate/up weights are concatenated once at
+construction, so each layer makes four matmuls instead of seven.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pd import cpu_kernels
+from pd.kv_layout import KVLayout
+from pd.model import CausalLM
+
+if TYPE_CHECKING:
+    from pd.runner import ScheduledChunk
+
+_EMPTY = torch.empty(0)
+
+
+class FusedDecoder:
+    """Runs pure-decode steps of a float32 CPU model in one kernel call.
+
+    Guarantees: writes K/V only into the slot of each chunk's own position and
+    returns float32 logits, one row per chunk, in chunk order; raises
+    ValueError (before writing anything) when a token's slot would be the null
+    block. Weights are read once at construction (the model's weights never
+    change afterwards).
+    """
+
+    def __init__(self, model: CausalLM, layout: KVLayout, group_views: list[torch.Tensor]):
+        self.model = model
+        self.layout = layout
+        cfg = model.config
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.resolved_head_dim ** -0.5
+        self.weights: list[torch.Tensor] = []
+        self.caches: list[torch.Tensor] = []
+        self.layer_group: list[int] = []
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = _EMPTY
+            if attn.q_proj.bias is not None:
+                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).contiguous()
+            self.weights += [
+                layer.input_layernorm.weight.contiguous(),
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
+                bias,
+                attn.o_proj.weight.contiguous(),
+                layer.post_attention_layernorm.weight.contiguous(),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+                mlp.down_proj.weight.contiguous(),
+            ]
+            g, slot = layout.layer_to_group[i]
+            self.caches.append(group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
+            self.layer_group.append(g)
+
+    @staticmethod
+    def applies(chunks: list[ScheduledChunk]) -> bool:
+        return all(len(c.token_ids) == 1 and c.needs_logits for c in chunks)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        bs = self.layout.block_size
+        positions = [c.start for c in chunks]
+        key_end = torch.tensor([p + 1 for p in positions], dtype=torch.long)
+        slot_blocks, tables, key_starts = [], [], []
+        for g, grp in enumerate(self.layout.groups):
+            rows = [c.block_ids[g] for c in chunks]
+            width = max(len(r) for r in rows)
+            blocks = [r[p // bs] if p // bs < len(r) else 0 for r, p in zip(rows, positions)]
+            if 0 in blocks:
+                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
+            slot_blocks.append(torch.tensor(blocks, dtype=torch.long))
+            tables.append(torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long))
+            key_starts.append(torch.zeros_like(key_end) if grp.window is None
+                              else torch.clamp(key_end - grp.window, min=0))
+        offsets = torch.tensor([p % bs for p in positions], dtype=torch.long)
+        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
+        body = self.model.model
+        x = body.embed_tokens(ids)
+        cos, sin = body.rotary.cos_sin(torch.tensor(positions), x.dtype)
+        module = cpu_kernels.load()
+        hidden = module.decode_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches,
+                                      self.layer_group, slot_blocks, offsets, tables, key_starts, key_end,
+                                      self.num_heads, self.num_kv_heads, self.eps, self.scale)
+        return self.model.compute_logits(body.norm(hidden))
