@@ -87,7 +87,7 @@ class FaultLink:
         with self._conns_lock:
             conns, self._conns = list(self._conns), set()
         for s in conns:
-            _close(s)
+            wire.close_quietly(s)
 
     # ------------------------------------------------------------------ fault application
     def _apply(self, point: str, frames: list[bytes]) -> list[bytes]:
@@ -182,12 +182,12 @@ class FaultLink:
             except OSError:
                 break
             if self._data_target is None:
-                _close(down)
+                wire.close_quietly(down)
                 continue
             try:
                 up = socket.create_connection(self._data_target, timeout=5.0)
             except OSError:
-                _close(down)
+                wire.close_quietly(down)
                 continue
             with self._conns_lock:
                 self._conns.update((down, up))
@@ -195,7 +195,7 @@ class FaultLink:
             for src, dst, name in ((down, up, "c2p"), (up, down, "p2c")):
                 threading.Thread(target=self._pump, args=(src, dst, name, state), daemon=True,
                                  name=f"fault-link-{name}").start()
-        _close(self._listener)
+        wire.close_quietly(self._listener)
 
     def _pump(self, src: socket.socket, dst: socket.socket, direction: str, state: dict) -> None:
         try:
@@ -223,8 +223,8 @@ class FaultLink:
         except (ConnectionError, OSError) as e:
             logger.debug("fault link %s pump ended: %s", direction, e)
         finally:
-            _close(src)
-            _close(dst)
+            wire.close_quietly(src)
+            wire.close_quietly(dst)
 
     def _read(self, sock: socket.socket, n: int) -> bytes:
         buf = bytearray(n)
@@ -258,13 +258,3 @@ def _flip(frame: bytes) -> bytes:
     b[i] ^= 0xFF
     return bytes(b)
 
-
-def _close(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
-        s.close()
-    except OSError:
-        pass

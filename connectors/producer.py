@@ -116,7 +116,7 @@ class Producer:
             return
         self._stop.set()
         for s in list(self._streams):
-            _close_quietly(s)
+            wire.close_quietly(s)
         for t in self._threads:
             t.join(timeout=2.0)
         self.leases.end_all(LeaseEnd.SHUTDOWN)
@@ -226,12 +226,12 @@ class Producer:
                     break
                 continue
             if len(self._streams) >= self.config.max_streams:
-                _close_quietly(conn)
+                wire.close_quietly(conn)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._streams.add(conn)
             threading.Thread(target=self._stream_loop, args=(conn,), name="kv-producer-stream", daemon=True).start()
-        _close_quietly(self._listener)
+        wire.close_quietly(self._listener)
 
     def _stream_loop(self, conn: socket.socket) -> None:
         seg: ShmSegment | None = None
@@ -264,7 +264,7 @@ class Producer:
             logger.exception("KV producer stream failed")
         finally:
             self._streams.discard(conn)
-            _close_quietly(conn)
+            wire.close_quietly(conn)
             if seg is not None:
                 seg.close()
 
@@ -335,13 +335,3 @@ class Producer:
             raise MalformedMessage("expected a credit for a busy half")
         busy[msg["half"]] = False
 
-
-def _close_quietly(s: socket.socket) -> None:
-    try:
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
-        s.close()
-    except OSError:
-        pass

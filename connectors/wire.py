@@ -204,3 +204,15 @@ def sendmsg_all(sock: socket.socket, buffers: list) -> None:
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+
+
+def close_quietly(sock: socket.socket) -> None:
+    """Shut a stream socket down and close it; a peer that is already gone is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass

@@ -88,21 +88,15 @@ class WorkerClient:
             raise WorkerCallError("stream", f"stream from {url} ended before the request finished")
 
     async def get_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
-        try:
-            async with self._session.get(f"{url}{path}", timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
-                return await resp.json()
-        except asyncio.TimeoutError:
-            raise WorkerCallError("timeout", f"{url}{path}: no answer within {timeout.total}s") from None
-        except aiohttp.ClientError as exc:
-            raise WorkerCallError("connect", f"{url}{path}: {type(exc).__name__}: {exc}") from None
+        return await self._call_json("GET", url, path, timeout_s)
 
     async def post_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
+        return await self._call_json("POST", url, path, timeout_s)
+
+    async def _call_json(self, method: str, url: str, path: str, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
         try:
-            async with self._session.post(f"{url}{path}", timeout=timeout) as resp:
+            async with self._session.request(method, f"{url}{path}", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
                 return await resp.json()
