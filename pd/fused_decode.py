@@ -9,6 +9,9 @@ construction, so each layer makes four matmuls instead of seven.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +23,34 @@ from pd.model import CausalLM
 if TYPE_CHECKING:
     from pd.runner import ScheduledChunk
 
+logger = logging.getLogger(__name__)
+
 _EMPTY = torch.empty(0)
+_HUGE = 1 << 21
+_MADV_HUGEPAGE = 14
+
+
+def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one buffer the kernel may back with 2 MiB pages (Linux THP).
+
+    Every decode step streams all weights from memory; with 4 KiB pages that
+    is a TLB miss every 4 KiB. Where madvise is unavailable the copies are
+    plain memory (same values, same results).
+    """
+    sizes = [(t.numel() + 15) // 16 * 16 for t in tensors]  # 64-byte aligned starts
+    raw = torch.empty(sum(sizes) + _HUGE // 4, dtype=torch.float32)
+    start = (-raw.data_ptr()) % _HUGE // 4
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        length = (raw.numel() - start) * 4 // _HUGE * _HUGE
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + start * 4), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    except (OSError, AttributeError) as exc:  # not Linux: plain pages
+        logger.debug("madvise unavailable: %s", exc)
+    out, offset = [], start
+    for t, size in zip(tensors, sizes):
+        out.append(raw[offset:offset + t.numel()].view(t.shape).copy_(t))
+        offset += size
+    return out
 
 
 class FusedDecoder:
@@ -30,7 +60,7 @@ class FusedDecoder:
     returns float32 logits, one row per chunk, in chunk order; raises
     ValueError (before writing anything) when a token's slot would be the null
     block. Weights are read once at construction (the model's weights never
-    change afterwards).
+    change afterwards); the model's parameters then share the packed storage.
     """
 
     def __init__(self, model: CausalLM, layout: KVLayout, group_views: list[torch.Tensor]):
@@ -60,6 +90,27 @@ class FusedDecoder:
             g, slot = layout.layer_to_group[i]
             self.caches.append(group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
             self.layer_group.append(g)
+        self.weights = _pack_on_huge_pages(self.weights)
+        self._share_storage()
+
+    def _share_storage(self) -> None:
+        """Point the model's own parameters at the packed copies (views, same values), so the
+        weights are held once and the torch path reads the same pages."""
+        for i, layer in enumerate(self.model.model.layers):
+            norm1, qkv, bias, o, norm2, gate_up, down = self.weights[7 * i: 7 * i + 7]
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.input_layernorm.weight.data = norm1
+            layer.post_attention_layernorm.weight.data = norm2
+            attn.o_proj.weight.data = o
+            mlp.down_proj.weight.data = down
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            for proj, part in zip(projections, qkv.split([p.weight.shape[0] for p in projections])):
+                proj.weight.data = part
+            if bias.numel():
+                for proj, part in zip(projections, bias.split([p.bias.shape[0] for p in projections])):
+                    proj.bias.data = part
+            for proj, part in zip((mlp.gate_proj, mlp.up_proj), gate_up.split(mlp.gate_proj.weight.shape[0])):
+                proj.weight.data = part
 
     @staticmethod
     def applies(chunks: list[ScheduledChunk]) -> bool:
