@@ -80,41 +80,58 @@ static inline void prefetch_row(const float* row, int64_t bytes) {
 }
 
 // Attention of one request's Hq query heads (qb, D each) over positions [start, stop) of one layer's
-// cache, read through the block table `tb`; writes (Hq, D) to `ob`. `scores` / `acc`: scratch.
+// cache, read through the block table `tb`; writes (Hq, D) to `ob`. One pass with a running max
+// (online softmax): each block's K and V rows are read together, once. `scores` / `acc`: scratch.
 static void attend_one(const float* qb, const float* cp, const int64_t* tb, int64_t start, int64_t stop,
                        int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t Hq, int64_t Hkv, int64_t D,
                        float sc, std::vector<float>& scores, std::vector<float>& acc, float* ob) {
-  const int64_t n = stop - start, row_bytes = Hkv * D * 4;
-  scores.resize(Hq * n);
+  const int64_t row_bytes = Hkv * D * 4;
+  scores.resize(Hq * bs + 2 * Hq);
+  float* sb = scores.data();
+  float* mrun = sb + Hq * bs;
+  float* lsum = mrun + Hq;
+  std::fill(lsum, lsum + Hq, 0.f);
   acc.assign(Hq * D, 0.f);
-  for (int64_t kv = 0; kv < 2; ++kv) {
-    if (kv == 1) {
-      for (int64_t hq = 0; hq < Hq; ++hq) {  // softmax over each head's scores
-        float* sh = scores.data() + hq * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) { sh[j] = std::exp(sh[j] - mx); sum += sh[j]; }
-        const float inv = 1.f / sum;
+  for (int64_t blk = start / bs, p = start; p < stop; ++blk) {
+    const int64_t off = p - blk * bs, cnt = std::min(bs - off, stop - p);
+    const float* base = cp + tb[blk] * s_blk + off * s_tok;
+    if (p + cnt < stop) {  // blocks jump in memory: start fetching the next one early
+      const float* nxt = cp + tb[blk + 1] * s_blk;
+      for (int64_t t = 0; t < std::min(bs, stop - p - cnt); ++t) {
+        prefetch_row(nxt + t * s_tok, row_bytes);
+        prefetch_row(nxt + s_kv + t * s_tok, row_bytes);
+      }
+    }
+    qk_rows(qb, base, s_tok, cnt, Hq, Hkv, D, sc, sb, bs);
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      float* sh = sb + hq * bs;
+      float mx = sh[0];
+      for (int64_t t = 1; t < cnt; ++t) mx = std::max(mx, sh[t]);
+      if (p == start) {
+        mrun[hq] = mx;
+      } else if (mx > mrun[hq]) {  // rescale what was accumulated under the old maximum
+        const float corr = std::exp(mrun[hq] - mx);
+        lsum[hq] *= corr;
+        float* a = acc.data() + hq * D;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+        mrun[hq] = mx;
+      } else {
+        mx = mrun[hq];
       }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < cnt; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
+      lsum[hq] += sum;
     }
-    // Block by block (no division per token); each K (then V) row is read once, whole.
-    for (int64_t blk = start / bs, p = start; p < stop; ++blk) {
-      const int64_t off = p - blk * bs, cnt = std::min(bs - off, stop - p);
-      const float* base = cp + tb[blk] * s_blk + kv * s_kv + off * s_tok;
-      if (p + cnt < stop) {  // blocks jump in memory: start fetching the next one early
-        const float* nxt = cp + tb[blk + 1] * s_blk + kv * s_kv;
-        for (int64_t t = 0; t < std::min(bs, stop - p - cnt); ++t) prefetch_row(nxt + t * s_tok, row_bytes);
-      }
-      if (kv == 0) qk_rows(qb, base, s_tok, cnt, Hq, Hkv, D, sc, scores.data() + (p - start), n);
-      else pv_rows(scores.data() + (p - start), n, base, s_tok, cnt, Hq, Hkv, D, acc.data());
-      p += cnt;
-    }
+    pv_rows(sb, bs, base + s_kv, s_tok, cnt, Hq, Hkv, D, acc.data());
+    p += cnt;
   }
-  std::copy(acc.begin(), acc.end(), ob);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const float inv = 1.f / lsum[hq];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
+  }
 }
 
 // q: (B, Hq, D) float32 contiguous; cache: (num_blocks, 2, bs, Hkv, D) float32 (any block stride);

@@ -40,7 +40,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v4", cpp_sources=_SOURCE_PATH.read_text(),
+                    name="pdkv_paged_decode_v5", cpp_sources=_SOURCE_PATH.read_text(),
                     functions=["paged_decode_attention", "decode_layers"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
