@@ -42,7 +42,9 @@ from kvcache import (
 )
 
 DEFAULT_VENV = Path.home() / ".cache" / "pdkv-anchors" / "vllm-venv"
-DEFAULT_ANCHOR = Path(os.environ.get("PDKV_ANCHORS_DIR", "/work/shared/anchors")) / "vllm_kv_bench.py"
+# The anchors live in the project's shared folder beside the checkout (../shared/anchors).
+_SHARED_ANCHORS = Path(__file__).resolve().parents[2] / "shared" / "anchors"
+DEFAULT_ANCHOR = Path(os.environ.get("PDKV_ANCHORS_DIR", _SHARED_ANCHORS)) / "vllm_kv_bench.py"
 MANAGER_OPS = ("get_computed_blocks", "allocate_prompt", "allocate_decode", "free")
 TIMED = ("make_request",) + MANAGER_OPS[:3] + ("append_token", "free")
 TRACE_ARGS = ("requests", "block_size", "num_blocks", "max_model_len", "prompt_min", "prompt_max",

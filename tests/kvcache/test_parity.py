@@ -148,7 +148,7 @@ def test_committed_fixture_is_current(tmp_path):
     python = _anchor_python()
     if python is None:
         pytest.skip("vLLM anchor venv not found (set PDKV_VLLM_VENV or run "
-                    "/work/shared/anchors/setup_vllm_anchor.sh)")
+                    "../shared/anchors/setup_vllm_anchor.sh)")
     out = tmp_path / "live.json"
     env = dict(os.environ, PYTHONHASHSEED="0")  # vLLM's NONE_HASH and set orders fixed
     proc = subprocess.run([str(python), str(PARITY_DIR / "record_vllm.py"), "--out", str(out)],
