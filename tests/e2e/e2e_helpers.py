@@ -39,7 +39,8 @@ def e2e_config(name: str = "local.yaml", **overrides) -> DeployConfig:
 
 
 def ray_init_kwargs() -> dict:
-    return {"num_cpus": 2, "object_store_memory": 100 * 1024 * 1024, "include_dashboard": False}
+    # address="local": always a fresh instance, never a cluster named by RAY_ADDRESS or a stale session file
+    return {"address": "local", "num_cpus": 2, "object_store_memory": 100 * 1024 * 1024, "include_dashboard": False}
 
 
 def complete(url: str, prompt, **body) -> dict:
