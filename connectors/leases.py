@@ -143,10 +143,6 @@ class LeaseTable:
             out, self._released = self._released, set()
             return out
 
-    def num_active(self) -> int:
-        with self._lock:
-            return sum(1 for lz in self._leases.values() if lz.state is LeaseState.ACTIVE)
-
     def end_all(self, end: LeaseEnd) -> None:
         with self._lock:
             ids = [rid for rid, lz in self._leases.items() if lz.state is LeaseState.ACTIVE]

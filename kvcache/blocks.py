@@ -35,10 +35,6 @@ class KVCacheBlock:
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
 
-    def reset_hash(self) -> None:
-        self.block_hash = None
-        self.hash_group_id = -1
-
     def __repr__(self) -> str:
         # neighbour ids only: printing neighbours would recurse through the list
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None

@@ -88,15 +88,9 @@ class WorkerClient:
             raise WorkerCallError("stream", f"stream from {url} ended before the request finished")
 
     async def get_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
-        return await self._call_json("GET", url, path, timeout_s)
-
-    async def post_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
-        return await self._call_json("POST", url, path, timeout_s)
-
-    async def _call_json(self, method: str, url: str, path: str, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
         try:
-            async with self._session.request(method, f"{url}{path}", timeout=timeout) as resp:
+            async with self._session.get(f"{url}{path}", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
                 return await resp.json()
