@@ -92,6 +92,10 @@ class KVConnectorScheduler(abc.ABC):
 class KVConnectorWorker(abc.ABC):
     """Worker half: moves pages between page pools."""
 
+    # Whether same-host peers may map this worker's page pool (the engine then allocates it
+    # shareable); a worker whose pool nobody maps gets private memory on huge pages.
+    shares_page_pool: bool = False
+
     @abc.abstractmethod
     def register_kv_caches(self, page_pool: PagePool) -> None: ...
 

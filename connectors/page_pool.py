@@ -9,10 +9,15 @@ Invariants: `buffer` is a uint8 tensor of shape (num_blocks, page_size_bytes)
 that never moves or changes size after construction; `page(i)` is a view of
 row i (no copy).
 
-A CPU pool (not pinned) lives in an anonymous shared-memory file (memfd) when
-the OS offers one: for its owner it is ordinary zeroed memory, and a KV
-consumer on the same host may map it read-only (`shared_path`) to copy pages
-out with a single memcpy. Where memfd is missing the pool is a plain tensor.
+A shareable CPU pool (not pinned; the default) lives in an anonymous
+shared-memory file (memfd) when the OS offers one: for its owner it is
+ordinary zeroed memory, and a KV consumer on the same host may map it
+read-only (`shared_path`) to copy pages out with a single memcpy. A pool that
+no other process maps (`shareable=False`: a decode or colocated worker) is
+private anonymous memory that Linux may back with 2 MiB pages (THP, where
+`madvise` mode allows): attention streams the whole pool every decode step,
+and huge pages spare it a TLB miss every 4 KiB. Otherwise the pool is a plain
+tensor.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import torch
 
 
 class PagePool:
-    def __init__(self, num_blocks: int, page_size_bytes: int, device: str | torch.device = "cpu", pin_memory: bool = False):
+    def __init__(self, num_blocks: int, page_size_bytes: int, device: str | torch.device = "cpu", pin_memory: bool = False,
+                 shareable: bool = True):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         if page_size_bytes <= 0:
@@ -34,8 +40,10 @@ class PagePool:
         self.device = torch.device(device)
         self._fd: int | None = None
         pinned = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-        if self.device.type == "cpu" and not pinned and hasattr(os, "memfd_create"):
+        if self.device.type == "cpu" and not pinned and shareable and hasattr(os, "memfd_create"):
             self.buffer = self._map_memfd(num_blocks, page_size_bytes)
+        elif self.device.type == "cpu" and not pinned and not shareable:
+            self.buffer = _map_private(num_blocks, page_size_bytes)
         else:
             self.buffer = torch.zeros((num_blocks, page_size_bytes), dtype=torch.uint8, device=self.device)
         if pinned:
@@ -80,3 +88,20 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.page_size_bytes
+
+
+_HUGE_PAGE = 1 << 21
+
+
+def _map_private(num_blocks: int, page_size_bytes: int) -> torch.Tensor:
+    """Zeroed private memory starting on a 2 MiB boundary, marked for transparent huge pages."""
+    nbytes = num_blocks * page_size_bytes
+    mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes // _HUGE_PAGE * _HUGE_PAGE)
+        except OSError:  # THP disabled or unsupported: ordinary pages, same contents
+            pass
+    return raw[start:start + nbytes].view(num_blocks, page_size_bytes)

@@ -93,6 +93,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
         self._lock = threading.Lock()
         self._fences: StreamFences | None = None  # CUDA pools: compute-stream <-> transfer ordering
+        self.shares_page_pool = config.is_producer and config.allow_shm  # same-host consumers map it
 
     def register_kv_caches(self, page_pool: PagePool) -> None:
         cfg = self.config

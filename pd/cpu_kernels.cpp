@@ -74,18 +74,12 @@ static inline void pv_rows(const float* w, int64_t n, const float* base, int64_t
   }
 }
 
-static inline void prefetch_row(const float* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
-
 // Attention of one request's Hq query heads (qb, D each) over positions [start, stop) of one layer's
 // cache, read through the block table `tb`; writes (Hq, D) to `ob`. One pass with a running max
 // (online softmax): each block's K and V rows are read together, once. `scores` / `acc`: scratch.
 static void attend_one(const float* qb, const float* cp, const int64_t* tb, int64_t start, int64_t stop,
                        int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t Hq, int64_t Hkv, int64_t D,
                        float sc, std::vector<float>& scores, std::vector<float>& acc, float* ob) {
-  const int64_t row_bytes = Hkv * D * 4;
   scores.resize(Hq * bs + 2 * Hq);
   float* sb = scores.data();
   float* mrun = sb + Hq * bs;
@@ -95,13 +89,6 @@ static void attend_one(const float* qb, const float* cp, const int64_t* tb, int6
   for (int64_t blk = start / bs, p = start; p < stop; ++blk) {
     const int64_t off = p - blk * bs, cnt = std::min(bs - off, stop - p);
     const float* base = cp + tb[blk] * s_blk + off * s_tok;
-    if (p + cnt < stop) {  // blocks jump in memory: start fetching the next one early
-      const float* nxt = cp + tb[blk + 1] * s_blk;
-      for (int64_t t = 0; t < std::min(bs, stop - p - cnt); ++t) {
-        prefetch_row(nxt + t * s_tok, row_bytes);
-        prefetch_row(nxt + s_kv + t * s_tok, row_bytes);
-      }
-    }
     qk_rows(qb, base, s_tok, cnt, Hq, Hkv, D, sc, sb, bs);
     for (int64_t hq = 0; hq < Hq; ++hq) {
       float* sh = sb + hq * bs;
@@ -134,6 +121,32 @@ static void attend_one(const float* qb, const float* cp, const int64_t* tb, int6
   }
 }
 
+// Runs f(b) for every request b in [0, B) on torch's intra-op threads, each thread taking a
+// contiguous run of requests holding about the same number of keys (ke - ks), so that one long
+// context does not leave the other threads idle. (Built with -fopenmp: without it at::parallel_for
+// silently runs on one thread.)
+template <typename F>
+static void for_each_request_balanced(int64_t B, const int64_t* ks, const int64_t* ke, const F& f) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), B);
+  if (parts <= 1) {
+    for (int64_t b = 0; b < B; ++b) f(b);
+    return;
+  }
+  std::vector<int64_t> bounds(parts + 1, B);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += ke[b] - ks[b] + 1;
+  bounds[0] = 0;
+  int64_t acc = 0, k = 1;
+  for (int64_t b = 0; b < B && k < parts; ++b) {
+    acc += ke[b] - ks[b] + 1;
+    while (k < parts && acc * parts >= total * k) bounds[k++] = b + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t b = bounds[i]; b < bounds[i + 1]; ++b) f(b);
+  });
+}
+
 // q: (B, Hq, D) float32 contiguous; cache: (num_blocks, 2, bs, Hkv, D) float32 (any block stride);
 // block_table: (B, W) int64; key_start/key_end: (B,) int64, keys are positions [start, end).
 // Returns (B, Hq, D).
@@ -152,11 +165,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   const int64_t* ks = key_start.data_ptr<int64_t>();
   const int64_t* ke = key_end.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
-    for (int64_t b = begin; b < end; ++b)
-      attend_one(qp + b * Hq * D, cp, tp + b * W, ks[b], ke[b], bs, cache.stride(0), cache.stride(1),
-                 cache.stride(2), Hq, Hkv, D, static_cast<float>(scale), scores, acc, op + b * Hq * D);
+  for_each_request_balanced(B, ks, ke, [&](int64_t b) {
+    thread_local std::vector<float> scores, acc;
+    attend_one(qp + b * Hq * D, cp, tp + b * W, ks[b], ke[b], bs, cache.stride(0), cache.stride(1),
+               cache.stride(2), Hq, Hkv, D, static_cast<float>(scale), scores, acc, op + b * Hq * D);
   });
   return out;
 }
@@ -235,20 +247,19 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
     const int64_t row = qkv.size(1);
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qbuf(qw), scores, acc;
-      for (int64_t b = begin; b < end; ++b) {
-        const float* src = qkvp + b * row;
-        const float* cs = cp_cos + b * D;
-        const float* sn = cp_sin + b * D;
-        // Write first, then read: the new token attends to itself through the page.
-        float* kdst = cp + sb[b] * s_blk + offs[b] * s_tok;
-        rope_heads(src + qw, cs, sn, Hkv, D, kdst);
-        std::copy(src + qw + kw, src + qw + 2 * kw, kdst + s_kv);
-        rope_heads(src, cs, sn, Hq, D, qbuf.data());
-        attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
-                   ap + b * qw);
-      }
+    for_each_request_balanced(B, ks, ke, [&](int64_t b) {
+      thread_local std::vector<float> qbuf, scores, acc;
+      qbuf.resize(qw);
+      const float* src = qkvp + b * row;
+      const float* cs = cp_cos + b * D;
+      const float* sn = cp_sin + b * D;
+      // Write first, then read: the new token attends to itself through the page.
+      float* kdst = cp + sb[b] * s_blk + offs[b] * s_tok;
+      rope_heads(src + qw, cs, sn, Hkv, D, kdst);
+      std::copy(src + qw + kw, src + qw + 2 * kw, kdst + s_kv);
+      rope_heads(src, cs, sn, Hq, D, qbuf.data());
+      attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
+                 ap + b * qw);
     });
     x = x + at::linear(attn, w[3]);
     auto gu = at::linear(rms_norm_rows(x, w[4], ep), w[5]);
@@ -256,12 +267,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     auto act = torch::empty({B, I}, x.options());
     const float* gp = gu.data_ptr<float>();
     float* actp = act.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      const float* gr = gp + b * 2 * I;
-      float* o = actp + b * I;
+    at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float* gr = gp + b * 2 * I;
+        float* o = actp + b * I;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
-    }
+        for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
+      }
+    });
     x = x + at::linear(act, w[6]);
   }
   return x;

@@ -40,9 +40,10 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v5", cpp_sources=_SOURCE_PATH.read_text(),
+                    name="pdkv_paged_decode_v6", cpp_sources=_SOURCE_PATH.read_text(),
                     functions=["paged_decode_attention", "decode_layers"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
                 logger.warning("fused CPU decode attention unavailable, using the torch path: %s", exc)
                 _failed = True

@@ -58,15 +58,17 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
-        self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device)
+        worker = getattr(connector, "worker", None)
+        self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
+                                  shareable=bool(getattr(worker, "shares_page_pool", False)))
         self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend)
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm)
         self.connector = connector
         self.scheduler = Scheduler(config, self.kv_cache_manager,
                                    connector.scheduler if connector is not None else None,
                                    eos_token_id=self.model_config.eos_token_id)
-        if connector is not None and getattr(connector, "worker", None) is not None:
-            connector.worker.register_kv_caches(self.page_pool)
+        if worker is not None:
+            worker.register_kv_caches(self.page_pool)
         self._lock = threading.Lock()  # guards _pending, _active_ids, _listeners
         self._step_lock = threading.Lock()  # one step at a time
         self._pending: list[tuple[str, Any]] = []

@@ -15,8 +15,17 @@ from pd.sampling import SamplingParams
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="C++ toolchain unavailable")
 
 
+@pytest.fixture(params=[1, 3], ids=["1thread", "3threads"])
+def intra_op_threads(request):
+    """The kernel splits requests over torch's threads by their key counts: check 1 and several."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_fused_decode_logits_match_reference(name):
+def test_fused_decode_logits_match_reference(name, intra_op_threads):
     cfg = MODELS[name]
     model = build_model(cfg, seed=9)
     layout = KVLayout(cfg, 4)
