@@ -92,6 +92,7 @@ class Engine:
         if len(ids) >= self.config.resolved_max_model_len:
             raise ValueError(f"request {request_id}: prompt of {len(ids)} tokens leaves no room under "
                              f"max_model_len={self.config.resolved_max_model_len}")
+        self.check_fits(len(ids) + params.max_tokens, request_id)
         req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
                       kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
         state = RequestState(req, params, params.make_generator())
@@ -103,6 +104,22 @@ class Engine:
             self._active_ids.add(request_id)
             self._pending.append(("add", state))
         self._wake.set()
+
+    def check_fits(self, num_tokens: int, request_id: str = "") -> None:
+        """Raises ValueError for a request whose whole sequence (`num_tokens`, capped at
+        max_model_len) needs more KV blocks than this pool has: it could never be scheduled
+        and would wait forever."""
+        num_tokens = min(num_tokens, self.config.resolved_max_model_len)
+        need = 0
+        for group in self.layout.kv_cache_groups():
+            spec = group.spec
+            blocks = -(-num_tokens // spec.block_size)
+            window = getattr(spec, "sliding_window", None)
+            need += min(blocks, -(-window // spec.block_size) + 1) if window else blocks
+        have = self.page_pool.num_blocks - 1  # block 0 is the null block
+        if need > have:
+            who = f"request {request_id}: " if request_id else "request "
+            raise ValueError(f"{who}needs {need} KV blocks for {num_tokens} tokens; the pool has {have}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

@@ -131,20 +131,8 @@ class Worker:
     def _check_fits(self, num_tokens: int) -> None:
         """Refuses a request whose whole sequence can never fit in this worker's KV pool
         (it would wait for blocks forever, keeping its producer's lease alive)."""
-        engine = self._engine
-        if engine is None:
-            return
-        num_tokens = min(num_tokens, engine.config.resolved_max_model_len)
-        need = 0
-        for group in engine.layout.kv_cache_groups():
-            spec = group.spec
-            blocks = -(-num_tokens // spec.block_size)
-            window = getattr(spec, "sliding_window", None)
-            need += min(blocks, -(-window // spec.block_size) + 1) if window else blocks
-        have = engine.page_pool.num_blocks - 1  # block 0 is the null block
-        if need > have:
-            raise ValueError(f"request needs {need} KV blocks for {num_tokens} tokens; this worker's pool "
-                             f"has {have}")
+        if self._engine is not None:
+            self._engine.check_fits(num_tokens)
 
     def release_remote(self, body: Any) -> None:
         """Tells the producer named in a refused request's kv_transfer_params to free its

@@ -80,6 +80,18 @@ def test_stop_token_eos_and_max_model_len():
     assert_all_free(eng.kv_cache_manager)
 
 
+@pytest.mark.parametrize("model", [FULL_MODEL, HYBRID_MODEL], ids=["full", "hybrid"])
+def test_request_that_can_never_fit_the_pool_is_refused(model):
+    # 12 blocks of 4 tokens (block 0 is the null block): 11 usable
+    eng = Engine(engine_config(model, num_blocks=12 * (2 if model is HYBRID_MODEL else 1)))
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("huge", list(range(3, 200)), SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.add_request("fits", list(range(3, 20)), SamplingParams(max_tokens=8, ignore_eos=True))
+    out = drain(eng)
+    assert set(out) == {"fits"} and len(out["fits"]) == 8
+    assert_all_free(eng.kv_cache_manager)
+
+
 def test_bad_requests_are_rejected_without_side_effects():
     eng = Engine(engine_config(FULL_MODEL, max_model_len=32))
     eng.add_request("x", [1, 2], GREEDY)
