@@ -35,6 +35,7 @@ from connectors.pull_stream import PullPart, PullStream
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
+_U64 = 1 << 64
 
 
 class DataPath(str, enum.Enum):
@@ -118,21 +119,31 @@ class Consumer:
     # ------------------------------------------------------------------ engine-facing (any thread)
     def load(self, request_id: str, remote: RemoteAddr, remote_request_id: str,
              src_block_ids: list[int], dst_block_ids: list[int]) -> LoadHandle:
-        """Starts pulling src pages of `remote` into dst pages; ends in `take_finished`."""
-        if len(src_block_ids) != len(dst_block_ids) or not dst_block_ids:
+        """Starts pulling src pages of `remote` into dst pages; ends in `take_finished`. On a ready
+        session the PULLs leave first, bookkeeping after (under the lock: no part ends before it)."""
+        start = time.perf_counter()
+        n, num_blocks = len(dst_block_ids), self.pool.num_blocks
+        if n != len(src_block_ids) or not n:
             raise ValueError("a load needs as many (non-zero) source as destination blocks")
-        if len(set(dst_block_ids)) != len(dst_block_ids) or not all(0 < b < self.pool.num_blocks for b in dst_block_ids):
-            raise ValueError(f"bad destination block ids for {request_id}")
+        if n == 1:  # (source ids go on the wire as uint64)
+            d, s = dst_block_ids[0], src_block_ids[0]
+            ok = 0 < d < num_blocks and type(s) is int and 0 <= s < _U64
+        else:
+            ok = (len(set(dst_block_ids)) == n and all(0 < b < num_blocks for b in dst_block_ids)
+                  and all(type(b) is int and 0 <= b < _U64 for b in src_block_ids))
+        if not ok:
+            raise ValueError(f"bad block ids for {request_id}")
         job = LoadHandle(request_id, remote, remote_request_id, list(src_block_ids), list(dst_block_ids),
-                    time.monotonic() + self.config.transfer_timeout_s)
+                         time.monotonic() + self.config.transfer_timeout_s, start)
         with self._lock:
-            self._active[id(job)] = job
             session = self._sessions.get(remote)
-            if session is not None and session.state is _HS.READY:
+            ready = session is not None and session.state is _HS.READY
+            if ready:
                 self._dispatch_locked(session, job)
-                return job
-        self._inbox.put(("load", job))
-        self._wake()
+            self._active[id(job)] = job
+        if not ready:
+            self._inbox.put(("load", job))
+            self._wake()
         return job
 
     def notify_done(self, remote: RemoteAddr, remote_request_ids: list[str]) -> None:
@@ -156,15 +167,16 @@ class Consumer:
             return
         live = [s for s in session.streams if not s.dead] or session.streams
         n = len(job.dst)
-        k = min(len(live), max(1, n // 4)) if n > 1 else 1  # tiny loads ride one stream
+        k = min(len(live), n // 4) if n >= 8 else 1  # tiny loads ride one stream
         per = -(-n // k)
-        slices = [(i, min(n, i + per)) for i in range(0, n, per)]
+        slices = [(i, min(n, i + per)) for i in range(0, n, per)] if k > 1 else [(0, n)]
         job.parts_left = len(slices)
         for a, b in slices:
             stream = live[session.next_stream % len(live)]
             session.next_stream += 1
-            job.streams.append(stream)
-            stream.submit(PullPart(job.remote_request_id, job.src[a:b], job.dst[a:b], lambda p, j=job: self._on_part(j, p)))
+            src, dst = (job.src, job.dst) if k == 1 else (job.src[a:b], job.dst[a:b])
+            stream.submit(PullPart(job.remote_request_id, src, dst, lambda p, j=job: self._on_part(j, p)))
+            job.streams.append(stream)  # (after the PULL went out: off the latency path)
 
     def _on_part(self, job: LoadHandle, part: PullPart) -> None:
         with self._lock:
@@ -176,8 +188,8 @@ class Consumer:
                 self._finish_locked(job)
 
     def _finish_locked(self, job: LoadHandle) -> None:
-        self._active.pop(id(job), None)
         seconds = time.perf_counter() - job.start
+        self._active.pop(id(job), None)
         ok = job.cause is None and not job.bad
         nbytes = len(job.dst) * self.pool.page_size_bytes if ok else 0
         job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)

@@ -109,8 +109,8 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is None or lease.state is not LeaseState.ACTIVE:
                 raise PullRefused(f"no active lease for request {request_id!r}")
-            outside = set(block_ids) - lease.block_ids
-            if outside:
+            if not lease.block_ids.issuperset(block_ids):
+                outside = set(block_ids) - lease.block_ids
                 raise PullRefused(f"blocks {sorted(outside)[:8]} are not leased to request {request_id!r}")
             lease.active_pulls += 1
             return lease

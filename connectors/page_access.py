@@ -33,6 +33,7 @@ class PageAccess:
         self.on_host = pool.device.type == "cpu"
         if self.on_host:
             self._host = pool.buffer.numpy()  # shares memory with the pool
+            self._flat = memoryview(self._host).cast("B")  # the pool's bytes, for cheap page views
             self.staging_pages = 1 << 30  # no staging limit: pages are used in place
         else:
             self._staging = CudaStaging(pool, max(1, staging_pages))
@@ -47,6 +48,13 @@ class PageAccess:
         assert len(block_ids) <= self.staging_pages, "caller chunks to staging_pages"
         rows = self._staging.copy_to_host(block_ids).numpy()
         return [rows[i] for i in range(len(block_ids))]
+
+    def gather_views(self, block_ids: list[int]) -> list[memoryview]:
+        """`gather` as byte memoryviews (what `sendmsg` takes; on CPU a slice per page, no numpy)."""
+        if self.on_host:
+            flat, size = self._flat, self.page_bytes
+            return [flat[b * size : (b + 1) * size] for b in block_ids]
+        return [memoryview(v).cast("B") for v in self.gather(block_ids)]
 
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
         """dst[i] = page(block_ids[i]) for a host tensor `dst` (shared-memory staging)."""
@@ -67,6 +75,13 @@ class PageAccess:
         self._landing_rows = self._staging.half_rows(len(block_ids))
         rows = self._landing_rows.numpy()
         return [rows[i] for i in range(len(block_ids))]
+
+    def landing_views(self, block_ids: list[int]) -> list[memoryview]:
+        """`landing` as byte memoryviews (what `recvmsg_into` fills)."""
+        if self.on_host:
+            flat, size = self._flat, self.page_bytes
+            return [flat[b * size : (b + 1) * size] for b in block_ids]
+        return [memoryview(v).cast("B") for v in self.landing(block_ids)]
 
     def commit(self, block_ids: list[int]) -> None:
         """Makes pages returned by `landing` visible in the pool (CUDA: batched H2D on the side stream, event-fenced)."""

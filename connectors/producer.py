@@ -36,6 +36,7 @@ from connectors.wire import MalformedMessage, MsgType
 logger = logging.getLogger(__name__)
 
 _MAX_SESSIONS = 1024
+_IDLE_S = 0.5  # an idle data stream's thread wakes this often to notice shutdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,52 +270,55 @@ class Producer:
                 seg.close()
 
     def _serve(self, conn: socket.socket, access: PageAccess, seg: ShmSegment | None, mapped: bool) -> None:
+        # Kernel-side timeouts: a read or a send is one syscall. Idle reads wake every
+        # _IDLE_S to notice shutdown; a frame, a send or a credit waits at most io_timeout_s.
+        io_s = self.config.io_timeout_s
+        wire.kernel_timeouts(conn, _IDLE_S, io_s)
+        reader = wire.FrameReader(conn)
+        page_bytes = self.pool.page_size_bytes
         while not self._stop.is_set():
-            conn.settimeout(0.5)  # idle: wake up now and then to notice shutdown
             try:
-                msg_type, msg = wire.recv_frame(conn)
-            except (TimeoutError, socket.timeout):
+                msg_type, msg = reader.read(io_s, idle=True)
+            except wire.Idle:
                 continue
-            conn.settimeout(self.config.io_timeout_s)
             if msg_type is not MsgType.PULL:
                 raise MalformedMessage(f"expected pull, got {msg_type.value}")
-            block_ids = msg["block_ids"]
+            xfer, block_ids = msg["xfer"], msg["block_ids"]
             try:
                 lease = self.leases.begin_pull(msg["request_id"], block_ids)
             except PullRefused as e:
-                wire.send_frame(conn, wire.encode(MsgType.ERROR, xfer=msg["xfer"], reason=str(e)))
+                wire.send_frame(conn, wire.encode(MsgType.ERROR, xfer=xfer, reason=str(e)))
                 continue
             try:
-                digests = self._digests_for(lease, block_ids, access)
+                sealed = lease.digests
+                digests = [sealed[b] for b in block_ids] if sealed is not None else access.page_digests(block_ids)
                 if mapped:
                     # Digests only; the lease stays pinned until the consumer says it copied.
-                    wire.send_frame(conn, wire.encode(MsgType.PAGES, xfer=msg["xfer"], digests=digests,
-                                                      page_bytes=self.pool.page_size_bytes))
-                    self._await_credit(conn, [True, False])
+                    wire.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
+                    self._await_credit(reader, [True, False])
+                elif seg is None and access.on_host:  # header and pages in one sendmsg, from the pool
+                    bufs = access.gather_views(block_ids)
+                    bufs.insert(0, wire.pages_frame(xfer, digests, page_bytes))
+                    wire.sendmsg_all(conn, bufs)
                 elif seg is None:
-                    self._send_pages(conn, access, msg["xfer"], block_ids, digests)
+                    self._send_pages(conn, access, wire.pages_frame(xfer, digests, page_bytes), block_ids)
                 else:
-                    self._send_chunks(conn, access, seg, msg["xfer"], block_ids, digests)
-                self.metrics.record_sent(len(block_ids), len(block_ids) * self.pool.page_size_bytes)
+                    self._send_chunks(conn, reader, access, seg, xfer, block_ids, digests)
             finally:
                 self.leases.end_pull(lease)
+            self.metrics.record_sent(len(block_ids), len(block_ids) * page_bytes)
 
-    def _digests_for(self, lease, block_ids: list[int], access: PageAccess) -> list[int]:
-        sealed = lease.digests
-        if sealed is not None:
-            return [sealed[b] for b in block_ids]
-        return access.page_digests(block_ids)
-
-    def _send_pages(self, conn, access: PageAccess, xfer: int, block_ids: list[int], digests: list[int]) -> None:
-        header = wire.encode(MsgType.PAGES, xfer=xfer, digests=digests, page_bytes=self.pool.page_size_bytes)
+    def _send_pages(self, conn, access: PageAccess, header: bytes, block_ids: list[int]) -> None:
+        """The PAGES header and the page bytes through staging: one sendmsg per staging chunk."""
         step = access.staging_pages
-        bufs: list = [len(header).to_bytes(4, "big") + header]
+        bufs: list = [header]
         for i in range(0, len(block_ids), step):
-            bufs.extend(access.gather(block_ids[i : i + step]))
+            bufs += access.gather_views(block_ids[i : i + step])
             wire.sendmsg_all(conn, bufs)
             bufs = []
 
-    def _send_chunks(self, conn, access: PageAccess, seg: ShmSegment, xfer: int, block_ids: list[int], digests: list[int]) -> None:
+    def _send_chunks(self, conn, reader: wire.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,
+                     block_ids: list[int], digests: list[int]) -> None:
         # Double buffering: fill one half while the consumer drains the other;
         # a half is reused only after its CREDIT came back.
         n = seg.chunk_pages
@@ -322,16 +326,15 @@ class Producer:
         for k, i in enumerate(range(0, len(block_ids), n)):
             half = k % 2
             if busy[half]:
-                self._await_credit(conn, busy)
+                self._await_credit(reader, busy)
             access.copy_out(block_ids[i : i + n], seg.half(half))
             busy[half] = True
             wire.send_frame(conn, wire.encode(MsgType.CHUNK, xfer=xfer, half=half, digests=digests[i : i + n]))
         while any(busy):
-            self._await_credit(conn, busy)
+            self._await_credit(reader, busy)
 
-    def _await_credit(self, conn, busy: list[bool]) -> None:
-        msg_type, msg = wire.recv_frame(conn)
+    def _await_credit(self, reader: wire.FrameReader, busy: list[bool]) -> None:
+        msg_type, msg = reader.read(self.config.io_timeout_s)
         if msg_type is not MsgType.CREDIT or msg["half"] not in (0, 1) or not busy[msg["half"]]:
             raise MalformedMessage("expected a credit for a busy half")
         busy[msg["half"]] = False
-

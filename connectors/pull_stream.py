@@ -7,33 +7,35 @@ Guarantees:
   verified, landed with some pages failing their checksum, or failed);
 - when a part is resolved the stream thread no longer writes into any of its
   destination pages, so the engine may reuse them at once;
-- every socket wait is bounded by `io_timeout_s`; `abort` breaks a wait at once.
+- every socket wait is bounded by `io_timeout_s`; `abort` breaks a wait at once;
+- an idle stream whose producer closes (or sends what nobody asked for) is dropped
+  at once (`dead`), never left readable under the thread's poll.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
-import collections
-import mmap
-import os
 import select
 import socket
 import threading
 from typing import Callable
 
 import numpy as np
+import xxhash
 
 from connectors import wire
 from connectors.metrics import FailureCause
 from connectors.page_access import PageAccess, digest
 from connectors.page_pool import PagePool
-from connectors.shm import ShmSegment
+from connectors.shm import ShmSegment, map_pool
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class PullPart:
     """A slice of one load that travels on one stream."""
 
@@ -45,6 +47,7 @@ class PullPart:
     cause: FailureCause | None = None  # None: all pages landed and verified
     xfer: int = 0  # set once its PULL started to go out
     unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
+    expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
 
     def fail(self, cause: FailureCause) -> None:
         self.cause = cause
@@ -66,11 +69,14 @@ class PullStream:
         self._mapped: np.ndarray | None = None  # the producer's pool, read-only (mode "map")
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
+        self._poller = select.poll()  # the wake socket, and the data socket while it is open
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._polled_fd = -1
+        self._hasher = xxhash.xxh3_64()  # pages that arrive in pieces are hashed piece by piece
         self._sock: socket.socket | None = None
         self._seg: ShmSegment | None = None
         self._xfer = 0
         self._send_lock = threading.Lock()  # PULLs go out in queue order, from either thread
-        self._outstanding = 0  # parts submitted and not yet resolved
         self._ready = False
         self._abort_cause: FailureCause | None = None
         self.dead = False
@@ -100,10 +106,8 @@ class PullStream:
         self._wake()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
             self._wake_w.send(b"x")
-        except OSError:
-            pass  # full: a wake-up is pending anyway
 
     def abort(self, cause: FailureCause) -> None:
         """Breaks the stream now: the part in flight fails with `cause`."""
@@ -111,10 +115,8 @@ class PullStream:
             self._abort_cause = cause
         sock = self._sock
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -131,7 +133,7 @@ class PullStream:
             logger.warning("KV data stream to %s:%d failed to open: %s", *self._addr, e)
             self.dead = True
         while True:
-            with self._send_lock:
+            with self._send_lock:  # (a part's PULL fields are written under it)
                 part = self._parts[0] if self._parts else None
             if part is None:
                 if self._closing:
@@ -152,16 +154,33 @@ class PullStream:
 
     def _idle_wait(self) -> None:
         """Sleeps until a part is queued, its answer arrives, or close() (bounded)."""
-        watch = [self._wake_r] + ([self._sock] if self._sock is not None and not self.dead else [])
         try:
-            ready, _, _ = select.select(watch, [], [], 0.5)
-        except (OSError, ValueError):
-            ready = []
-        if self._wake_r in ready:
+            events = self._poller.poll(500)
+        except OSError:
+            events = []
+        for fd, _ in events:
+            if fd != self._polled_fd:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            elif not self._parts:  # (a part's answer: the loop reads it)
+                self._idle_readable()
+
+    def _idle_readable(self) -> None:
+        """Readable with no part queued, so no PULL outstanding: the producer closed (or died) or
+        sent what nobody asked for. The stream is over; left alone, poll would report it forever."""
+        with self._send_lock:  # a part submitted since the check above sent its PULL under this lock
+            if self._parts or self.dead or self._sock is None:
+                return
             try:
-                self._wake_r.recv(4096)
-            except OSError:
-                pass
+                data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return  # nothing there after all
+            except OSError as e:  # (reset)
+                data = e
+            if self._abort_cause is None:  # (after abort() our own shutdown reads as the end)
+                what = "closed by the producer" if data == b"" else f"broken while idle ({data!r})"
+                logger.warning("KV data stream to %s:%d %s; dropping it", *self._addr, what)
+            self._break()
 
     def _connect(self) -> None:
         if self.mode == "map":
@@ -182,31 +201,39 @@ class PullStream:
         msg_type, msg = wire.recv_frame(sock)
         if msg_type is not MsgType.ATTACHED:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")
+        wire.kernel_timeouts(sock, self._io_timeout_s, self._io_timeout_s)  # one syscall per read or send
+        self._poller.register(sock, select.POLLIN)
+        self._polled_fd = sock.fileno()
+        self._receive = self._recv_pages
         if self.mode == "map":
             self._mapped = map_pool(msg["shm_name"], msg["shm_bytes"], self._pool.page_size_bytes)
+            self._receive = self._copy_mapped
         elif self.mode == "shm":
             if not msg["shm_name"]:
                 raise ConnectionError("producer declined shared memory")
             self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
+            self._receive = self._recv_chunks
 
     def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:
-        """Sends the part's PULL. Non-blocking from the caller's thread: whatever does not
-        fit in the (idle, so empty) send buffer at once is left in `part.unsent` for the
-        stream thread, so the engine's thread never waits on the network."""
+        """Sends the part's PULL (under _send_lock). Non-blocking from the caller's thread:
+        whatever does not fit in the (idle, so empty) send buffer at once is left in
+        `part.unsent` for the stream thread, so the engine's thread never waits on the network."""
         self._xfer += 1
         part.xfer = self._xfer
-        payload = wire.encode(MsgType.PULL, xfer=part.xfer, request_id=part.remote_request_id,
-                              block_ids=part.src_block_ids)
-        frame = len(payload).to_bytes(4, "big") + payload
+        frame = wire.pull_frame(self._xfer, part.remote_request_id, part.src_block_ids)
         if blocking:
-            self._sock.sendall(frame)
-            return True
-        try:
-            sent = self._sock.send(frame, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            sent = 0
-        part.unsent = frame[sent:]
-        return not part.unsent
+            wire.send_frame_bytes(self._sock, frame)
+        else:
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent != len(frame):
+                part.unsent = frame[sent:]
+                return False
+        if len(part.dst_block_ids) == 1:  # (made while the producer works on the PULL)
+            part.expect = wire.pages_prefix(part.xfer, 1, self._pool.page_size_bytes)
+        return True
 
     def _run_part(self, part: PullPart, access: PageAccess) -> None:
         try:
@@ -214,18 +241,13 @@ class PullStream:
                 with self._send_lock:
                     self._send_pull(part)
             elif part.unsent:
-                self._sock.sendall(part.unsent)
+                wire.send_frame_bytes(self._sock, part.unsent)
                 part.unsent = b""
-            if self._mapped is not None:
-                self._copy_mapped(part, access)
-            elif self._seg is None:
-                self._recv_pages(part, access)
-            else:
-                self._recv_chunks(part, access)
+            self._receive(part, access)
         except _Refused as e:
             logger.warning("KV pull of %s refused by the producer: %s", part.remote_request_id, e)
             part.fail(FailureCause.PULL_REFUSED)
-        except (TimeoutError, socket.timeout):
+        except (TimeoutError, socket.timeout, BlockingIOError):  # (BlockingIOError: a kernel timeout)
             part.fail(self._abort_cause or FailureCause.TIMEOUT)
             self._break()
         except (ConnectionError, OSError, MalformedMessage) as e:
@@ -246,27 +268,78 @@ class PullStream:
         return msg
 
     def _recv_pages(self, part: PullPart, access: PageAccess) -> None:
-        msg = self._expect(MsgType.PAGES, part.xfer)
-        digests = msg["digests"]
-        if len(digests) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
-            raise MalformedMessage("pages header does not match the pull")
-        step = access.staging_pages
-        dst = part.dst_block_ids
-        for i in range(0, len(dst), step):
-            ids = dst[i : i + step]
-            views = [memoryview(v).cast("B") for v in access.landing(ids)]
-            for j, view in enumerate(wire.recv_scatter(self._sock, views)):  # yields pages as they complete
-                if digest(view) != digests[i + j]:
-                    part.bad_block_ids.append(ids[j])
+        """tcp: the PAGES frame (its size follows from the page count) and the pages, straight into
+        their memory, in one scatter read when all is there; each page is checked as its bytes come."""
+        sock, dst, bad = self._sock, part.dst_block_ids, part.bad_block_ids
+        head = bytearray(wire.pages_frame_size(len(dst)))
+        size, step, hasher = self._pool.page_size_bytes, access.staging_pages, self._hasher
+        digests = None
+        for a in range(0, len(dst), step):
+            ids = dst if len(dst) <= step else dst[a : a + step]
+            views = access.landing_views(ids)
+            k = digests is None  # the frame rides the first scatter read
+            if k:
+                views.insert(0, memoryview(head))
+            for i, off, n, rest in wire.recv_scatter(sock, views):
+                if i < k:
+                    digests = self._pages_header(part, head, off + n, views, rest)
+                    continue
+                i -= k
+                if n == size:  # the whole page in one read
+                    if digest(views[i + k]) != digests[a + i]:
+                        bad.append(ids[i])
+                    continue
+                if off == 0:
+                    hasher.reset()
+                hasher.update(views[i + k][off : off + n])
+                if off + n == size and hasher.intdigest() != digests[a + i]:
+                    bad.append(ids[i])
             access.commit(ids)
-        if part.bad_block_ids:
+        if bad:
             part.cause = FailureCause.CHECKSUM
 
+    def _pages_header(self, part: PullPart, head: bytearray, have: int, views: list, rest: int) -> list[int] | None:
+        """The digests once `head` holds the whole PAGES frame (`have` bytes so far). Any other
+        frame (a refusal, a broken peer) is read whole and raised as such."""
+        if have >= 4 and int.from_bytes(head[:4], "big") != len(head) - 4:
+            self._not_pages(part, head, have, views, rest)
+        if have < len(head):
+            return None
+        if part.expect:  # one page: check the exact bytes we expect, no decode
+            digests = wire.pages_digests(head, part.expect)
+            if digests is not None:
+                return digests
+        msg_type, msg = wire.decode(memoryview(head)[4:])
+        if msg_type is MsgType.PAGES and msg["xfer"] == part.xfer:
+            if len(msg["digests"]) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
+                raise MalformedMessage("pages header does not match the pull")
+            return msg["digests"]
+        if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer and not rest:
+            raise _Refused(msg["reason"])
+        raise MalformedMessage(f"expected pages for transfer {part.xfer}, got {msg_type.value}")
+
+    def _not_pages(self, part: PullPart, head: bytearray, have: int, views: list, rest: int) -> None:
+        length = wire.frame_length(head[:4])
+        frame = bytearray(head[4:have])
+        for v in views[1:]:  # what the same read put past `head` (into the first pages)
+            if rest <= 0:
+                break
+            frame += v[: min(rest, len(v))]
+            rest -= len(v)
+        if len(frame) > length:  # more than that frame came: out of sync
+            raise MalformedMessage("bytes after a frame")
+        more = bytearray(length - len(frame))
+        wire.recv_exact(self._sock, memoryview(more))
+        msg_type, msg = wire.decode(frame + more)
+        if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer:
+            raise _Refused(msg["reason"])
+        raise MalformedMessage(f"expected pages for transfer {part.xfer}, got {msg_type.value} ({length} bytes)")
+
     def _copy_mapped(self, part: PullPart, access: PageAccess) -> None:
-        msg = self._expect(MsgType.PAGES, part.xfer)
-        digests = msg["digests"]
-        if len(digests) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
-            raise MalformedMessage("pages header does not match the pull")
+        head = bytearray(wire.pages_frame_size(len(part.dst_block_ids)))
+        views = [memoryview(head)]
+        for _, off, n, rest in wire.recv_scatter(self._sock, views):
+            digests = self._pages_header(part, head, off + n, views, rest)
         src = self._mapped
         for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids))):
             np.copyto(view, src[s])  # the one copy: producer's page -> our page
@@ -315,11 +388,11 @@ class PullStream:
 
     def _break(self) -> None:
         self.dead = True
+        if self._polled_fd >= 0:  # a closed socket would read as ready to poll forever
+            self._poller.unregister(self._polled_fd)
+            self._polled_fd = -1
         if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
+            wire.close_quietly(self._sock)
 
     def _teardown(self) -> None:
         self._break()
@@ -333,20 +406,3 @@ class PullStream:
 
 class _Refused(Exception):
     pass
-
-
-def map_pool(path: str, size: int, page_bytes: int) -> np.ndarray:
-    """Maps a same-host producer's page pool read-only as (num_blocks, page_bytes)."""
-    parts = path.split("/")
-    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd" or not (parts[2].isdigit() and parts[4].isdigit()):
-        raise ValueError(f"not a pool path: {path!r}")
-    if size <= 0 or size % page_bytes:
-        raise ValueError(f"pool of {size} bytes is not whole pages of {page_bytes}")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8).reshape(size // page_bytes, page_bytes)

@@ -1,4 +1,5 @@
-"""Shared-memory staging segments for the same-host data path.
+"""Shared memory for the same-host data paths: staging segments, and mapping a
+producer's page pool read-only (`map_pool`).
 
 A producer stream creates one segment (two halves of `chunk_pages` pages) in
 `/dev/shm`, pre-faults it, and names it to its consumer; the consumer maps it
@@ -13,6 +14,7 @@ import mmap
 import os
 import secrets
 
+import numpy as np
 import torch
 
 SHM_DIR = "/dev/shm"
@@ -80,3 +82,20 @@ class ShmSegment:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the GC unmaps it later
             pass
+
+
+def map_pool(path: str, size: int, page_bytes: int) -> np.ndarray:
+    """Maps a same-host producer's page pool read-only as (num_blocks, page_bytes)."""
+    parts = path.split("/")
+    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd" or not (parts[2].isdigit() and parts[4].isdigit()):
+        raise ValueError(f"not a pool path: {path!r}")
+    if size <= 0 or size % page_bytes:
+        raise ValueError(f"pool of {size} bytes is not whole pages of {page_bytes}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8).reshape(size // page_bytes, page_bytes)

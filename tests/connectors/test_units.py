@@ -25,11 +25,11 @@ def test_wire_round_trip_and_strict_fields():
     assert wire.decode(data)[0] is MsgType.PULL
     with pytest.raises(MalformedMessage):
         wire.encode(MsgType.PULL, xfer=True, request_id="r", block_ids=[1])  # bool is not an int
-    bad = msgpack.packb({"v": 1, "t": "pull", "xfer": 1, "request_id": "r", "block_ids": [-1]})
+    bad = msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pull", "xfer": 1, "request_id": "r", "block_ids": [-1]})
     with pytest.raises(MalformedMessage):
         wire.decode(bad)
     with pytest.raises(MalformedMessage):
-        wire.decode(msgpack.packb({"v": 1, "t": "pull", "xfer": 1, "request_id": "r", "block_ids": [1],
+        wire.decode(msgpack.packb({"v": wire.PROTOCOL_VERSION, "t": "pull", "xfer": 1, "request_id": "r", "block_ids": [1],
                                    "x": msgpack.ExtType(1, b"pickle?")}))
 
 
@@ -60,7 +60,7 @@ def test_stream_frame_round_trip_over_a_real_socket():
     with a, b:
         b.settimeout(2)
         wire.send_frame(a, wire.encode(MsgType.CREDIT, half=1))
-        assert wire.recv_frame(b) == (MsgType.CREDIT, {"v": 1, "t": "credit", "half": 1})
+        assert wire.recv_frame(b) == (MsgType.CREDIT, {"v": wire.PROTOCOL_VERSION, "t": "credit", "half": 1})
         a.sendall((10**8).to_bytes(4, "big"))
         with pytest.raises(MalformedMessage):
             wire.recv_frame(b)
