@@ -98,7 +98,8 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT, data_path=path,
-                                   num_tcp_streams=args.streams, notify_done=False), pool)
+                                   num_tcp_streams=args.streams, notify_done=False,
+                                   **({} if args.spin_us is None else {"spin_us": args.spin_us})), pool)
     cons.start()
     remote = RemoteAddr("bench-P", "127.0.0.1", ports[0])
     raw = _RawClient(ports[1], args.blocks * page)
@@ -164,6 +165,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--streams", type=int, default=4, help="parallel tcp data streams")
     ap.add_argument("--paths", default="tcp,shm")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="consumer: poll for a pull's answer without sleeping for up to this long "
+                         "(0: never; default: ConsumerConfig's)")
     ap.add_argument("--shm-chunk-kib", type=int, default=8192, help="shared-memory staging half size")
     ap.add_argument("--runs", type=int, default=3, help="measurements per path; the median run is reported")
     ap.add_argument("--json", action="store_true", help="one JSON line per data path")

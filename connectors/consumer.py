@@ -58,6 +58,9 @@ class ConsumerConfig:
     io_timeout_s: float = 5.0
     heartbeat_interval_s: float = 5.0
     notify_done: bool = True  # tell the producer to release after each load
+    # After a PULL, a stream thread polls for the answer without sleeping for up to this long:
+    # lower one-block latency for a bounded burst of CPU per pull (0: always sleep).
+    spin_us: int = 200
 
     def __post_init__(self) -> None:
         if not self.engine_id or len(self.secret) < 16:
@@ -66,6 +69,8 @@ class ConsumerConfig:
             raise ValueError("timeouts and intervals must be positive")
         if self.num_tcp_streams < 1 or self.num_shm_streams < 1:
             raise ValueError("need at least one stream per data path")
+        if not 0 <= self.spin_us <= 100_000:
+            raise ValueError("spin_us must be in [0, 100000]")
         object.__setattr__(self, "data_path", DataPath(self.data_path))
 
 
@@ -334,7 +339,8 @@ class Consumer:
         mode = ("map" if map_pool else "shm") if use_shm else "tcp"
         count = cfg.num_shm_streams if use_shm else cfg.num_tcp_streams
         session.token = msg["session"]
-        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.token, mode, cfg.io_timeout_s)
+        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.token, mode,
+                                      cfg.io_timeout_s, cfg.spin_us / 1e6)
                            for _ in range(count)]
         with self._lock:
             session.state = _HS.READY

@@ -20,6 +20,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -57,8 +58,11 @@ class PullPart:
 class PullStream:
     """Runs pulls on one data stream to one producer."""
 
-    def __init__(self, pool: PagePool, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float):
+    def __init__(self, pool: PagePool, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float,
+                 spin_s: float = 0.0):
         self._pool = pool
+        self._spin_s = spin_s
+        self._spin_poller = select.poll()  # the data socket alone, polled without sleeping
         self._addr = (host, data_port)
         self._session = session
         self.mode = mode
@@ -93,7 +97,9 @@ class PullStream:
             self._parts.append(part)
             if idle:
                 try:
-                    if self._send_pull(part, blocking=False):
+                    # Sent: wake the stream thread only if it is to spin on the answer (it then wakes
+                    # while the PULL is in flight, off the latency path).
+                    if self._send_pull(part, blocking=False) and not self._spin_s:
                         return
                 except OSError:
                     part.xfer = 0  # the stream thread finds the stream broken and fails it
@@ -203,6 +209,7 @@ class PullStream:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")
         wire.kernel_timeouts(sock, self._io_timeout_s, self._io_timeout_s)  # one syscall per read or send
         self._poller.register(sock, select.POLLIN)
+        self._spin_poller.register(sock, select.POLLIN)
         self._polled_fd = sock.fileno()
         self._receive = self._recv_pages
         if self.mode == "map":
@@ -243,6 +250,8 @@ class PullStream:
             elif part.unsent:
                 wire.send_frame_bytes(self._sock, part.unsent)
                 part.unsent = b""
+            if self._spin_s and self._receive is not self._recv_pages:  # (tcp spins in its reads)
+                self._spin_until_readable()
             self._receive(part, access)
         except _Refused as e:
             logger.warning("KV pull of %s refused by the producer: %s", part.remote_request_id, e)
@@ -258,6 +267,15 @@ class PullStream:
             logger.exception("KV pull of %s failed unexpectedly", part.remote_request_id)
             part.fail(FailureCause.PEER_GONE)
             self._break()
+
+    def _spin_until_readable(self) -> None:
+        """Polls for the answer without sleeping, for at most `spin_s`, then leaves the wait to the
+        blocking read: a thread that stays on its core reads the pages as they arrive, where a
+        sleeping one is woken late (often on the sender's core, after the send). A bounded burst
+        of CPU per pull, traded for that wake-up."""
+        poll, end = self._spin_poller.poll, time.perf_counter() + self._spin_s
+        while not poll(0) and time.perf_counter() < end:
+            pass
 
     def _expect(self, want: MsgType, xfer: int) -> dict:
         msg_type, msg = wire.recv_frame(self._sock)
@@ -280,7 +298,8 @@ class PullStream:
             k = digests is None  # the frame rides the first scatter read
             if k:
                 views.insert(0, memoryview(head))
-            for i, off, n, rest in wire.recv_scatter(sock, views):
+            spin_until = time.perf_counter() + self._spin_s if self._spin_s and a == 0 else 0.0
+            for i, off, n, rest in wire.recv_scatter(sock, views, spin_until):
                 if i < k:
                     digests = self._pages_header(part, head, off + n, views, rest)
                     continue
@@ -390,6 +409,7 @@ class PullStream:
         self.dead = True
         if self._polled_fd >= 0:  # a closed socket would read as ready to poll forever
             self._poller.unregister(self._polled_fd)
+            self._spin_poller.unregister(self._polled_fd)
             self._polled_fd = -1
         if self._sock is not None:
             wire.close_quietly(self._sock)

@@ -346,18 +346,28 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         raise TimeoutError("receive timed out") from None
 
 
-def recv_scatter(sock: socket.socket, views: list[memoryview]):
+def recv_scatter(sock: socket.socket, views: list[memoryview], spin_until: float = 0.0):
     """Fills byte `views` in order with scatter reads (`recvmsg_into`: many pages per
     syscall, straight into their memory). For every piece that lands it yields
     ``(index, offset, count, rest)``: `count` new bytes at `offset` of ``views[index]``
     (complete when ``offset + count == len(view)``) and `rest`, the bytes the same read
     put past that piece; so a caller can hash a page as its bytes arrive, and tell what
-    followed a frame."""
+    followed a frame. Until the `time.perf_counter()` value `spin_until`, reads do not sleep:
+    an empty socket is polled again at once (the thread stays on its core and copies bytes
+    as they arrive); after it, reads block as usual."""
     i, off, n = 0, 0, len(views)
     try:
         while i < n:
             batch = [views[i][off:] if off else views[i]] + views[i + 1 : i + 64]
-            got = sock.recvmsg_into(batch)[0]
+            if spin_until:
+                try:
+                    got = sock.recvmsg_into(batch, 0, socket.MSG_DONTWAIT)[0]
+                except BlockingIOError:
+                    if time.perf_counter() >= spin_until:
+                        spin_until = 0.0
+                    continue
+            else:
+                got = sock.recvmsg_into(batch)[0]
             if got == 0:
                 raise ConnectionError("peer closed the stream")
             while got > 0:

@@ -382,3 +382,32 @@ def test_load_checks_block_ids_before_anything_goes_out():
         with pytest.raises(ValueError):
             cons.load("r", remote, "r", src, dst)
     assert not cons._active
+
+
+@pytest.mark.parametrize("spin_us", [0, 200, 50_000], ids=["sleep", "default-spin", "long-spin"])
+def test_pulls_land_exact_whether_the_stream_thread_spins_or_sleeps(spin_us):
+    """`spin_us` only changes how the stream thread waits for an answer, never what lands;
+    one-page and many-page pulls, several in a row on the same streams."""
+    src_pool, dst_pool = PagePool(40, PAGE), PagePool(40, PAGE)
+    src_pool.buffer.random_(0, 256, generator=torch.Generator().manual_seed(5))
+    prod = Producer(ProducerConfig(engine_id="P", secret=SECRET, compat_hash="c"), src_pool)
+    prod.start()
+    remote = RemoteAddr("P", "127.0.0.1", prod.port)
+    cons = Consumer(ConsumerConfig(engine_id="D", secret=SECRET, compat_hash="c", data_path="tcp", spin_us=spin_us),
+                    dst_pool)
+    cons.start()
+    try:
+        for k, (src, dst) in enumerate([([1], [20]), (list(range(2, 18)), list(range(21, 37))), ([3], [38])]):
+            prod.add_lease(f"r{k}", src)
+            job = cons.load(f"r{k}", remote, f"r{k}", src, dst)
+            assert job.done.wait(10) and job.result.ok, job.result
+            for s, d in zip(src, dst):
+                assert torch.equal(dst_pool.page(d), src_pool.page(s))
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_spin_us_is_validated():
+    with pytest.raises(ValueError, match="spin_us"):
+        ConsumerConfig(engine_id="D", secret=SECRET, compat_hash="c", spin_us=-1)
