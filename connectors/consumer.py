@@ -28,10 +28,10 @@ import zmq
 
 from connectors import handshake as hs
 from connectors import wire
-from connectors.loads import LoadHandle, LoadResult, RemoteAddr
+from connectors.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.page_pool import PagePool
-from connectors.pull_stream import PullPart, PullStream
+from connectors.pull_stream import PullStream
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)

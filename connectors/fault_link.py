@@ -27,7 +27,7 @@ from typing import Callable
 
 import zmq
 
-from connectors import wire
+from connectors import framing, wire
 from connectors.faults import FaultAction, FaultPlan
 from connectors.wire import MalformedMessage, MsgType
 
@@ -87,7 +87,7 @@ class FaultLink:
         with self._conns_lock:
             conns, self._conns = list(self._conns), set()
         for s in conns:
-            wire.close_quietly(s)
+            framing.close_quietly(s)
 
     # ------------------------------------------------------------------ fault application
     def _apply(self, point: str, frames: list[bytes]) -> list[bytes]:
@@ -182,12 +182,12 @@ class FaultLink:
             except OSError:
                 break
             if self._data_target is None:
-                wire.close_quietly(down)
+                framing.close_quietly(down)
                 continue
             try:
                 up = socket.create_connection(self._data_target, timeout=5.0)
             except OSError:
-                wire.close_quietly(down)
+                framing.close_quietly(down)
                 continue
             with self._conns_lock:
                 self._conns.update((down, up))
@@ -195,7 +195,7 @@ class FaultLink:
             for src, dst, name in ((down, up, "c2p"), (up, down, "p2c")):
                 threading.Thread(target=self._pump, args=(src, dst, name, state), daemon=True,
                                  name=f"fault-link-{name}").start()
-        wire.close_quietly(self._listener)
+        framing.close_quietly(self._listener)
 
     def _pump(self, src: socket.socket, dst: socket.socket, direction: str, state: dict) -> None:
         try:
@@ -223,8 +223,8 @@ class FaultLink:
         except (ConnectionError, OSError) as e:
             logger.debug("fault link %s pump ended: %s", direction, e)
         finally:
-            wire.close_quietly(src)
-            wire.close_quietly(dst)
+            framing.close_quietly(src)
+            framing.close_quietly(dst)
 
     def _read(self, sock: socket.socket, n: int) -> bytes:
         buf = bytearray(n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from connectors.metrics import FailureCause
 
@@ -81,3 +81,22 @@ class LoadHandle:
         self.cause: FailureCause | None = None
         self.done = Done()
         self.result: LoadResult | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class PullPart:
+    """A slice of one load that travels on one stream."""
+
+    remote_request_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    on_done: Callable[[PullPart], None]
+    bad_block_ids: list[int] = dataclasses.field(default_factory=list)
+    cause: FailureCause | None = None  # None: all pages landed and verified
+    xfer: int = 0  # set once its PULL started to go out
+    unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
+    expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
+
+    def fail(self, cause: FailureCause) -> None:
+        self.cause = cause
+        self.bad_block_ids = list(self.dst_block_ids)

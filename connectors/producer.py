@@ -25,7 +25,7 @@ import threading
 import zmq
 
 from connectors import handshake as hs
-from connectors import wire
+from connectors import framing, wire
 from connectors.leases import LeaseTable, PullRefused
 from connectors.metrics import LeaseEnd, TransferMetrics
 from connectors.page_access import PageAccess
@@ -117,7 +117,7 @@ class Producer:
             return
         self._stop.set()
         for s in list(self._streams):
-            wire.close_quietly(s)
+            framing.close_quietly(s)
         for t in self._threads:
             t.join(timeout=2.0)
         self.leases.end_all(LeaseEnd.SHUTDOWN)
@@ -227,18 +227,18 @@ class Producer:
                     break
                 continue
             if len(self._streams) >= self.config.max_streams:
-                wire.close_quietly(conn)
+                framing.close_quietly(conn)
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._streams.add(conn)
             threading.Thread(target=self._stream_loop, args=(conn,), name="kv-producer-stream", daemon=True).start()
-        wire.close_quietly(self._listener)
+        framing.close_quietly(self._listener)
 
     def _stream_loop(self, conn: socket.socket) -> None:
         seg: ShmSegment | None = None
         try:
             conn.settimeout(self.config.handshake_timeout_s)
-            msg_type, msg = wire.recv_frame(conn, max_bytes=1024)  # an ATTACH is tiny: no big buffers for strangers
+            msg_type, msg = framing.recv_frame(conn, max_bytes=1024)  # an ATTACH is tiny: no big buffers for strangers
             with self._sessions_lock:
                 known = msg_type is MsgType.ATTACH and msg["session"] in self._sessions
             if not known:
@@ -247,14 +247,14 @@ class Producer:
                 return
             mapped = msg["mode"] == "map" and self.config.offer_shm and self.pool.shared_path is not None
             if mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
-                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
+                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
                                                   shm_bytes=self.pool.nbytes, chunk_pages=0))
             elif msg["mode"] == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
-                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
+                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
             else:
-                wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
+                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
             access = PageAccess(self.pool)
             self._serve(conn, access, seg, mapped)
         except (ConnectionError, OSError, MalformedMessage) as e:
@@ -265,7 +265,7 @@ class Producer:
             logger.exception("KV producer stream failed")
         finally:
             self._streams.discard(conn)
-            wire.close_quietly(conn)
+            framing.close_quietly(conn)
             if seg is not None:
                 seg.close()
 
@@ -273,13 +273,13 @@ class Producer:
         # Kernel-side timeouts: a read or a send is one syscall. Idle reads wake every
         # _IDLE_S to notice shutdown; a frame, a send or a credit waits at most io_timeout_s.
         io_s = self.config.io_timeout_s
-        wire.kernel_timeouts(conn, _IDLE_S, io_s)
-        reader = wire.FrameReader(conn)
+        framing.kernel_timeouts(conn, _IDLE_S, io_s)
+        reader = framing.FrameReader(conn)
         page_bytes = self.pool.page_size_bytes
         while not self._stop.is_set():
             try:
                 msg_type, msg = reader.read(io_s, idle=True)
-            except wire.Idle:
+            except framing.Idle:
                 continue
             if msg_type is not MsgType.PULL:
                 raise MalformedMessage(f"expected pull, got {msg_type.value}")
@@ -287,19 +287,19 @@ class Producer:
             try:
                 lease = self.leases.begin_pull(msg["request_id"], block_ids)
             except PullRefused as e:
-                wire.send_frame(conn, wire.encode(MsgType.ERROR, xfer=xfer, reason=str(e)))
+                framing.send_frame(conn, wire.encode(MsgType.ERROR, xfer=xfer, reason=str(e)))
                 continue
             try:
                 sealed = lease.digests
                 digests = [sealed[b] for b in block_ids] if sealed is not None else access.page_digests(block_ids)
                 if mapped:
                     # Digests only; the lease stays pinned until the consumer says it copied.
-                    wire.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
+                    framing.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
                     self._await_credit(reader, [True, False])
                 elif seg is None and access.on_host:  # header and pages in one sendmsg, from the pool
                     bufs = access.gather_views(block_ids)
                     bufs.insert(0, wire.pages_frame(xfer, digests, page_bytes))
-                    wire.sendmsg_all(conn, bufs)
+                    framing.sendmsg_all(conn, bufs)
                 elif seg is None:
                     self._send_pages(conn, access, wire.pages_frame(xfer, digests, page_bytes), block_ids)
                 else:
@@ -314,10 +314,10 @@ class Producer:
         bufs: list = [header]
         for i in range(0, len(block_ids), step):
             bufs += access.gather_views(block_ids[i : i + step])
-            wire.sendmsg_all(conn, bufs)
+            framing.sendmsg_all(conn, bufs)
             bufs = []
 
-    def _send_chunks(self, conn, reader: wire.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,
+    def _send_chunks(self, conn, reader: framing.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,
                      block_ids: list[int], digests: list[int]) -> None:
         # Double buffering: fill one half while the consumer drains the other;
         # a half is reused only after its CREDIT came back.
@@ -329,11 +329,11 @@ class Producer:
                 self._await_credit(reader, busy)
             access.copy_out(block_ids[i : i + n], seg.half(half))
             busy[half] = True
-            wire.send_frame(conn, wire.encode(MsgType.CHUNK, xfer=xfer, half=half, digests=digests[i : i + n]))
+            framing.send_frame(conn, wire.encode(MsgType.CHUNK, xfer=xfer, half=half, digests=digests[i : i + n]))
         while any(busy):
             self._await_credit(reader, busy)
 
-    def _await_credit(self, reader: wire.FrameReader, busy: list[bool]) -> None:
+    def _await_credit(self, reader: framing.FrameReader, busy: list[bool]) -> None:
         msg_type, msg = reader.read(self.config.io_timeout_s)
         if msg_type is not MsgType.CREDIT or msg["half"] not in (0, 1) or not busy[msg["half"]]:
             raise MalformedMessage("expected a credit for a busy half")

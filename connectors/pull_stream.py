@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import select
 import socket
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 import xxhash
 
-from connectors import wire
+from connectors import framing, wire
+from connectors.loads import PullPart
 from connectors.metrics import FailureCause
 from connectors.page_access import PageAccess, digest
 from connectors.page_pool import PagePool
@@ -34,25 +33,6 @@ from connectors.shm import ShmSegment, map_pool
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class PullPart:
-    """A slice of one load that travels on one stream."""
-
-    remote_request_id: str
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-    on_done: Callable[[PullPart], None]
-    bad_block_ids: list[int] = dataclasses.field(default_factory=list)
-    cause: FailureCause | None = None  # None: all pages landed and verified
-    xfer: int = 0  # set once its PULL started to go out
-    unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
-    expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
-
-    def fail(self, cause: FailureCause) -> None:
-        self.cause = cause
-        self.bad_block_ids = list(self.dst_block_ids)
 
 
 class PullStream:
@@ -203,11 +183,11 @@ class PullStream:
         sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        wire.send_frame(sock, wire.encode(MsgType.ATTACH, session=self._session, mode=self.mode))
-        msg_type, msg = wire.recv_frame(sock)
+        framing.send_frame(sock, wire.encode(MsgType.ATTACH, session=self._session, mode=self.mode))
+        msg_type, msg = framing.recv_frame(sock)
         if msg_type is not MsgType.ATTACHED:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")
-        wire.kernel_timeouts(sock, self._io_timeout_s, self._io_timeout_s)  # one syscall per read or send
+        framing.kernel_timeouts(sock, self._io_timeout_s, self._io_timeout_s)  # one syscall per read or send
         self._poller.register(sock, select.POLLIN)
         self._spin_poller.register(sock, select.POLLIN)
         self._polled_fd = sock.fileno()
@@ -229,7 +209,7 @@ class PullStream:
         part.xfer = self._xfer
         frame = wire.pull_frame(self._xfer, part.remote_request_id, part.src_block_ids)
         if blocking:
-            wire.send_frame_bytes(self._sock, frame)
+            framing.send_frame_bytes(self._sock, frame)
         else:
             try:
                 sent = self._sock.send(frame, socket.MSG_DONTWAIT)
@@ -248,7 +228,7 @@ class PullStream:
                 with self._send_lock:
                     self._send_pull(part)
             elif part.unsent:
-                wire.send_frame_bytes(self._sock, part.unsent)
+                framing.send_frame_bytes(self._sock, part.unsent)
                 part.unsent = b""
             if self._spin_s and self._receive is not self._recv_pages:  # (tcp spins in its reads)
                 self._spin_until_readable()
@@ -278,7 +258,7 @@ class PullStream:
             pass
 
     def _expect(self, want: MsgType, xfer: int) -> dict:
-        msg_type, msg = wire.recv_frame(self._sock)
+        msg_type, msg = framing.recv_frame(self._sock)
         if msg_type is MsgType.ERROR and msg["xfer"] == xfer:
             raise _Refused(msg["reason"])
         if msg_type is not want or msg["xfer"] != xfer:
@@ -299,7 +279,7 @@ class PullStream:
             if k:
                 views.insert(0, memoryview(head))
             spin_until = time.perf_counter() + self._spin_s if self._spin_s and a == 0 else 0.0
-            for i, off, n, rest in wire.recv_scatter(sock, views, spin_until):
+            for i, off, n, rest in framing.recv_scatter(sock, views, spin_until):
                 if i < k:
                     digests = self._pages_header(part, head, off + n, views, rest)
                     continue
@@ -338,7 +318,7 @@ class PullStream:
         raise MalformedMessage(f"expected pages for transfer {part.xfer}, got {msg_type.value}")
 
     def _not_pages(self, part: PullPart, head: bytearray, have: int, views: list, rest: int) -> None:
-        length = wire.frame_length(head[:4])
+        length = framing.frame_length(head[:4])
         frame = bytearray(head[4:have])
         for v in views[1:]:  # what the same read put past `head` (into the first pages)
             if rest <= 0:
@@ -348,7 +328,7 @@ class PullStream:
         if len(frame) > length:  # more than that frame came: out of sync
             raise MalformedMessage("bytes after a frame")
         more = bytearray(length - len(frame))
-        wire.recv_exact(self._sock, memoryview(more))
+        framing.recv_exact(self._sock, memoryview(more))
         msg_type, msg = wire.decode(frame + more)
         if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer:
             raise _Refused(msg["reason"])
@@ -357,7 +337,7 @@ class PullStream:
     def _copy_mapped(self, part: PullPart, access: PageAccess) -> None:
         head = bytearray(wire.pages_frame_size(len(part.dst_block_ids)))
         views = [memoryview(head)]
-        for _, off, n, rest in wire.recv_scatter(self._sock, views):
+        for _, off, n, rest in framing.recv_scatter(self._sock, views):
             digests = self._pages_header(part, head, off + n, views, rest)
         src = self._mapped
         for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids))):
@@ -383,7 +363,7 @@ class PullStream:
             rows = seg.half(half)
             access.copy_in(rows, ids)
             if access.on_host and not last:  # the half is copied out: let the producer refill it now
-                wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
+                framing.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
             check = access.landing(ids) if access.on_host else [rows[j].numpy() for j in range(len(ids))]
             for j, view in enumerate(check):
                 if digest(view) != digests[j]:
@@ -391,7 +371,7 @@ class PullStream:
             if last:  # sent once the part is reported (off the latency path), see _run
                 self._final_credit = wire.encode(MsgType.CREDIT, half=half)
             elif not access.on_host:
-                wire.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
+                framing.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
         if part.bad_block_ids:
             part.cause = FailureCause.CHECKSUM
 
@@ -401,7 +381,7 @@ class PullStream:
         with self._send_lock:
             credit, self._final_credit = self._final_credit, None
             try:
-                wire.send_frame(self._sock, credit)
+                framing.send_frame(self._sock, credit)
             except OSError:
                 self._break()
 
@@ -412,7 +392,7 @@ class PullStream:
             self._spin_poller.unregister(self._polled_fd)
             self._polled_fd = -1
         if self._sock is not None:
-            wire.close_quietly(self._sock)
+            framing.close_quietly(self._sock)
 
     def _teardown(self) -> None:
         self._break()

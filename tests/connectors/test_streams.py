@@ -10,13 +10,14 @@ import time
 import pytest
 import torch
 
-from connectors import wire
+from connectors import framing, wire
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
 from connectors.metrics import FailureCause
 from connectors.page_access import digest
 from connectors.page_pool import PagePool
 from connectors.producer import Producer, ProducerConfig
-from connectors.pull_stream import PullPart, PullStream
+from connectors.loads import PullPart
+from connectors.pull_stream import PullStream
 from connectors.wire import MalformedMessage, MsgType
 
 SECRET = b"stream-tests-secret-0123456789"
@@ -37,16 +38,16 @@ class FakeProducer:
         self.srv.settimeout(10)
         conn, _ = self.srv.accept()
         conn.settimeout(10)
-        msg_type, _ = wire.recv_frame(conn)
+        msg_type, _ = framing.recv_frame(conn)
         assert msg_type is MsgType.ATTACH
-        wire.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
+        framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
         self.conn = conn
         self.attached.set()
 
     def close(self):
         for s in (self.conn, self.srv):
             if s is not None:
-                wire.close_quietly(s)
+                framing.close_quietly(s)
 
 
 def _open_stream(fake: FakeProducer, pool: PagePool) -> PullStream:
@@ -91,7 +92,7 @@ def test_idle_stream_whose_producer_closes_is_dropped_without_spinning(how):
         time.sleep(0.05)
         before, cpu0 = calls[0], time.process_time()
         if how == "close":
-            wire.close_quietly(fake.conn)
+            framing.close_quietly(fake.conn)
         else:
             fake.conn.sendall(b"\x00\x00\x00\x05hello")
         time.sleep(0.3)
@@ -118,7 +119,7 @@ def test_stream_answer_racing_the_idle_check_is_read_normally():
         src = torch.randint(0, 256, (PAGE,), dtype=torch.uint8)
         for xfer in range(1, 4):
             part, ended = _submit(stream, [3], [xfer])
-            msg_type, msg = wire.recv_frame(fake.conn)
+            msg_type, msg = framing.recv_frame(fake.conn)
             assert msg_type is MsgType.PULL and msg["xfer"] == xfer and msg["block_ids"] == [3]
             time.sleep(0.02)  # let the stream thread go back to sleep first
             fake.conn.sendall(wire.pages_frame(xfer, [digest(src.numpy())], PAGE) + src.numpy().tobytes())
@@ -140,12 +141,12 @@ def test_refusal_of_any_size_is_read_whole_and_the_stream_stays_usable(reason_le
     stream = _open_stream(fake, pool)
     try:
         part, ended = _submit(stream, [1, 2], [4, 5])
-        _, msg = wire.recv_frame(fake.conn)
+        _, msg = framing.recv_frame(fake.conn)
         fake.conn.sendall(_frame(wire.encode(MsgType.ERROR, xfer=msg["xfer"], reason="x" * reason_len)))
         assert ended.wait(5) and part.cause is FailureCause.PULL_REFUSED and part.bad_block_ids == [4, 5]
         page = bytes(range(256)) * (PAGE // 256)
         part, ended = _submit(stream, [1], [6])
-        _, msg = wire.recv_frame(fake.conn)
+        _, msg = framing.recv_frame(fake.conn)
         fake.conn.sendall(wire.pages_frame(msg["xfer"], [digest(page)], PAGE) + page)
         assert ended.wait(5) and part.cause is None, part
         assert bytes(pool.buffer[6].numpy()) == page and not stream.dead
@@ -161,7 +162,7 @@ def test_pages_frame_of_the_wrong_size_breaks_the_stream():
     stream = _open_stream(fake, pool)
     try:
         part, ended = _submit(stream, [1], [2])
-        _, msg = wire.recv_frame(fake.conn)
+        _, msg = framing.recv_frame(fake.conn)
         loose = wire.encode(MsgType.PAGES, xfer=msg["xfer"], digests=[7], page_bytes=PAGE)  # not the fixed layout
         fake.conn.sendall(_frame(loose) + b"\x00" * PAGE)
         assert ended.wait(5) and part.cause is FailureCause.PEER_GONE and part.bad_block_ids == [2]
@@ -223,8 +224,8 @@ def test_pages_shortcut_accepts_only_the_exact_frame_decode_would_read():
 def test_frame_reader_splits_joins_and_bounds_frames():
     a, b = socket.socketpair()
     with a, b:
-        wire.kernel_timeouts(b, 0.05, 1.0)
-        reader = wire.FrameReader(b, max_bytes=1 << 20, size=64)
+        framing.kernel_timeouts(b, 0.05, 1.0)
+        reader = framing.FrameReader(b, max_bytes=1 << 20, size=64)
         credit = _frame(wire.encode(MsgType.CREDIT, half=1))
         big = _frame(wire.encode(MsgType.ERROR, xfer=1, reason="y" * 1000))  # larger than the buffer
         a.sendall(credit + big + credit[:3])  # two and a bit frames in one go
@@ -234,13 +235,13 @@ def test_frame_reader_splits_joins_and_bounds_frames():
             reader.read(0.1, idle=True)
         a.sendall(credit[3:])
         assert reader.read(1.0)[0] is MsgType.CREDIT
-        with pytest.raises(wire.Idle):  # nothing started: idle, not a timeout of a frame
+        with pytest.raises(framing.Idle):  # nothing started: idle, not a timeout of a frame
             reader.read(1.0, idle=True)
         a.sendall((2 << 20).to_bytes(4, "big"))
         with pytest.raises(MalformedMessage):
             reader.read(1.0)
         a.close()
-        reader = wire.FrameReader(b)
+        reader = framing.FrameReader(b)
         with pytest.raises(ConnectionError):
             reader.read(1.0)
 
@@ -252,7 +253,7 @@ def test_recv_scatter_reports_pieces():
         bufs = [bytearray(3), bytearray(5), bytearray(4)]
         views = [memoryview(x) for x in bufs]
         a.sendall(b"abcdefg")
-        gen = wire.recv_scatter(b, views)
+        gen = framing.recv_scatter(b, views)
         assert [next(gen), next(gen)] == [(0, 0, 3, 4), (1, 0, 4, 0)]
         a.sendall(b"hijkl")
         assert list(gen) == [(1, 4, 1, 4), (2, 0, 4, 0)]
@@ -356,7 +357,7 @@ def test_pages_arriving_in_pieces_are_checked_piece_by_piece(corrupt):
     try:
         pages = [bytes(random.Random(i).randbytes(PAGE)) for i in range(3)]
         part, ended = _submit(stream, [1, 2, 3], [5, 6, 7])
-        _, msg = wire.recv_frame(fake.conn)
+        _, msg = framing.recv_frame(fake.conn)
         data = wire.pages_frame(msg["xfer"], [digest(p) for p in pages], PAGE) + b"".join(pages)
         if corrupt:  # one byte in the middle of the second page
             at = wire.pages_frame_size(3) + PAGE + PAGE // 2

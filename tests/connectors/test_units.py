@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors import handshake as hs
-from connectors import wire
+from connectors import framing, wire
 from connectors.leases import LeaseTable, PullRefused
 from connectors.metrics import TransferMetrics
 from connectors.noop import NoopConnector
@@ -59,17 +59,17 @@ def test_stream_frame_round_trip_over_a_real_socket():
     a, b = socket.socketpair()
     with a, b:
         b.settimeout(2)
-        wire.send_frame(a, wire.encode(MsgType.CREDIT, half=1))
-        assert wire.recv_frame(b) == (MsgType.CREDIT, {"v": wire.PROTOCOL_VERSION, "t": "credit", "half": 1})
+        framing.send_frame(a, wire.encode(MsgType.CREDIT, half=1))
+        assert framing.recv_frame(b) == (MsgType.CREDIT, {"v": wire.PROTOCOL_VERSION, "t": "credit", "half": 1})
         a.sendall((10**8).to_bytes(4, "big"))
         with pytest.raises(MalformedMessage):
-            wire.recv_frame(b)
+            framing.recv_frame(b)
         page = bytes(range(256)) * 1024
         a.settimeout(5)
-        sender = threading.Thread(target=wire.sendmsg_all, args=(a, [b"head", memoryview(page), b"tail"]))
+        sender = threading.Thread(target=framing.sendmsg_all, args=(a, [b"head", memoryview(page), b"tail"]))
         sender.start()
         got = bytearray(len(page) + 8)
-        wire.recv_exact(b, memoryview(got))
+        framing.recv_exact(b, memoryview(got))
         sender.join(5)
         assert bytes(got) == b"head" + page + b"tail"
 
