@@ -248,7 +248,7 @@ class Producer:
             mapped = msg["mode"] == "map" and self.config.offer_shm and self.pool.shared_path is not None
             if mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
-                                                  shm_bytes=self.pool.nbytes, chunk_pages=0))
+                                                     shm_bytes=self.pool.nbytes, chunk_pages=0))
             elif msg["mode"] == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
