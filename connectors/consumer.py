@@ -205,9 +205,14 @@ class Consumer:
             self.metrics.record_failure(job.cause or FailureCause.CHECKSUM)
             logger.warning("KV load of %s from %s failed (%s): %d invalid blocks", job.request_id,
                            job.remote.engine_id, (job.cause or FailureCause.CHECKSUM).value, len(job.bad))
-        if self.config.notify_done and job.cause is not FailureCause.PEER_GONE:
-            self._inbox.put(("done", job.remote, [job.remote_request_id]))
-            self._wake()
+        if self.config.notify_done:
+            # After PEER_GONE only while the side channel is still up (a data stream broke, the
+            # producer may well live on: let it free the blocks now, not at lease expiry); never
+            # reconnect just to tell a producer that is probably gone.
+            session = self._sessions.get(job.remote)
+            if job.cause is not FailureCause.PEER_GONE or (session is not None and session.state is _HS.READY):
+                self._inbox.put(("done", job.remote, [job.remote_request_id]))
+                self._wake()
         job.done.set()
 
     def _fail_locked(self, job: LoadHandle, cause: FailureCause) -> None:
@@ -370,6 +375,11 @@ class Consumer:
                              session.remote.host, session.remote.port)
                 self._close_session(session, poller, FailureCause.TIMEOUT)
             elif dead_streams:
+                if self.config.notify_done:  # the side channel still works: let P free these now
+                    with self._lock:
+                        session.pending_done += [j.remote_request_id for j in self._active.values()
+                                                 if j.remote == session.remote]
+                    self._flush_done(session)
                 self._close_session(session, poller, FailureCause.PEER_GONE)
         with self._lock:
             late = [j for j in self._active.values() if now > j.deadline]
