@@ -40,6 +40,11 @@ class PageAccess:
             self.staging_pages = self._staging.rows_per_half
             self._landing_rows: torch.Tensor | None = None
 
+    def _host_views(self, block_ids: list[int]) -> list[memoryview]:
+        """CPU pool: each page as a byte slice of the pool itself (no copy, no numpy)."""
+        flat, size = self._flat, self.page_bytes
+        return [flat[b * size : (b + 1) * size] for b in block_ids]
+
     # ------------------------------------------------------------------ send side
     def gather(self, block_ids: list[int]) -> list[np.ndarray]:
         """Host views holding the pages' bytes, in order (at most `staging_pages` on CUDA)."""
@@ -52,8 +57,7 @@ class PageAccess:
     def gather_views(self, block_ids: list[int]) -> list[memoryview]:
         """`gather` as byte memoryviews (what `sendmsg` takes; on CPU a slice per page, no numpy)."""
         if self.on_host:
-            flat, size = self._flat, self.page_bytes
-            return [flat[b * size : (b + 1) * size] for b in block_ids]
+            return self._host_views(block_ids)
         return [memoryview(v).cast("B") for v in self.gather(block_ids)]
 
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
@@ -79,8 +83,7 @@ class PageAccess:
     def landing_views(self, block_ids: list[int]) -> list[memoryview]:
         """`landing` as byte memoryviews (what `recvmsg_into` fills)."""
         if self.on_host:
-            flat, size = self._flat, self.page_bytes
-            return [flat[b * size : (b + 1) * size] for b in block_ids]
+            return self._host_views(block_ids)
         return [memoryview(v).cast("B") for v in self.landing(block_ids)]
 
     def commit(self, block_ids: list[int]) -> None:

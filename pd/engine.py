@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
+from kvcache.specs import cdiv
 
 from connectors.base import ConnectorOutput
 from connectors.page_pool import PagePool
@@ -55,6 +56,7 @@ class Engine:
         self.layout = KVLayout(self.model_config, config.block_size)
         num_blocks = config.num_blocks or self.layout.num_blocks_for_budget(config.kv_cache_bytes)
         kv_config = KVCacheConfig(num_blocks=num_blocks, groups=self.layout.kv_cache_groups())
+        self._kv_specs = [group.spec for group in kv_config.groups]  # for check_fits, per request
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
@@ -111,11 +113,10 @@ class Engine:
         and would wait forever."""
         num_tokens = min(num_tokens, self.config.resolved_max_model_len)
         need = 0
-        for group in self.layout.kv_cache_groups():
-            spec = group.spec
-            blocks = -(-num_tokens // spec.block_size)
-            window = getattr(spec, "sliding_window", None)
-            need += min(blocks, -(-window // spec.block_size) + 1) if window else blocks
+        for spec in self._kv_specs:
+            blocks = cdiv(num_tokens, spec.block_size)
+            window = spec.sliding_window_size
+            need += min(blocks, cdiv(window, spec.block_size) + 1) if window else blocks
         have = self.page_pool.num_blocks - 1  # block 0 is the null block
         if need > have:
             who = f"request {request_id}: " if request_id else "request "

@@ -7,7 +7,9 @@ and GPU ids Ray gave them.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import pytest
 import ray
@@ -52,13 +54,22 @@ def _wait_all_free(timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def _place(config: DeployConfig, pg) -> list[tuple[str, list]]:
-    probes = [Probe.options(**actor_options(config, pg, i)).remote() for i in range(len(worker_roles(config)))]
+@contextlib.contextmanager
+def _placed(config: DeployConfig) -> Iterator[list[tuple[str, list]]]:
+    """Reserves the config's placement group and yields (node, GPU ids) of one probe actor per
+    worker, placed as the workers would be; the group is released on exit."""
+    _wait_all_free()
+    pg = reserve_placement(config, timeout_s=60)
     try:
-        return ray.get([p.where.remote() for p in probes], timeout=60)
+        probes = [Probe.options(**actor_options(config, pg, i)).remote() for i in range(len(worker_roles(config)))]
+        try:
+            places = ray.get([p.where.remote() for p in probes], timeout=60)
+        finally:
+            for p in probes:
+                ray.kill(p)
+        yield places
     finally:
-        for p in probes:
-            ray.kill(p)
+        release_placement(pg)
 
 
 def _available_gpus() -> float:
@@ -67,39 +78,24 @@ def _available_gpus() -> float:
 
 def test_spread_puts_prefill_and_decode_gpu_workers_on_different_nodes(cluster):
     config = _config("cuda", "spread")
-    _wait_all_free()
-    pg = reserve_placement(config, timeout_s=60)
-    try:
-        places = _place(config, pg)
-    finally:
-        release_placement(pg)
-    (p_node, p_gpus), (d_node, d_gpus) = places
+    with _placed(config) as places:
+        (p_node, p_gpus), (d_node, d_gpus) = places
     assert p_node != d_node
     assert len(p_gpus) == 1 and len(d_gpus) == 1  # num_gpus=1 per worker
 
 
 def test_pack_puts_both_on_one_node_each_on_its_own_gpu(cluster):
     config = _config("cuda", "pack")
-    _wait_all_free()
-    pg = reserve_placement(config, timeout_s=60)
-    try:
-        places = _place(config, pg)
-    finally:
-        release_placement(pg)
-    (p_node, p_gpus), (d_node, d_gpus) = places
+    with _placed(config) as places:
+        (p_node, p_gpus), (d_node, d_gpus) = places
     assert p_node == d_node
     assert len(p_gpus) == 1 and len(d_gpus) == 1 and p_gpus != d_gpus
 
 
 def test_2p2d_fills_every_gpu_of_both_nodes_with_one_worker_each(cluster):
     config = _config("cuda", "spread", 2, 2)
-    _wait_all_free()
-    pg = reserve_placement(config, timeout_s=60)
-    try:
-        places = _place(config, pg)
+    with _placed(config) as places:
         assert _available_gpus() == 0
-    finally:
-        release_placement(pg)
     by_node: dict[str, list] = {}
     for node, gpus in places:
         by_node.setdefault(node, []).extend(gpus)
@@ -110,13 +106,8 @@ def test_2p2d_fills_every_gpu_of_both_nodes_with_one_worker_each(cluster):
 def test_cpu_spread_bundles_hold_no_gpu(cluster):
     config = _config("cpu", "spread")
     assert worker_bundle(config) == {"CPU": 0.25}
-    _wait_all_free()
-    pg = reserve_placement(config, timeout_s=60)
-    try:
-        places = _place(config, pg)
-    finally:
-        release_placement(pg)
-    assert places[0][0] != places[1][0] and places[0][1] == [] and places[1][1] == []
+    with _placed(config) as places:
+        assert places[0][0] != places[1][0] and places[0][1] == [] and places[1][1] == []
 
 
 def test_none_makes_no_group_and_uses_ray_spread(cluster):
