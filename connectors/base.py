@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # kvcache is below us; imported for types only
     from kvcache import KVCacheBlocks, Request
 
-    from connectors.page_pool import PagePool
+    from connectors.pages import KVPages
 
 # Field names users of vLLM's P/D connectors already know.
 KV_PARAM_KEYS = (
@@ -97,7 +97,7 @@ class KVConnectorWorker(abc.ABC):
     shares_page_pool: bool = False
 
     @abc.abstractmethod
-    def register_kv_caches(self, page_pool: PagePool) -> None: ...
+    def register_kv_caches(self, page_pool: KVPages) -> None: ...
 
     @abc.abstractmethod
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None: ...

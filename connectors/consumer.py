@@ -30,7 +30,7 @@ from connectors import handshake as hs
 from connectors import wire
 from connectors.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
-from connectors.page_pool import PagePool
+from connectors.pages import KVPages
 from connectors.pull_stream import PullStream
 from connectors.wire import MalformedMessage, MsgType
 
@@ -94,7 +94,7 @@ class _Session:
 
 
 class Consumer:
-    def __init__(self, config: ConsumerConfig, pool: PagePool, metrics: TransferMetrics | None = None):
+    def __init__(self, config: ConsumerConfig, pool: KVPages, metrics: TransferMetrics | None = None):
         self.config = config
         self.pool = pool
         self.metrics = metrics or TransferMetrics()

@@ -160,7 +160,7 @@ _FENCES_LOCK = threading.Lock()
 
 
 def fences_for(pool) -> StreamFences:
-    """The one `StreamFences` of `pool` (a PagePool), shared by its engine and transfer threads."""
+    """The one `StreamFences` of `pool` (a KVPages), shared by its engine and transfer threads."""
     with _FENCES_LOCK:
         fences = _FENCES.get(pool)
         if fences is None:

@@ -4,12 +4,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from connectors.metrics import FailureCause
-
-if TYPE_CHECKING:
-    from connectors.pull_stream import PullStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +73,7 @@ class LoadHandle:
         self.deadline = deadline
         self.start = time.perf_counter() if start is None else start  # when load() was called
         self.parts_left = 0
-        self.streams: list[PullStream] = []
+        self.streams: list = []  # the PullStreams carrying its parts (loads sit below streams)
         self.bad: list[int] = []
         self.cause: FailureCause | None = None
         self.done = Done()

@@ -1,4 +1,4 @@
-"""Host-memory access to a PagePool's pages for the data streams.
+"""Host-memory access to a KVPages's pages for the data streams.
 
 On a CPU pool the pages *are* host memory: senders hand page views to
 `sendmsg` and receivers `recv_into` the destination page, so bytes are never
@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from connectors.cuda_staging import CudaStaging
-from connectors.page_pool import PagePool
+from connectors.pages import KVPages
 
 
 def digest(view) -> int:
@@ -27,7 +27,7 @@ def digest(view) -> int:
 
 
 class PageAccess:
-    def __init__(self, pool: PagePool, staging_pages: int = 64):
+    def __init__(self, pool: KVPages, staging_pages: int = 64):
         self.pool = pool
         self.page_bytes = pool.page_size_bytes
         self.on_host = pool.device.type == "cpu"

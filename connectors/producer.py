@@ -29,7 +29,7 @@ from connectors import framing, wire
 from connectors.leases import LeaseTable, PullRefused
 from connectors.metrics import LeaseEnd, TransferMetrics
 from connectors.page_access import PageAccess
-from connectors.page_pool import PagePool
+from connectors.pages import KVPages
 from connectors.shm import ShmSegment
 from connectors.wire import MalformedMessage, MsgType
 
@@ -73,7 +73,7 @@ class Producer:
     them has finished.
     """
 
-    def __init__(self, config: ProducerConfig, pool: PagePool, metrics: TransferMetrics | None = None):
+    def __init__(self, config: ProducerConfig, pool: KVPages, metrics: TransferMetrics | None = None):
         self.config = config
         self.pool = pool
         self.metrics = metrics or TransferMetrics()

@@ -28,7 +28,7 @@ from connectors import framing, wire
 from connectors.loads import PullPart
 from connectors.metrics import FailureCause
 from connectors.page_access import PageAccess, digest
-from connectors.page_pool import PagePool
+from connectors.pages import KVPages
 from connectors.shm import ShmSegment, map_pool
 from connectors.wire import MalformedMessage, MsgType
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class PullStream:
     """Runs pulls on one data stream to one producer."""
 
-    def __init__(self, pool: PagePool, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float,
+    def __init__(self, pool: KVPages, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float,
                  spin_s: float = 0.0):
         self._pool = pool
         self._spin_s = spin_s

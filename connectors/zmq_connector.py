@@ -26,7 +26,7 @@ from connectors.loads import LoadResult, RemoteAddr
 from connectors.cuda_staging import StreamFences, fences_for
 from connectors.handshake import CompatInfo
 from connectors.metrics import FailureCause, TransferMetrics
-from connectors.page_pool import PagePool
+from connectors.pages import KVPages
 from connectors.producer import Producer, ProducerConfig
 from connectors.zmq_scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
 
@@ -95,7 +95,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._fences: StreamFences | None = None  # CUDA pools: compute-stream <-> transfer ordering
         self.shares_page_pool = config.is_producer and config.allow_shm  # same-host consumers map it
 
-    def register_kv_caches(self, page_pool: PagePool) -> None:
+    def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
         self._fences = fences_for(page_pool)
         compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
-from connectors.page_pool import PagePool
+from pd.engine.page_pool import PagePool
 from connectors.producer import Producer, ProducerConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

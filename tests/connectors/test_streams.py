@@ -14,7 +14,7 @@ from connectors import framing, wire
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
 from connectors.metrics import FailureCause
 from connectors.page_access import digest
-from connectors.page_pool import PagePool
+from pd.engine.page_pool import PagePool
 from connectors.producer import Producer, ProducerConfig
 from connectors.loads import PullPart
 from connectors.pull_stream import PullStream

@@ -11,7 +11,7 @@ from kvpeer import BLOCK_SIZE, SECRET, PeerProc
 from connectors import wire
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
 from connectors.handshake import CompatInfo
-from connectors.page_pool import PagePool
+from pd.engine.page_pool import PagePool
 from connectors.wire import MsgType
 
 BS = BLOCK_SIZE

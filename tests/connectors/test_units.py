@@ -164,7 +164,7 @@ def test_many_concurrent_loads_all_land_exactly(path):
     import torch
 
     from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
 
     secret = b"concurrency-secret-0123456789"

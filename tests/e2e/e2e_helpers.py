@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pd.deploy_config import DeployConfig, load_deploy_config
+from pd.cluster.config import DeployConfig, load_deploy_config
 
 REPO = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT_S = 60

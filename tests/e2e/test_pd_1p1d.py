@@ -14,8 +14,8 @@ import pytest
 import ray
 import requests
 
-from pd.launch import Deployment
-from pd.metrics import parse_prometheus
+from pd.deploy.launch import Deployment
+from pd.router.metrics import parse_prometheus
 from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
                                 worker_reports)
 
@@ -196,7 +196,7 @@ def test_metrics_endpoint(pd):
 
 
 def test_loadgen_writes_json_and_png(pd, tmp_path):
-    from pd import loadgen
+    from pd.tools import loadgen
 
     result_json, plot = tmp_path / "result.json", tmp_path / "latency.png"
     rc = loadgen.main(["--url", pd, "--dataset", "shared-prefix", "--num-prompts", "8", "--request-rate", "20",

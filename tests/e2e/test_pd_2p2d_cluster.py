@@ -18,14 +18,14 @@ from ray.cluster_utils import Cluster
 
 from e2e_helpers import PROMPTS, complete, e2e_config, stream_events, wait_all_free, worker_reports
 from kvcache.audit import assert_all_free
-from pd.deploy_config import Mode
-from pd.engine import Engine
-from pd.launch import Deployment
-from pd.routing import Role
-from pd.sampling import SamplingParams
-from pd.tokenizer import ByteTokenizer
-from pd.worker import WorkerSpec
-from pd.worker_engine import engine_config_for
+from pd.cluster.config import Mode
+from pd.engine.engine import Engine
+from pd.deploy.launch import Deployment
+from pd.cluster.roles import Role
+from pd.engine.sampling import SamplingParams
+from pd.engine.tokenizer import ByteTokenizer
+from pd.worker.worker import WorkerSpec
+from pd.worker.wiring import engine_config_for
 
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from pd import openai_api as oa
-from pd.deploy_config import ConfigError, DeployConfig, Mode, load_deploy_config
-from pd.loadgen import arrival_delays, parse_range
-from pd.loadgen_report import RequestRecord, compute_metrics, percentile
-from pd.metrics import RouterMetrics, parse_prometheus
-from pd.routing import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
-from pd.text_stream import TextStream
-from pd.tokenizer import ByteTokenizer
+from pd.router import openai_api as oa
+from pd.cluster.config import ConfigError, DeployConfig, Mode, load_deploy_config
+from pd.tools.loadgen import arrival_delays, parse_range
+from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile
+from pd.router.metrics import RouterMetrics, parse_prometheus
+from pd.router.choice import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
+from pd.router.text_stream import TextStream
+from pd.engine.tokenizer import ByteTokenizer
 
 
 @pytest.mark.parametrize("data, message", [
@@ -38,7 +38,7 @@ def test_every_shipped_deploy_config_is_valid(path):
 
     if path.name.startswith("kuberay"):
         docs = list(yaml.safe_load_all(path.read_text()))
-        assert docs[0]["kind"] == "RayJob" and "pd.launch" in docs[0]["spec"]["entrypoint"]
+        assert docs[0]["kind"] == "RayJob" and "pd.deploy.launch" in docs[0]["spec"]["entrypoint"]
         return
     config = load_deploy_config(path)
     assert config.topology.num_workers >= 1
@@ -105,7 +105,7 @@ def test_metrics_render_and_parse():
 
 
 def test_loadgen_datasets(tmp_path):
-    from pd.loadgen import make_dataset, parse_args
+    from pd.tools.loadgen import make_dataset, parse_args
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "hello", "output_len": 3}\n\n{"prompt": "bye"}\n')
@@ -137,7 +137,7 @@ def test_router_api_key_and_no_workers_over_real_http():
 
     import aiohttp
 
-    from pd.router import Router
+    from pd.router.server import Router
 
     async def scenario() -> None:
         config = DeployConfig.from_dict({"router": {"port": 0, "api_key": "k" * 20}})

@@ -39,7 +39,7 @@ def _wait_quit() -> None:
 
 def serve_pages(a: dict) -> None:
     from connectors.cuda_staging import fences_for
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
 
     pool = PagePool(a["num_blocks"], a["page_bytes"], device=DEVICE)
@@ -57,9 +57,9 @@ def serve_pages(a: dict) -> None:
 def serve_prefill(a: dict) -> None:
     from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
-    from pd.engine import Engine
-    from pd.kv_layout import KVLayout
-    from pd.sampling import SamplingParams
+    from pd.engine.engine import Engine
+    from pd.engine.kv_layout import KVLayout
+    from pd.engine.sampling import SamplingParams
 
     cfg = engine_config(model_config(a["hybrid"]), "P")
     conn = ZmqConnector(ZmqConnectorConfig(engine_id="P", role=KVRole.PRODUCER, secret=SECRET, model_id="gpu-test"),

@@ -1,4 +1,4 @@
-"""pd.gpu_check on a machine without CUDA, and its report rendering (no GPU needed)."""
+"""pd.tools.gpu_check on a machine without CUDA, and its report rendering (no GPU needed)."""
 from __future__ import annotations
 
 import subprocess
@@ -7,13 +7,13 @@ import sys
 import pytest
 import torch
 
-from pd import gpu_check
+from pd.tools import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit; this machine has CUDA")
 def test_without_cuda_it_exits_nonzero_with_a_clear_message_and_writes_nothing(tmp_path):
     out = tmp_path / "report.md"
-    proc = subprocess.run([sys.executable, "-m", "pd.gpu_check", "--out", str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pd.tools.gpu_check", "--out", str(out)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
@@ -54,7 +54,7 @@ def test_a_failed_test_run_an_error_or_wrong_bytes_make_the_check_fail():
 
 
 def test_documented_model_is_about_half_a_billion_parameters():
-    from pd.kv_layout import KVLayout
+    from pd.engine.kv_layout import KVLayout
 
     cfg = gpu_check.CHECK_MODEL
     h, layers, kv = cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch
 from connectors.consumer import Consumer, ConsumerConfig  # noqa: E402
 from connectors.cuda_staging import fences_for  # noqa: E402
 from connectors.loads import RemoteAddr  # noqa: E402
-from connectors.page_pool import PagePool  # noqa: E402
+from pd.engine.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
 PAGE_BYTES = 64 * 1024  # a staging half holds 64 such pages: 150 pages cross chunks on tcp
@@ -75,9 +75,9 @@ def _run_to_end(engine, timeout_s: float = 120.0) -> dict[str, list[int]]:
 def test_1p1d_on_gpu_gives_colocated_greedy_tokens(hybrid):
     from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
-    from pd.engine import Engine
-    from pd.kv_layout import KVLayout
-    from pd.sampling import SamplingParams
+    from pd.engine.engine import Engine
+    from pd.engine.kv_layout import KVLayout
+    from pd.engine.sampling import SamplingParams
 
     model = model_config(hybrid)
     prompts = _prompts(6, model.vocab_size)

@@ -28,7 +28,7 @@ def test_cuda_topology_on_a_machine_without_gpus_fails_at_startup(tmp_path):
 
 
 def test_engine_config_refuses_cuda_without_cuda_and_bad_device_names():
-    from pd.config import EngineConfig
+    from pd.engine.config import EngineConfig
 
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available on this machine"):

@@ -15,8 +15,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from pd.actors import actor_options, release_placement, reserve_placement, resource_shortfall, worker_bundle, worker_roles
-from pd.deploy_config import ConfigError, DeployConfig, Placement
+from pd.deploy.placement import actor_options, release_placement, reserve_placement, resource_shortfall, worker_bundle, worker_roles
+from pd.cluster.config import ConfigError, DeployConfig, Placement
 
 NODE_GPUS = 2
 STORE = 80 * 1024 * 1024

@@ -12,7 +12,7 @@ import torch
 
 from connectors.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
 from connectors.page_access import PageAccess
-from connectors.page_pool import PagePool
+from pd.engine.page_pool import PagePool
 
 
 def test_plan_groups_consecutive_ids_into_runs():

@@ -1,7 +1,7 @@
 """Tiny models, engine configs and prompt sets shared by the engine tests."""
 import random
 
-from pd.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig, ModelConfig
 
 FULL_MODEL = ModelConfig(num_layers=2)
 HYBRID_MODEL = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"),

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pd.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
-from pd.config import ModelConfig
-from pd.model import build_model
+from pd.engine.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
+from pd.engine.config import ModelConfig
+from pd.engine.model import build_model
 
 PROMPT = [5, 77, 200, 13, 9, 41, 41, 3]
 
@@ -83,9 +83,9 @@ def test_engine_serves_a_checkpoint_directory(tmp_path):
     from kvcache.audit import assert_all_free
     from pd_engine_cases import HYBRID_MODEL, engine_config
 
-    from pd.config import EngineConfig
-    from pd.engine import Engine
-    from pd.sampling import SamplingParams
+    from pd.engine.config import EngineConfig
+    from pd.engine.engine import Engine
+    from pd.engine.sampling import SamplingParams
 
     cfg = engine_config(HYBRID_MODEL)
     in_memory = Engine(cfg)

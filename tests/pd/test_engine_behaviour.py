@@ -7,8 +7,8 @@ from kvcache import RequestStatus
 from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, HYBRID_MODEL, engine_config, mixed_prompts
 
-from pd.engine import Engine
-from pd.sampling import SamplingParams
+from pd.engine.engine import Engine
+from pd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = mixed_prompts(8, 5, 60, seed=3)

@@ -4,8 +4,8 @@ from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 from pd_fake_connector import FakeConnector, FakeLink
 
-from pd.engine import Engine
-from pd.sampling import SamplingParams
+from pd.engine.engine import Engine
+from pd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from kvcache.audit import assert_all_free
 
-from pd.engine import Engine
-from pd.sampling import SamplingParams
+from pd.engine.engine import Engine
+from pd.engine.sampling import SamplingParams
 
 from pd_engine_cases import MODELS, engine_config, mixed_prompts
 

@@ -4,13 +4,13 @@ import torch
 from kvcache.audit import assert_all_free
 from pd_engine_cases import MODELS, engine_config, mixed_prompts
 
-from connectors.page_pool import PagePool
-from pd import cpu_kernels
-from pd.engine import Engine
-from pd.kv_layout import KVLayout
-from pd.model import build_model
-from pd.runner import ModelRunner, ScheduledChunk
-from pd.sampling import SamplingParams
+from pd.engine.page_pool import PagePool
+from pd.engine import cpu_kernels
+from pd.engine.engine import Engine
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import build_model
+from pd.engine.runner import ModelRunner, ScheduledChunk
+from pd.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="C++ toolchain unavailable")
 

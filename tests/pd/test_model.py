@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from connectors.page_pool import PagePool
-from pd.config import ModelConfig
-from pd.kv_layout import KVLayout
-from pd.model import build_model
-from pd.runner import ModelRunner, ScheduledChunk
+from pd.engine.page_pool import PagePool
+from pd.engine.config import ModelConfig
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import build_model
+from pd.engine.runner import ModelRunner, ScheduledChunk
 
 HYBRID = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=12)
 FULL = ModelConfig(num_layers=2)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pd.sampling import SamplingParams, filter_logits, sample
-from pd.tokenizer import ByteTokenizer, as_token_ids
+from pd.engine.sampling import SamplingParams, filter_logits, sample
+from pd.engine.tokenizer import ByteTokenizer, as_token_ids
 
 
 def test_byte_tokenizer_roundtrip():

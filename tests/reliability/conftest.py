@@ -3,7 +3,7 @@
 With `PDKV_FAULT_REPORT=<path.json>` set, every test that uses the
 `fault_record` fixture adds rows (fault, where, what the user saw, what pdkv
 did, pools after); the file is written at the end of the session and
-`python -m pd.fault_report <path.json>` turns it into a markdown table.
+`python -m pd.tools.fault_report <path.json>` turns it into a markdown table.
 """
 from __future__ import annotations
 

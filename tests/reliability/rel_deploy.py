@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from pd.deploy_config import DeployConfig
-from pd.router import Router
-from pd.routing import Role, WorkerEndpoint
-from pd.worker import Worker, WorkerSpec
+from pd.cluster.config import DeployConfig
+from pd.router.server import Router
+from pd.cluster.roles import Role, WorkerEndpoint
+from pd.worker.worker import Worker, WorkerSpec
 
 torch.set_num_threads(1)
 

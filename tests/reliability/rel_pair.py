@@ -18,10 +18,10 @@ from connectors.fault_link import LINK_POINTS, FaultLink
 from connectors.faults import FaultPlan
 from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from kvcache.audit import assert_all_free, check_invariants
-from pd.config import EngineConfig, ModelConfig
-from pd.engine import Engine
-from pd.kv_layout import KVLayout
-from pd.sampling import SamplingParams
+from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.engine import Engine
+from pd.engine.kv_layout import KVLayout
+from pd.engine.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

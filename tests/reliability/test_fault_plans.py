@@ -5,7 +5,7 @@ import pytest
 
 from connectors.fault_link import LINK_POINTS
 from connectors.faults import FaultAction, FaultPlan, FaultSpecError
-from pd.fault_points import parse_worker_faults
+from pd.worker.faults import parse_worker_faults
 
 
 def test_plan_parses_and_fires_deterministically():

@@ -2,7 +2,7 @@
 through real Ray actors and real HTTP (one Ray instance for the module).
 
 The kill comes from the worker's own fault plan (`faults.<role>` in the deploy
-config, see pd.fault_points): the process ends with os._exit, as in a crash.
+config, see pd.worker.faults): the process ends with os._exit, as in a crash.
 Each test asserts what the client sees (a clear error within a bounded time,
 or a correct answer) and that every surviving pool ends all free.
 """
@@ -20,7 +20,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free, worker_reports  # noqa: E402
 
-from pd.launch import Deployment  # noqa: E402
+from pd.deploy.launch import Deployment  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps."
 BOUND_S = 40.0  # every failure must reach the client well within this

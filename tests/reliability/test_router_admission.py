@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pd.admission import AdmissionGate, AdmissionLimits, Overloaded
+from pd.router.admission import AdmissionGate, AdmissionLimits, Overloaded
 
 
 def gate(limit=2, queued=2, timeout_s=0.2) -> AdmissionGate:

@@ -11,11 +11,11 @@ import requests
 
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
 from connectors.handshake import CompatInfo
-from connectors.page_pool import PagePool
+from pd.engine.page_pool import PagePool
 from connectors.producer import ProducerConfig
 from connectors.zmq_connector import KVRole, ZmqConnectorConfig
-from pd.deploy_config import ConfigError, DeployConfig
-from pd.worker_engine import _model_id
+from pd.cluster.config import ConfigError, DeployConfig
+from pd.worker.wiring import _model_id
 from rel_deploy import SECRET, LocalDeployment, local_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_no_pickle_or_eval_anywhere_in_the_packages(fault_record):
 
 def test_ray_actor_calls_carry_only_plain_values():
     """Ray pickles call arguments: the worker actor's methods must take and return str/int only."""
-    tree = ast.parse((REPO / "pd" / "actors.py").read_text())
+    tree = ast.parse((REPO / "pd" / "worker" / "actor.py").read_text())
     actor = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "WorkerActor")
     methods = [n for n in actor.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(methods) >= 3
@@ -75,9 +75,9 @@ def test_ray_actor_calls_carry_only_plain_values():
 
 
 def test_secrets_are_required_and_never_empty(fault_record):
-    from pd.launch import Deployment
-    from pd.routing import Role
-    from pd.worker import WorkerSpec
+    from pd.deploy.launch import Deployment
+    from pd.cluster.roles import Role
+    from pd.worker.worker import WorkerSpec
 
     a, b = Deployment(local_config()), Deployment(local_config())
     assert a.secret != b.secret and len(a.secret) >= 32  # a fresh random secret per deployment by default
@@ -142,7 +142,7 @@ def test_worker_api_and_side_channel_require_the_secret(fault_record):
 def test_fault_report_renders_recorded_rows(tmp_path):
     import json
 
-    from pd.fault_report import main, render
+    from pd.tools.fault_report import main, render
 
     rows = [{"fault": "a|b", "where": "w", "user_saw": "u", "pdkv_did": "d", "pools": "all free"},
             {"fault": "a|b", "where": "w2", "user_saw": "u", "pdkv_did": "d", "pools": "all free"}]

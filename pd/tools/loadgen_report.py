@@ -14,7 +14,7 @@ import dataclasses
 import math
 import statistics
 
-from pd.metrics import parse_prometheus
+from pd.router.metrics import parse_prometheus
 
 PERCENTILES = (50, 90, 99)
 

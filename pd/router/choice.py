@@ -14,35 +14,17 @@ Guarantees:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import logging
 from typing import Protocol
 
+from pd.cluster.roles import Role, WorkerEndpoint
+
 logger = logging.getLogger(__name__)
-
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"  # colocated: prefill and decode on the same worker
-
-    def serves(self, wanted: Role) -> bool:
-        return self is wanted or self is Role.BOTH
 
 
 class NoWorkerAvailable(RuntimeError):
     """No healthy worker of the wanted role is left in the rotation."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerEndpoint:
-    """Where a worker's internal HTTP API listens; fixed for the worker's life."""
-
-    worker_id: str
-    role: Role
-    url: str
-    node_id: str = ""
 
 
 @dataclasses.dataclass

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pd.config import ModelConfig
-from pd.model import CausalLM, build_model
+from pd.engine.config import ModelConfig
+from pd.engine.model import CausalLM, build_model
 
 logger = logging.getLogger(__name__)
 

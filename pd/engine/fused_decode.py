@@ -1,4 +1,4 @@
-"""Decode-only steps through one C++ call for all layers (pd/cpu_kernels.cpp `decode_layers`).
+"""Decode-only steps through one C++ call for all layers (pd/engine/cpu_kernels.cpp `decode_layers`).
 
 When every scheduled chunk of a step is a single decode token and the fused
 CPU kernels are available, the runner skips the per-layer Python path: the
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd import cpu_kernels
-from pd.kv_layout import KVLayout
-from pd.model import CausalLM
+from pd.engine import cpu_kernels
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import CausalLM
 
 if TYPE_CHECKING:
-    from pd.runner import ScheduledChunk
+    from pd.engine.outputs import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

@@ -7,30 +7,19 @@ block tables) and returns logits for the chunks that end a sequence.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
-from connectors.page_pool import PagePool
-from pd import cpu_kernels
-from pd.fused_decode import FusedDecoder
-from pd.kv_layout import KVLayout
-from pd.model import CausalLM
-from pd.paged_attention import PagedAttention, SeqSlice, Workspace
+from pd.engine.page_pool import PagePool
+from pd.engine import cpu_kernels
+from pd.engine.fused_decode import FusedDecoder
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import CausalLM
+from pd.engine.outputs import ScheduledChunk
+from pd.engine.paged_attention import PagedAttention, SeqSlice, Workspace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    block_ids: tuple[list[int], ...]
-    needs_logits: bool  # True when the chunk reaches the end of the sequence
 
 
 class ModelRunner:

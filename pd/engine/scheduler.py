@@ -27,10 +27,10 @@ import logging
 from kvcache import KVCacheManager, RequestStatus
 
 from connectors.base import ConnectorOutput, KVConnectorScheduler
-from pd.config import EngineConfig
-from pd.outputs import RequestOutput, RequestState, SchedulerOutput
-from pd.runner import ScheduledChunk
-from pd.scheduler_stats import SchedulerStats
+from pd.engine.config import EngineConfig
+from pd.engine.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.engine.outputs import ScheduledChunk
+from pd.engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ import time
 
 from aiohttp import web
 
-from pd import openai_api as oa
-from pd.admission import AdmissionGate, AdmissionLimits, Overloaded
-from pd.deploy_config import DeployConfig, Mode
-from pd.dispatch import Dispatcher
-from pd.metrics import RouterMetrics
-from pd.routing import POLICIES, Role, WorkerEndpoint, WorkerPool
-from pd.text_stream import TextStream
-from pd.tokenizer import ByteTokenizer, Tokenizer
-from pd.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
+from pd.router import openai_api as oa
+from pd.router.admission import AdmissionGate, AdmissionLimits, Overloaded
+from pd.cluster.config import DeployConfig, Mode
+from pd.router.dispatch import Dispatcher
+from pd.router.metrics import RouterMetrics
+from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
+from pd.router.text_stream import TextStream
+from pd.engine.tokenizer import ByteTokenizer, Tokenizer
+from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
 

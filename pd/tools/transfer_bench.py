@@ -5,8 +5,8 @@ child also serves a raw TCP socket (plain `sendall` of the same page bytes,
 received with `recv_into` into preallocated memory), so both are measured in
 the same run, alternating, on the same noisy machine.
 
-    python -m connectors.bench                      # 64 x 256 KiB, tcp and shm
-    python -m connectors.bench --blocks 64 --page-kib 256 --reps 30 --json
+    python -m pd.tools.transfer_bench                      # 64 x 256 KiB, tcp and shm
+    python -m pd.tools.transfer_bench --blocks 64 --page-kib 256 --reps 30 --json
 
 Reported per data path: GB/s of a bulk pull (median), raw socket GB/s, their
 ratio, one-block latency (`load()` called -> page landed and verified by the
@@ -39,7 +39,7 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn,
     import torch
 
     torch.set_num_threads(1)
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
 
     pool = PagePool(num_blocks + 1, page_bytes)
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

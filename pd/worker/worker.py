@@ -1,7 +1,7 @@
 """A P/D worker: one engine in one role, with its connector and internal HTTP API.
 
 `Worker` is a plain class (no Ray): it can run in a test, in a bare process,
-or inside the Ray actor of `pd.actors`. Roles:
+or inside the Ray actor of `pd.deploy.placement`. Roles:
 - `prefill`: runs prompts with `do_remote_decode`, keeps their blocks for a
   decode worker to pull (the connector's producer side);
 - `decode`: admits requests whose prompt KV arrives from a prefill worker
@@ -24,10 +24,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from connectors.base import KV_PARAM_KEYS
-from pd.deploy_config import DeployConfig, Mode
-from pd.routing import Role
-from pd.sampling import SamplingParams
-from pd.worker_http import WorkerHTTPServer
+from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.roles import Role
+from pd.engine.sampling import SamplingParams
+from pd.worker.http_api import WorkerHTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Worker:
         self._num_aborted = 0
         self._num_rejected = 0
         self.url: str | None = None
-        from pd.fault_points import WorkerFaults, parse_worker_faults
+        from pd.worker.faults import WorkerFaults, parse_worker_faults
 
         role_key = "colocated" if spec.role is Role.BOTH else spec.role.value
         plan = parse_worker_faults(getattr(spec.config.faults, role_key))
@@ -83,7 +83,7 @@ class Worker:
     # -- life cycle -------------------------------------------------------
     async def start(self, port: int = 0) -> str:
         """Builds and starts the engine, then the HTTP API; returns its URL."""
-        from pd.worker_engine import build_engine  # torch-heavy: imported when a worker really starts
+        from pd.worker.wiring import build_engine  # torch-heavy: imported when a worker really starts
 
         self._engine, self._connector = build_engine(self.spec)
         self._engine.start()
@@ -150,7 +150,7 @@ class Worker:
             consumer.notify_done(RemoteAddr(engine_id, host, port), [rid])
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict]:
-        """Yields one event per engine output for the request (see `pd.worker_http`)."""
+        """Yields one event per engine output for the request (see `pd.worker.http_api`)."""
         engine = self._require_engine()
         faults = self._faults
         params = job.kv_transfer_params
@@ -188,7 +188,7 @@ class Worker:
                 "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3)}
 
     def stats(self) -> dict:
-        from pd.worker_engine import engine_stats
+        from pd.worker.wiring import engine_stats
 
         out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url,
                                "num_aborted": self._num_aborted, "num_rejected": self._num_rejected}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd.tokenizer import Tokenizer
+from pd.engine.tokenizer import Tokenizer
 
 _CUT_CHAR = "\ufffd"
 

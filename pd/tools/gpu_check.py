@@ -1,4 +1,4 @@
-"""One-shot GPU check: `python -m pd.gpu_check [--out gpu_check_report.md]`.
+"""One-shot GPU check: `python -m pd.tools.gpu_check [--out gpu_check_report.md]`.
 
 In one run of under 5 minutes on one GPU it
 1. runs the `gpu` tests (`pytest -m gpu tests/gpu tests/connectors/test_cuda.py`):
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pd.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig, ModelConfig
 
 CHECK_MODEL = ModelConfig(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                           num_kv_heads=2, head_dim=64, max_position_embeddings=4096, dtype="bfloat16",
@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 def cuda_missing_reason() -> str | None:
     if torch.cuda.is_available():
         return None
-    return (f"pd.gpu_check needs a CUDA GPU: torch.cuda.is_available() is False "
+    return (f"pd.tools.gpu_check needs a CUDA GPU: torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}). Run it on a GPU machine.")
 
 
@@ -98,7 +98,7 @@ def measure_pinned_baseline(nbytes: int, reps: int = 5) -> dict:
 def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
     """GB/s of the connector's D2H staging copy for scattered vs contiguous block ids."""
     from connectors.cuda_staging import CudaStaging
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
 
     pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
     staging = CudaStaging(pool)
@@ -119,7 +119,7 @@ def measure_connector(path: str, reps: int = 3) -> dict:
     """GB/s of whole loads (PAGES_PER_LOAD pages) CUDA pool -> CUDA pool through the connector."""
     from connectors.consumer import Consumer, ConsumerConfig
     from connectors.loads import RemoteAddr
-    from connectors.page_pool import PagePool
+    from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
 
     secret = os.urandom(24)
@@ -160,8 +160,8 @@ def measure_connector(path: str, reps: int = 3) -> dict:
 def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, prompt_len: int = 512,
                    decode_steps: int = 64) -> dict:
     """Prefill tokens/s (prompts only) and decode tokens/s (steady batch of `num_requests`)."""
-    from pd.engine import Engine
-    from pd.sampling import SamplingParams
+    from pd.engine.engine import Engine
+    from pd.engine.sampling import SamplingParams
 
     t_build = time.perf_counter()
     eng = Engine(EngineConfig(model=model, device="cuda", block_size=16, kv_cache_bytes=8 << 30,
@@ -255,7 +255,7 @@ def report_ok(report: dict) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pd.tools.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check_report.md", help="markdown report path (JSON goes beside it)")
     parser.add_argument("--skip-tests", action="store_true", help="measure only (do not run the gpu tests)")
     args = parser.parse_args(argv)

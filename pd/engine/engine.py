@@ -25,16 +25,16 @@ from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
 from kvcache.specs import cdiv
 
 from connectors.base import ConnectorOutput
-from connectors.page_pool import PagePool
-from pd.checkpoint import load_checkpoint
-from pd.config import EngineConfig
-from pd.kv_layout import KVLayout
-from pd.model import build_model
-from pd.outputs import RequestOutput, RequestState, SchedulerOutput
-from pd.runner import ModelRunner
-from pd.sampling import SamplingParams, sample
-from pd.scheduler import Scheduler
-from pd.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
+from pd.engine.page_pool import PagePool
+from pd.engine.checkpoint import load_checkpoint
+from pd.engine.config import EngineConfig
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import build_model
+from pd.engine.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.engine.runner import ModelRunner
+from pd.engine.sampling import SamplingParams, sample
+from pd.engine.scheduler import Scheduler
+from pd.engine.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from pd.metrics import RouterMetrics
-from pd.openai_api import APIError, server_error
-from pd.routing import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
-from pd.worker_client import WorkerCallError, WorkerClient
+from pd.router.metrics import RouterMetrics
+from pd.router.openai_api import APIError, server_error
+from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
+from pd.router.worker_client import WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
 

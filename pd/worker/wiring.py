@@ -18,8 +18,8 @@ import logging
 import uuid
 from typing import Any
 
-from pd.config import EngineConfig, ModelConfig
-from pd.routing import Role
+from pd.engine.config import EngineConfig, ModelConfig
+from pd.cluster.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def engine_config_for(spec) -> EngineConfig:
 
 def build_engine(spec) -> tuple[Any, Any]:
     """(engine, connector or None) for a worker spec; the engine is not started."""
-    from pd.engine import Engine
+    from pd.engine.engine import Engine
 
     engine_config = engine_config_for(spec)
     connector = None
@@ -79,8 +79,8 @@ def _build_connector(spec, engine_config: EngineConfig):
     connector's handshake accepts exactly the peers of this deployment.
     """
     from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
-    from pd.checkpoint import load_config
-    from pd.kv_layout import KVLayout
+    from pd.engine.checkpoint import load_config
+    from pd.engine.kv_layout import KVLayout
 
     cfg = spec.config
     model_config = load_config(cfg.model.path) if cfg.model.path else engine_config.model

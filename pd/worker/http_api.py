@@ -21,12 +21,10 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from aiohttp import web
-
-if TYPE_CHECKING:
-    from pd.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +35,20 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
+class JobHandler(Protocol):
+    """What the HTTP API serves; `pd.worker.worker.Worker` is the one implementation."""
+
+    def parse_job(self, body: Any) -> Any: ...
+    def release_remote(self, body: Any) -> None: ...
+    def generate(self, job: Any) -> AsyncIterator[dict]: ...
+    def abort(self, request_id: str) -> None: ...
+    def health(self) -> dict: ...
+    def stats(self) -> dict: ...
+    def reset_prefix_cache(self) -> bool: ...
+
+
 class WorkerHTTPServer:
-    def __init__(self, worker: Worker, secret: str) -> None:
+    def __init__(self, worker: JobHandler, secret: str) -> None:
         self._worker = worker
         self._secret = secret.encode()
         self._runner: web.AppRunner | None = None

@@ -1,10 +1,4 @@
-"""Ray hosting for P/D workers: one async actor per `pd.worker.Worker`.
-
-Only plain values cross Ray calls (str, bytes, ints): the deployment config
-travels as JSON text, answers come back as JSON text. Ray's pickling only
-ever sees those, never an object of ours; the data plane (requests, tokens,
-KV blocks) does not touch Ray at all — it goes over the worker's HTTP API and
-the ZMQ connector.
+"""Placement of P/D worker actors on a Ray cluster: reserve, start, stop.
 
 Guarantees: GPU workers ask Ray for `num_gpus=1` (each gets its own GPU),
 CPU workers for the fraction of a CPU in `topology.cpus_per_worker`;
@@ -18,51 +12,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pd.deploy_config import DeployConfig, Mode, Placement
-from pd.routing import Role, WorkerEndpoint
+from pd.cluster.config import DeployConfig, Mode, Placement
+from pd.cluster.roles import Role, WorkerEndpoint
+from pd.worker.actor import WorkerActor
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 10.0
 PLACEMENT_TIMEOUT_S = 120.0  # room for an autoscaler to add nodes
-
-
-@ray.remote(max_restarts=0, max_concurrency=1000)
-class WorkerActor:
-    """Hosts one `Worker`; every method takes and returns str/int only."""
-
-    def __init__(self, worker_id: str, role: str, config_json: str, secret: str) -> None:
-        # PDKV_LOG_LEVEL reaches workers through the environment (pd.launch sets it for a local Ray).
-        logging.basicConfig(level=os.environ.get("PDKV_LOG_LEVEL", "INFO").upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        from pd.worker import Worker, WorkerSpec
-
-        config = DeployConfig.from_json(config_json)
-        host = config.transfer.host
-        if host in ("auto", "0.0.0.0"):
-            host = ray.util.get_node_ip_address()
-        self._worker = Worker(WorkerSpec(worker_id, Role(role), config, secret, host))
-
-    async def start(self) -> str:
-        url = await self._worker.start()
-        return json.dumps({"url": url, "node_id": ray.get_runtime_context().get_node_id()})
-
-    async def health(self) -> str:
-        return json.dumps(self._worker.health())
-
-    async def stats(self) -> str:
-        return json.dumps(self._worker.stats())
-
-    async def stop(self) -> int:
-        await self._worker.stop()
-        return 0
 
 
 @dataclasses.dataclass

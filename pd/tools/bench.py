@@ -1,4 +1,4 @@
-"""Engine benchmark: `python -m pd.bench [--vs-hf] [--quick]`.
+"""Engine benchmark: `python -m pd.tools.bench [--vs-hf] [--quick]`.
 
 Reports, at the documented model size (BENCH_MODEL unless overridden):
 - prefill tokens/s and decode tokens/s of the engine;
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from pd.checkpoint import save_checkpoint
-from pd.config import EngineConfig, ModelConfig
-from pd.engine import Engine
-from pd.model import build_model
-from pd.sampling import SamplingParams
+from pd.engine.checkpoint import save_checkpoint
+from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.engine import Engine
+from pd.engine.model import build_model
+from pd.engine.sampling import SamplingParams
 
 # Documented benchmark model: 29.4M parameters (8 layers, hidden 512, 8 query / 4 KV heads of 64,
 # SwiGLU 1536, vocab 4096), Llama layout, float32, block size 16.

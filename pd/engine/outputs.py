@@ -7,8 +7,18 @@ from typing import Any
 import torch
 
 from connectors.base import ConnectorMetadata
-from pd.runner import ScheduledChunk
-from pd.sampling import SamplingParams
+from pd.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + len(token_ids)) of one request, computed this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: tuple[list[int], ...]
+    needs_logits: bool  # True when the chunk reaches the end of the sequence
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Turns the reliability tests' recorded outcomes into the README's markdown table.
 
     PDKV_FAULT_REPORT=/tmp/faults.json python -m pytest tests/reliability -q [-m slow]
-    python -m pd.fault_report /tmp/faults.json [--out table.md]
+    python -m pd.tools.fault_report /tmp/faults.json [--out table.md]
 
 Each row of the JSON file (written by tests/reliability/conftest.py) holds the
 fault tried, where it was injected, what the user saw, what pdkv did and the
@@ -31,7 +31,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd.fault_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pd.tools.fault_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="JSON written by the reliability tests (PDKV_FAULT_REPORT)")
     parser.add_argument("--out", default=None, help="write the table here (default: stdout)")
     args = parser.parse_args(argv)

@@ -203,14 +203,14 @@ class RouterSection:
 
 @dataclasses.dataclass(frozen=True)
 class FaultsSection:
-    """Fault injection plans per worker role (tests only; see pd.fault_points). Empty: none."""
+    """Fault injection plans per worker role (tests only; see pd.worker.faults). Empty: none."""
 
     prefill: str = ""
     decode: str = ""
     colocated: str = ""
 
     def __post_init__(self) -> None:
-        from pd.fault_points import FaultSpecError, parse_worker_faults
+        from pd.worker.faults import FaultSpecError, parse_worker_faults
 
         for role in ("prefill", "decode", "colocated"):
             spec = getattr(self, role)

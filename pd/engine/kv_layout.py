@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from connectors.page_pool import PagePool
-from pd.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pd.engine.page_pool import PagePool
+from pd.engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

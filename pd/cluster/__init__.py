@@ -1,0 +1,1 @@
+"""What every process of a deployment shares: deploy config schema, roles, endpoints, router <-> worker messages."""

@@ -1,0 +1,1 @@
+"""Deployment: Ray placement and startup of workers and router, and the launch command."""

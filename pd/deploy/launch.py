@@ -1,0 +1,201 @@
+"""Starts a P/D deployment on Ray: `python -m pd.launch --config deploy/<name>.yaml`.
+
+With `--address` or `RAY_ADDRESS` it joins that Ray cluster; with neither it
+starts an embedded local Ray instance. It starts the worker actors, then the
+router (in this process, on its own event-loop thread), prints the router's
+URL and serves until SIGINT/SIGTERM. `--run-load` instead runs a short load
+(`pd.tools.loadgen`) against the fresh deployment, prints the report and exits.
+
+`Deployment` is the same thing as a library object (tests, benchmarks):
+`start()` returns the URL, `stop()` tears everything down and is idempotent.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+
+import ray
+
+from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
+                       stop_workers)
+from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
+from pd.router.server import Router
+
+logger = logging.getLogger(__name__)
+
+ROUTER_START_TIMEOUT_S = 60.0
+
+
+class Deployment:
+    """Workers as Ray actors plus a router on a private event-loop thread.
+
+    Invariant: after `stop()` no actor of this deployment is alive and the
+    router's port is closed, whatever state `start()` reached.
+    """
+
+    def __init__(self, config: DeployConfig, secret: str | None = None) -> None:
+        self.config = config
+        self.secret = secret or secrets.token_hex(32)
+        self.workers: list[StartedWorker] = []
+        self.placement = None  # the workers' placement group (topology.placement), if any
+        self.router: Router | None = None
+        self.url: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        if not ray.is_initialized():
+            raise RuntimeError("ray.init() must run before Deployment.start()")
+        try:
+            self.placement = reserve_placement(self.config)
+            self.workers = start_workers(self.config, self.secret, pg=self.placement)
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="pd-router", daemon=True)
+            self._thread.start()
+            self.router = Router(self.config, [w.endpoint for w in self.workers], self.secret)
+            self.url = self.run_coro(self.router.start(), ROUTER_START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def run_coro(self, coro, timeout_s: float):
+        """Runs a coroutine on the router's loop from any other thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def pool_audits(self, timeout_s: float = 15.0) -> dict[str, dict]:
+        """Each live worker's pool audit, polled until every pool is all free or `timeout_s`
+        passes (P workers free their blocks a moment after D reports its pull done)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.run_coro(self.router.poll_workers(), timeout_s + 10.0)
+            audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in self.router.pool.all() if w.healthy}
+            if all(a.get("all_free") for a in audits.values()) or time.monotonic() > deadline:
+                return audits
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.router is not None and self._loop is not None:
+            try:
+                self.run_coro(self.router.stop(), 10.0)
+            except Exception:  # noqa: BLE001 - keep tearing down
+                logger.exception("router stop failed")
+            self.router = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+            self._loop.close()
+            self._loop = None
+        if self.workers:
+            stop_workers([w.actor for w in self.workers])
+            self.workers = []
+        release_placement(self.placement)
+        self.placement = None
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
+    """Joins the named cluster, or starts an embedded local instance."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    store = object_store_mb * 1024 * 1024 if object_store_mb else None
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=store, include_dashboard=False,
+             logging_level=logging.WARNING)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pd.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="deployment YAML (see deploy/)")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else local)")
+    parser.add_argument("--port", type=int, default=None, help="override router.port")
+    parser.add_argument("--host", default=None, help="override router.host")
+    parser.add_argument("--num-cpus", type=int, default=None, help="embedded Ray only: CPUs (default: all)")
+    parser.add_argument("--object-store-mb", type=int, default=None, help="embedded Ray only: object store size")
+    parser.add_argument("--run-load", action="store_true", help="run a short load, print the report and exit")
+    parser.add_argument("--num-prompts", type=int, default=32, help="with --run-load")
+    parser.add_argument("--request-rate", default="inf", help="with --run-load")
+    parser.add_argument("--result-json", default=None, help="with --run-load")
+    parser.add_argument("--plot", default=None, help="with --run-load")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_deploy_config(args.config)
+        overrides = {k: v for k, v in (("router__port", args.port), ("router__host", args.host)) if v is not None}
+        if overrides:
+            config = config.replace(**overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers
+    init_ray(args.address, args.num_cpus, args.object_store_mb)
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        # an embedded instance never grows: fail now rather than wait for resources that cannot come
+        short = resource_shortfall(config, ray.cluster_resources())
+        if short is not None:
+            ray.shutdown()
+            print(f"error: {short}", file=sys.stderr)
+            return 2
+    stop_event = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_event.set())
+    deployment = Deployment(config)
+    try:
+        url = deployment.start()
+        topo = config.topology
+        shape = (f"{topo.num_prefill}P{topo.num_decode}D" if topo.mode.value == "disaggregated"
+                 else f"colocated x{topo.num_colocated}")
+        print(f"pdkv router ({shape}, model {config.model.name}) serving at {url}", flush=True)
+        if args.run_load:
+            rc = _run_load(url, args)
+            audits = deployment.pool_audits()
+            leaks = {wid: a.get("detail") or a for wid, a in audits.items() if not a.get("all_free")}
+            print(f"KV pools after the run: {'all free' if not leaks else 'NOT all free'} "
+                  f"({len(audits)} workers audited)", flush=True)
+            for wid, detail in leaks.items():
+                print(f"  {wid}: {detail}", flush=True)
+            return rc if not leaks else 1
+        print("press Ctrl-C to stop", flush=True)
+        while not stop_event.wait(0.5):
+            pass
+        print("shutting down", flush=True)
+        return 0
+    finally:
+        deployment.stop()
+        ray.shutdown()
+
+
+def _run_load(url: str, args: argparse.Namespace) -> int:
+    from pd.tools import loadgen
+
+    load_args = ["--url", url, "--dataset", "shared-prefix", "--num-prompts", str(args.num_prompts),
+                 "--request-rate", args.request_rate, "--input-len", "48:96", "--output-len", "8:24",
+                 "--max-concurrency", "8", "--seed", "0"]
+    if args.result_json:
+        load_args += ["--result-json", args.result_json]
+    if args.plot:
+        load_args += ["--plot", args.plot]
+    return loadgen.main(load_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible HTTP API, worker choice, dispatch to P and D, admission, metrics."""

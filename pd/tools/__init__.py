@@ -1,0 +1,1 @@
+"""Tools apart from the runtime: benchmarks, load generator, GPU check, fault report."""
