@@ -38,7 +38,7 @@ def test_every_shipped_deploy_config_is_valid(path):
 
     if path.name.startswith("kuberay"):
         docs = list(yaml.safe_load_all(path.read_text()))
-        assert docs[0]["kind"] == "RayJob" and "pd.deploy.launch" in docs[0]["spec"]["entrypoint"]
+        assert docs[0]["kind"] == "RayJob" and "pd.launch" in docs[0]["spec"]["entrypoint"]
         return
     config = load_deploy_config(path)
     assert config.topology.num_workers >= 1
