@@ -1,0 +1,130 @@
+"""The house rules of the import graph, read from the source (TYPE_CHECKING imports included):
+
+    pd.tools -> pd.deploy -> pd.router | pd.worker -> pd.cluster -> pd.engine -> connectors -> kvcache
+
+A module may import its own room and any room below it, never one above or beside it
+(router and worker do not import each other), and no set of modules imports itself in a loop.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("kvcache", "connectors", "pd")
+
+# Rank of each room: a module may import rooms of strictly lower rank, or its own room.
+RANKS = {
+    "kvcache": 0,
+    "connectors": 1,
+    "pd.engine": 2,
+    "pd.cluster": 3,
+    "pd.router": 4,
+    "pd.worker": 4,
+    "pd.deploy": 5,
+    "pd.tools": 6,
+    "pd": 7,  # the entry points at pd/ top level (pd/launch.py, pd/loadgen.py)
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _room(module: str) -> str:
+    for room in sorted(RANKS, key=len, reverse=True):
+        if module == room or module.startswith(room + "."):
+            return room
+    raise AssertionError(f"{module} is in no room")
+
+
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                targets.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+    return {t for t in targets if t in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def _against_layering(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in graph.items():
+        room = _room(module)
+        for target in targets:
+            other = _room(target)
+            if other != room and RANKS[other] >= RANKS[room]:
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_rooms_point_down_only():
+    wrong = _against_layering(_graph())
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_loops():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not loops, f"import loops: {loops}"
+
+
+def test_pd_top_level_holds_only_entry_points():
+    top = sorted(p.name for p in (REPO / "pd").glob("*.py") if p.name != "__init__.py")
+    assert top == ["launch.py", "loadgen.py"], top
+    for name in top:
+        tree = ast.parse((REPO / "pd" / name).read_text())
+        defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        assert not defs, f"pd/{name} is an entry point and defines nothing itself"
+
+
+def test_the_checker_sees_wrong_imports():
+    """The rank check itself, on a made-up graph: upward and sideways imports are flagged."""
+    graph = {"pd.engine.engine": {"pd.router.server", "kvcache.manager"}, "pd.router.server": {"pd.worker.worker"},
+             "pd.worker.worker": {"pd.cluster.config"}, "connectors.base": {"pd.engine.page_pool"}}
+    assert sorted(_against_layering(graph)) == ["connectors.base -> pd.engine.page_pool",
+                                                "pd.engine.engine -> pd.router.server",
+                                                "pd.router.server -> pd.worker.worker"]
