@@ -5,6 +5,7 @@ update on every page. `snapshot()` returns a plain dict suitable for JSON.
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import threading
 from collections import Counter, deque
@@ -26,6 +27,10 @@ class LeaseEnd(str, enum.Enum):
     SHUTDOWN = "shutdown"
 
 
+# Upper bounds of the load-latency histogram (seconds); the +Inf bucket is `loads_ok`.
+LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 class TransferMetrics:
     """Counters for one connector (both directions)."""
 
@@ -42,6 +47,7 @@ class TransferMetrics:
         self.refused: Counter[str] = Counter()
         self.malformed_frames = 0
         self._latencies: deque[float] = deque(maxlen=keep_latencies)
+        self._load_bucket_counts = [0] * (len(LOAD_BUCKETS_S) + 1)  # per bucket, the last one past every bound
 
     def record_sent(self, num_blocks: int, num_bytes: int) -> None:
         with self._lock:
@@ -55,6 +61,7 @@ class TransferMetrics:
             self.bytes_recv += num_bytes
             self.load_seconds += seconds
             self._latencies.append(seconds)
+            self._load_bucket_counts[bisect.bisect_left(LOAD_BUCKETS_S, seconds)] += 1
 
     def record_failure(self, cause: FailureCause) -> None:
         with self._lock:
@@ -83,6 +90,8 @@ class TransferMetrics:
                 "bytes_recv": self.bytes_recv,
                 "blocks_recv": self.blocks_recv,
                 "loads_ok": self.loads_ok,
+                "load_seconds": self.load_seconds,
+                "load_latency_buckets": _cumulative(LOAD_BUCKETS_S, self._load_bucket_counts),
                 "recv_gbps": (self.bytes_recv / self.load_seconds / 1e9) if self.load_seconds else 0.0,
                 "load_latency_p50_s": p50,
                 "load_latency_p99_s": p99,
@@ -92,3 +101,12 @@ class TransferMetrics:
                 "handshakes_refused": dict(self.refused),
                 "malformed_frames": self.malformed_frames,
             }
+
+
+def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[list[float]]:
+    """[[upper bound, loads at or under it], ...] (Prometheus bucket form, +Inf left out)."""
+    out, total = [], 0
+    for bound, count in zip(bounds, counts):
+        total += count
+        out.append([bound, total])
+    return out

@@ -75,7 +75,7 @@ class Deployment:
         passes (P workers free their blocks a moment after D reports its pull done)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.run_coro(self.router.poll_workers(), timeout_s + 10.0)
+            self.run_coro(self.router.poll_workers(audit=True), timeout_s + 10.0)
             audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in self.router.pool.all() if w.healthy}
             if all(a.get("all_free") for a in audits.values()) or time.monotonic() > deadline:
                 return audits

@@ -60,7 +60,7 @@ class Dispatcher:
         async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True)) as answers:
             async for answer in answers:
                 params = answer  # the prefill's one answer: the kv_transfer_params for decode
-        self._metrics.prefill.observe(time.perf_counter() - started)
+        self._metrics.record_prefill_hop(time.perf_counter() - started)
         decode = dict(payload, kv_transfer_params=params)
         async with contextlib.aclosing(self._run(Role.DECODE, decode)) as events:
             async for event in events:
@@ -100,7 +100,7 @@ class Dispatcher:
 
     async def _on_failure(self, load: WorkerLoad, exc: WorkerCallError) -> None:
         worker_id = load.endpoint.worker_id
-        self._metrics.worker_failures.inc(worker=worker_id, cause=exc.cause)
+        self._metrics.record_worker_failure(worker_id, exc.cause)
         if not exc.worker_unreachable:
             return
         try:

@@ -1,186 +1,252 @@
-"""Prometheus text-format metrics for the router (no client library needed).
+"""The router's Prometheus metrics, on `prometheus_client`.
 
-`RouterMetrics` owns the router's own counters and histograms (requests by
-outcome, TTFT, ITL, end-to-end latency, tokens) and renders them together with
-per-worker gauges taken from the workers' last stats reports (KV usage, prefix
-hit rate, KV transfer bytes / latency / failures).
+`RouterMetrics` owns one `CollectorRegistry` per router (several routers can
+live in one process) holding two kinds of series:
+- the router's own, recorded as requests pass: requests by outcome, prompt and
+  generated tokens, finished requests by reason, TTFT / inter-token / end-to-end
+  latency, the prefill hop, failed worker calls;
+- per-worker figures, read by `WorkerStatsCollector` at scrape time from the
+  stats of the router's last worker poll: KV usage, queue depths, prefix cache,
+  preemptions, engine time, KV transfer bytes / latency / failures.
 
-Guarantees: rendering never raises on odd worker stats (non-numeric values are
-skipped); metric and label names are sanitised to Prometheus' alphabet; label
-values are escaped.
+Where vLLM has a metric for the same thing, it is exported under vLLM's name as
+well (`vllm:time_to_first_token_seconds`, `vllm:num_requests_running`, ...), so
+a vLLM Grafana dashboard shows pdkv. Per-worker vLLM series name the worker in
+an `engine` label, pdkv ones in `worker`.
+
+Guarantees: every series carries `model_name`; counts are counters (`*_total`),
+levels are gauges, latencies are histograms, and there are no percentile
+gauges; a scrape does no I/O and never waits on a worker; odd worker stats
+(missing or non-numeric values) are skipped, never raised.
 """
 from __future__ import annotations
 
-import bisect
-import re
-import threading
-from collections.abc import Iterable
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+# `*_created` series double the exposition and no dashboard reads them (vLLM turns them off as well).
+prometheus_client.disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format `generate_latest` writes
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def metric_name(raw: str) -> str:
-    name = _NAME_BAD.sub("_", raw)
-    return name if not name[:1].isdigit() else "_" + name
+@dataclasses.dataclass(frozen=True)
+class WorkerFigures:
+    """One worker as the router last saw it: rotation state and its last polled stats."""
 
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    parts = []
-    for key, value in sorted(labels.items()):
-        escaped = str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-        parts.append(f'{metric_name(key)}="{escaped}"')
-    return "{" + ",".join(parts) + "}"
-
-
-def _fmt(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class Histogram:
-    """Cumulative-bucket histogram; `observe` is thread-safe."""
-
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float] = LATENCY_BUCKETS_S) -> None:
-        self.name, self.help_text = name, help_text
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sum += value
-            self._count += 1
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        with self._lock:
-            cumulative = 0
-            for bound, n in zip(self.buckets + (float("inf"),), self._counts):
-                cumulative += n
-                lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-            lines.append(f"{self.name}_sum {self._sum!r}")
-            lines.append(f"{self.name}_count {self._count}")
-        return lines
-
-
-class Counter:
-    """Counter with one optional set of label values per sample."""
-
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name, self.help_text = name, help_text
-        self._values: dict[tuple, float] = {}
-        self._lock = threading.Lock()
-
-    def inc(self, amount: float = 1, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0) + amount
-
-    def value(self, **labels: str) -> float:
-        return self._values.get(tuple(sorted(labels.items())), 0)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} counter"]
-        with self._lock:
-            for key, value in sorted(self._values.items()):
-                lines.append(f"{self.name}{_labels(dict(key))} {_fmt(value)}")
-        return lines
-
-
-# Worker stats keys rendered as gauges: stats key -> (metric name, help).
-WORKER_GAUGES = {
-    "kv_usage": ("pdkv_worker_kv_usage_ratio", "Fraction of the worker's KV blocks in use"),
-    "prefix_hit_rate": ("pdkv_worker_prefix_cache_hit_rate", "Prefix cache hit rate (tokens hit / queried)"),
-    "num_running": ("pdkv_worker_num_running", "Requests running on the worker"),
-    "num_waiting": ("pdkv_worker_num_waiting", "Requests waiting on the worker"),
-    "num_preemptions": ("pdkv_worker_num_preemptions_total", "Preemptions on the worker"),
-    "num_free_blocks": ("pdkv_worker_num_free_blocks", "Free KV blocks on the worker"),
-    "num_blocks": ("pdkv_worker_num_blocks", "KV blocks in the worker's pool"),
-}
+    worker_id: str
+    role: str
+    healthy: bool
+    stats: Mapping[str, Any]
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
-        self.requests = Counter("pdkv_requests_total", "Completion requests by outcome")
-        self.prompt_tokens = Counter("pdkv_prompt_tokens_total", "Prompt tokens received")
-        self.generation_tokens = Counter("pdkv_generation_tokens_total", "Tokens generated")
-        self.worker_failures = Counter("pdkv_worker_failures_total", "Calls to workers that failed, by worker and cause")
-        self.ttft = Histogram("pdkv_time_to_first_token_seconds", "Time to first token")
-        self.itl = Histogram("pdkv_inter_token_latency_seconds", "Time between successive tokens of a request")
-        self.e2e = Histogram("pdkv_e2e_request_latency_seconds", "End-to-end request latency")
-        self.prefill = Histogram("pdkv_prefill_hop_seconds", "Router-side time of the prefill hop (P worker)")
+    """The router's metrics; `record_*` are thread-safe, `render` reads only memory."""
 
-    def render(self, workers: Iterable[tuple[str, str, bool, dict]]) -> str:
-        """Prometheus text; `workers` yields (worker_id, role, healthy, last stats)."""
-        lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.worker_failures,
-                       self.ttft, self.itl, self.e2e, self.prefill):
-            lines.extend(metric.render())
-        workers = list(workers)
-        lines += ["# HELP pdkv_worker_up Whether the worker is in the rotation", "# TYPE pdkv_worker_up gauge"]
-        for worker_id, role, healthy, _ in workers:
-            lines.append(f"pdkv_worker_up{_labels({'worker': worker_id, 'role': role})} {int(healthy)}")
-        for key, (name, help_text) in WORKER_GAUGES.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-            for worker_id, role, _, stats in workers:
-                value = stats.get(key)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    lines.append(f"{name}{_labels({'worker': worker_id, 'role': role})} {_fmt(value)}")
-        lines.extend(_transfer_lines(workers))
-        return "\n".join(lines) + "\n"
+    def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerFigures]] = tuple) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._requests = self._counter("pdkv_requests", "Completion requests by outcome", "outcome")
+        self._prompt_tokens = self._counters(("pdkv_prompt_tokens", "vllm:prompt_tokens"), "Prompt tokens received")
+        self._generation_tokens = self._counters(("pdkv_generation_tokens", "vllm:generation_tokens"),
+                                                 "Tokens generated")
+        self._success = self._counter("vllm:request_success", "Requests finished, by finish reason",
+                                      "finished_reason")
+        self._worker_failures = self._counter("pdkv_worker_failures", "Calls to workers that failed, by cause",
+                                              "worker", "cause")
+        self._ttft = self._histograms(("pdkv_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+                                      "Time from request arrival to its first token")
+        self._itl = self._histograms(("pdkv_inter_token_latency_seconds", "vllm:inter_token_latency_seconds",
+                                      "vllm:time_per_output_token_seconds"),
+                                     "Time between successive tokens of a request")
+        self._e2e = self._histograms(("pdkv_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+                                     "Time from request arrival to its last token")
+        self._prefill_hop = self._histograms(("pdkv_prefill_hop_seconds",),
+                                             "Router-side time of the prefill hop (P worker)")
+        self.registry.register(WorkerStatsCollector(model_name, workers))
+
+    # -- recording --------------------------------------------------------
+    def record_outcome(self, outcome: str) -> None:
+        """One completion request answered: `ok` or `error_<http status>`."""
+        self._requests.labels(self.model_name, outcome).inc()
+
+    def record_prompt_tokens(self, num_tokens: int) -> None:
+        for counter in self._prompt_tokens:
+            counter.inc(num_tokens)
+
+    def record_tokens(self, num_tokens: int, seconds: float, first: bool) -> None:
+        """`num_tokens` arrived `seconds` after the arrival (first) or after the previous tokens."""
+        for histogram in self._ttft if first else self._itl:
+            histogram.observe(seconds)
+        for counter in self._generation_tokens:
+            counter.inc(num_tokens)
+
+    def record_request_end(self, finish_reason: str | None, seconds: float) -> None:
+        """A prompt's token stream ended `seconds` after arrival (`finish_reason` None: it broke off)."""
+        for histogram in self._e2e:
+            histogram.observe(seconds)
+        if finish_reason is not None:
+            self._success.labels(self.model_name, finish_reason).inc()
+
+    def record_prefill_hop(self, seconds: float) -> None:
+        for histogram in self._prefill_hop:
+            histogram.observe(seconds)
+
+    def record_worker_failure(self, worker_id: str, cause: str) -> None:
+        self._worker_failures.labels(self.model_name, worker_id, cause).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (format 0.0.4, `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    # -- construction -----------------------------------------------------
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, ("model_name", *labels), registry=self.registry)
+
+    def _counters(self, names: tuple[str, ...], doc: str) -> list:
+        return [self._counter(name, doc).labels(self.model_name) for name in names]
+
+    def _histograms(self, names: tuple[str, ...], doc: str) -> list:
+        return [Histogram(name, doc, ("model_name",), registry=self.registry, buckets=LATENCY_BUCKETS_S)
+                .labels(self.model_name) for name in names]
 
 
-def _transfer_lines(workers: list[tuple[str, str, bool, dict]]) -> list[str]:
-    """Every numeric field of each worker's `transfer` stats as `pdkv_kv_transfer_<field>`."""
-    samples: dict[str, list[str]] = {}
-    for worker_id, role, _, stats in workers:
-        transfer = stats.get("transfer") or {}
-        for field, value in _flatten(transfer):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                name = metric_name(f"pdkv_kv_transfer_{field}")
-                samples.setdefault(name, []).append(
-                    f"{name}{_labels({'worker': worker_id, 'role': role})} {_fmt(value)}")
-    lines = []
-    for name in sorted(samples):
-        lines += [f"# HELP {name} KV transfer figure reported by the worker's connector", f"# TYPE {name} gauge"]
-        lines += samples[name]
-    return lines
+# Per-worker series from the worker's stats: (stats key, pdkv name, vLLM name or None, help).
+_WORKER_GAUGES = (
+    ("kv_usage", "pdkv_worker_kv_usage_ratio", "vllm:kv_cache_usage_perc",
+     "Fraction of the worker's KV blocks in use (1 = full)"),
+    ("num_running", "pdkv_worker_num_running", "vllm:num_requests_running", "Requests running on the worker"),
+    ("num_waiting", "pdkv_worker_num_waiting", "vllm:num_requests_waiting", "Requests waiting on the worker"),
+    ("num_waiting_for_remote_kvs", "pdkv_worker_num_waiting_for_remote_kvs", None,
+     "Requests waiting for their KV from a prefill worker"),
+    ("num_held_for_transfer", "pdkv_worker_num_held_for_transfer", None,
+     "Finished prefills whose blocks are held for a decode worker's pull"),
+    ("num_free_blocks", "pdkv_worker_num_free_blocks", None, "Free KV blocks on the worker"),
+    ("num_blocks", "pdkv_worker_num_blocks", None, "KV blocks in the worker's pool"),
+)
+_WORKER_COUNTERS = (
+    ("prefix_cache_queries", "pdkv_worker_prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "pdkv_worker_prefix_cache_hits", "vllm:prefix_cache_hits",
+     "Prompt tokens found in the prefix cache"),
+    ("num_preemptions", "pdkv_worker_preemptions", "vllm:num_preemptions", "Requests preempted on the worker"),
+    ("num_steps", "pdkv_worker_engine_steps", None, "Engine steps run"),
+    ("num_errors", "pdkv_worker_engine_errors", None, "Engine steps that failed"),
+    ("num_aborted", "pdkv_worker_requests_aborted", None, "Requests aborted because their consumer went away"),
+    ("num_rejected", "pdkv_worker_requests_rejected", None, "Requests the worker refused"),
+)
+_ENGINE_PHASES = ("schedule", "model", "update")  # stats key `<phase>_s`: seconds spent since start
+_TRANSFER_COUNTERS = (
+    ("bytes_sent", "pdkv_kv_transfer_bytes_sent", "KV bytes sent to decode workers"),
+    ("blocks_sent", "pdkv_kv_transfer_blocks_sent", "KV blocks sent to decode workers"),
+    ("bytes_recv", "pdkv_kv_transfer_bytes_recv", "KV bytes received from prefill workers"),
+    ("blocks_recv", "pdkv_kv_transfer_blocks_recv", "KV blocks received from prefill workers"),
+    ("malformed_frames", "pdkv_kv_transfer_malformed_frames", "Side-channel frames dropped as malformed"),
+)
+# Transfer counts by a label: (stats key holding {label value: count}, name, label, help).
+_TRANSFER_LABELLED = (
+    ("failures", "pdkv_kv_transfer_failures", "cause", "KV loads that failed, by cause"),
+    ("leases_ended", "pdkv_kv_transfer_leases_ended", "end", "Producer block leases ended, by how"),
+    ("handshakes_refused", "pdkv_kv_transfer_handshakes_refused", "reason", "KV handshakes refused, by reason"),
+)
 
 
-def _flatten(data: dict, prefix: str = "") -> Iterable[tuple[str, object]]:
-    for key, value in data.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{key}_")
-        else:
-            yield f"{prefix}{key}", value
+class WorkerStatsCollector:
+    """Per-worker series, built at each scrape from `workers()` (the router's last poll).
+
+    Workers out of the rotation export only `pdkv_worker_up 0`: their last
+    figures are stale, and a series that stops is what Prometheus expects of a
+    target that went away.
+    """
+
+    def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerFigures]]) -> None:
+        self._model_name = model_name
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        workers = list(self._workers())
+        up = GaugeMetricFamily("pdkv_worker_up", "Whether the worker is in the rotation",
+                               labels=("model_name", "worker", "role"))
+        for w in workers:
+            up.add_metric((self._model_name, w.worker_id, w.role), 1.0 if w.healthy else 0.0)
+        yield up
+        live = [w for w in workers if w.healthy]
+        for kind, table in ((GaugeMetricFamily, _WORKER_GAUGES), (CounterMetricFamily, _WORKER_COUNTERS)):
+            for key, name, vllm_name, doc in table:
+                yield self._family(kind, name, doc, "worker", ((w, w.stats.get(key)) for w in live))
+                if vllm_name is not None:
+                    yield self._family(kind, vllm_name, doc, "engine", ((w, w.stats.get(key)) for w in live))
+        yield from self._engine_time(live)
+        transfer = [(w, w.stats.get("transfer") or {}) for w in live]
+        for key, name, doc in _TRANSFER_COUNTERS:
+            yield self._family(CounterMetricFamily, name, doc, "worker", ((w, t.get(key)) for w, t in transfer))
+        for key, name, label, doc in _TRANSFER_LABELLED:
+            yield self._labelled(name, doc, label, ((w, t.get(key)) for w, t in transfer))
+        yield self._load_latency(transfer)
+
+    def _family(self, kind, name: str, doc: str, worker_label: str, values) -> Metric:
+        family = kind(name, doc, labels=("model_name", worker_label, "role"))
+        for w, raw in values:
+            value = _number(raw)
+            if value is not None:
+                family.add_metric((self._model_name, w.worker_id, w.role), value)
+        return family
+
+    def _labelled(self, name: str, doc: str, label: str, values) -> Metric:
+        family = CounterMetricFamily(name, doc, labels=("model_name", "worker", "role", label))
+        for w, counts in values:
+            if not isinstance(counts, Mapping):
+                continue
+            for label_value, raw in sorted(counts.items()):
+                value = _number(raw)
+                if value is not None:
+                    family.add_metric((self._model_name, w.worker_id, w.role, str(label_value)), value)
+        return family
+
+    def _engine_time(self, live: list[WorkerFigures]) -> Iterator[Metric]:
+        family = CounterMetricFamily("pdkv_worker_engine_seconds", "Engine time spent since start, by step phase",
+                                     labels=("model_name", "worker", "role", "phase"))
+        for w in live:
+            for phase in _ENGINE_PHASES:
+                value = _number(w.stats.get(f"{phase}_s"))
+                if value is not None:
+                    family.add_metric((self._model_name, w.worker_id, w.role, phase), value)
+        yield family
+
+    def _load_latency(self, transfer: list[tuple[WorkerFigures, Mapping]]) -> Metric:
+        family = HistogramMetricFamily("pdkv_kv_transfer_load_seconds", "Time a decode worker took to load a "
+                                       "request's KV from a prefill worker", labels=("model_name", "worker", "role"))
+        for w, t in transfer:
+            count, total = _number(t.get("loads_ok")), _number(t.get("load_seconds"))
+            buckets = _buckets(t.get("load_latency_buckets"))
+            if count is None or total is None or buckets is None:
+                continue
+            family.add_metric((self._model_name, w.worker_id, w.role), buckets + [("+Inf", count)], total)
+        return family
 
 
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Parses Prometheus text into name -> [(labels, value)] (used by the load generator)."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)$')
-    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = sample.match(line.strip())
-        if not m:
-            continue
-        try:
-            value = float(m.group(4).replace("+Inf", "inf"))
-        except ValueError:
-            continue
-        labels = dict(label.findall(m.group(3) or ""))
-        out.setdefault(m.group(1), []).append((labels, value))
-    return out
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def _buckets(raw: Any) -> list[tuple[str, float]] | None:
+    """[[bound, cumulative count], ...] from the worker -> prometheus_client's bucket list."""
+    try:
+        return [(floatToGoString(float(bound)), float(count)) for bound, count in raw]
+    except (TypeError, ValueError):
+        return None

@@ -1,8 +1,9 @@
 """The router: an OpenAI-compatible HTTP server in front of the P/D workers.
 
 Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text) and `GET /pd/workers` (each worker's last
-stats, pool audit included).
+`GET /metrics` (Prometheus text, from the last worker poll) and
+`GET /pd/workers` (each worker's last stats; `?refresh=1` polls now, pool
+audits included).
 
 Guarantees:
 - client input is validated before any worker is touched; errors are
@@ -12,7 +13,9 @@ Guarantees:
 - a streamed request whose worker fails gets an error event and `[DONE]`,
   never a hang; a client that disconnects aborts its request on the worker;
 - a background health loop polls every worker's stats; two failed polls in a
-  row take the worker out of the rotation.
+  row take the worker out of the rotation;
+- a `/metrics` scrape serves the figures of the last poll: it never calls a
+  worker, so scrapers cost the workers nothing.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, AdmissionLimits, Overloaded
 from pd.cluster.config import DeployConfig, Mode
 from pd.router.dispatch import Dispatcher
-from pd.router.metrics import RouterMetrics
+from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
 from pd.router.text_stream import TextStream
 from pd.engine.tokenizer import ByteTokenizer, Tokenizer
@@ -45,7 +48,8 @@ _FINISH_REASONS = {"stopped": "stop", "stop": "stop", "finished_stopped": "stop"
 
 class Router:
     def __init__(self, config: DeployConfig, endpoints: list[WorkerEndpoint], secret: str,
-                 tokenizer: Tokenizer | None = None, policy: str = "least_loaded") -> None:
+                 tokenizer: Tokenizer | None = None, policy: str = "least_loaded",
+                 metrics_require_key: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         self.pool = WorkerPool(POLICIES[policy]())
@@ -54,7 +58,8 @@ class Router:
         rc = config.router
         self.client = WorkerClient(secret, ClientTimeouts(connect_s=rc.connect_timeout_s, stall_s=rc.request_timeout_s,
                                                           total_s=rc.request_timeout_s))
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.model.name, self._worker_figures)
+        self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated)
         self._vocab_size = int(config.model.architecture.get("vocab_size", self.tokenizer.vocab_size))
@@ -107,12 +112,13 @@ class Router:
             except Exception:  # the loop must outlive any single bad poll
                 logger.exception("worker poll failed")
 
-    async def poll_workers(self) -> None:
-        """Refreshes every healthy worker's stats. A worker whose stats and health probe
+    async def poll_workers(self, audit: bool = False) -> None:
+        """Refreshes every healthy worker's stats (with a pool audit, taken under the
+        engine's step lock, only when `audit`). A worker whose stats and health probe
         both fail `MAX_FAILED_POLLS` times in a row leaves the rotation (a slow stats
         answer from a busy worker is not a death)."""
         loads = [w for w in self.pool.all() if w.healthy]
-        results = await asyncio.gather(*(self._poll_one(w) for w in loads))
+        results = await asyncio.gather(*(self._poll_one(w, audit) for w in loads))
         for load, error in zip(loads, results):
             worker_id = load.endpoint.worker_id
             if error is None:
@@ -122,11 +128,12 @@ class Router:
             if self._failed_polls[worker_id] >= MAX_FAILED_POLLS:
                 self.pool.mark_dead(worker_id, f"{MAX_FAILED_POLLS} failed polls: {error}")
 
-    async def _poll_one(self, load) -> str | None:
+    async def _poll_one(self, load, audit: bool) -> str | None:
         """None when the worker answered; else why not."""
         url = load.endpoint.url
         try:
-            stats = await self.client.get_json(url, "/internal/stats", timeout_s=STATS_TIMEOUT_S)
+            path = "/internal/stats?audit=1" if audit else "/internal/stats"
+            stats = await self.client.get_json(url, path, timeout_s=STATS_TIMEOUT_S)
             self.pool.update_stats(load.endpoint.worker_id, stats)
             return None
         except WorkerCallError as stats_error:
@@ -140,7 +147,7 @@ class Router:
     @web.middleware
     async def _api_key(self, request: web.Request, handler):
         key = self.config.router.api_key
-        if key and request.path.startswith(("/v1/", "/pd/")):
+        if key and request.path.startswith(self._key_paths):
             header = request.headers.get("Authorization", "")
             if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
                 return _error_response(oa.APIError(401, "invalid or missing API key", code="invalid_api_key"))
@@ -161,14 +168,16 @@ class Router:
         return web.json_response(body, status=200 if not missing else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        await self.poll_workers()  # fresh worker figures on every scrape
-        workers = [(w.endpoint.worker_id, w.endpoint.role.value, w.healthy, w.stats) for w in self.pool.all()]
-        return web.Response(body=self.metrics.render(workers).encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        # The last poll's figures: polling here would let every scraper load every worker.
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _worker_figures(self) -> list[WorkerFigures]:
+        return [WorkerFigures(w.endpoint.worker_id, w.endpoint.role.value, w.healthy, w.stats)
+                for w in self.pool.all()]
 
     async def _workers(self, request: web.Request) -> web.Response:
         if request.query.get("refresh"):
-            await self.poll_workers()
+            await self.poll_workers(audit=True)
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
                                        "num_in_flight": w.num_in_flight, "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)
@@ -186,12 +195,12 @@ class Router:
                                   param="prompt")
             prompts = [self._prompt_ids(p, req.max_tokens) for p in req.prompts]
         except oa.APIError as exc:
-            self.metrics.requests.inc(outcome=f"error_{exc.status}")
+            self.metrics.record_outcome(f"error_{exc.status}")
             return _error_response(exc)
         try:
             admitted = await self.gate.acquire(len(prompts))
         except Overloaded as exc:
-            self.metrics.requests.inc(outcome=f"error_{exc.status}")
+            self.metrics.record_outcome(f"error_{exc.status}")
             return _error_response(oa.server_error(exc.message, status=exc.status, code="overloaded"),
                                    headers={"Retry-After": str(exc.retry_after_s)})
         try:
@@ -209,7 +218,7 @@ class Router:
         try:
             results = await asyncio.gather(*tasks)
         except oa.APIError as exc:
-            self.metrics.requests.inc(outcome=f"error_{exc.status}")
+            self.metrics.record_outcome(f"error_{exc.status}")
             return _error_response(exc)
         finally:
             for task in tasks:  # one prompt failed (or the client left): stop the others too
@@ -217,7 +226,7 @@ class Router:
         choices = [oa.choice(i, text, reason, ids if req.return_token_ids else None)
                    for i, (text, reason, ids) in enumerate(results)]
         usage = oa.usage_dict(sum(len(p) for p in prompts), sum(len(ids) for _, _, ids in results))
-        self.metrics.requests.inc(outcome="ok")
+        self.metrics.record_outcome("ok")
         return web.json_response(oa.completion_response(completion_id, req.model, choices, usage))
 
     def _prompt_ids(self, prompt: str | tuple[int, ...], max_tokens: int) -> list[int]:
@@ -241,31 +250,29 @@ class Router:
     async def _tokens(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
         """Yields (new text, new token ids, finish reason or None, num tokens so far); records latency metrics."""
         text = TextStream(self.tokenizer, req.stop)
-        last = None
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        last = finish = None
+        self.metrics.record_prompt_tokens(len(prompt_ids))
         events = self.dispatcher.stream_tokens(request_id, prompt_ids, self._sampling(req))
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 now = time.perf_counter()
                 if event.token_ids:
-                    if last is None:
-                        self.metrics.ttft.observe(now - arrived)
-                    else:
-                        self.metrics.itl.observe(now - last)
+                    self.metrics.record_tokens(len(event.token_ids), now - (arrived if last is None else last),
+                                               first=last is None)
                     last = now
-                    self.metrics.generation_tokens.inc(len(event.token_ids))
                 new = text.push(event.token_ids)
                 ids = list(event.token_ids)
                 if text.stopped:
-                    yield new, ids, "stop", len(text.token_ids)
+                    finish = "stop"
+                    yield new, ids, finish, len(text.token_ids)
                     break
                 if event.finish_reason is not None:
-                    reason = _FINISH_REASONS.get(event.finish_reason, event.finish_reason)
-                    yield new + text.flush(), ids, reason, len(text.token_ids)
+                    finish = _FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+                    yield new + text.flush(), ids, finish, len(text.token_ids)
                     break
                 if event.token_ids:  # one chunk per token event, even when its text is held back
                     yield new, ids, None, len(text.token_ids)
-        self.metrics.e2e.observe(time.perf_counter() - arrived)
+        self.metrics.record_request_end(finish, time.perf_counter() - arrived)
 
     async def _collect(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
         pieces, token_ids, reason = [], [], None
@@ -287,9 +294,9 @@ class Router:
             if req.include_usage:
                 usage = oa.usage_dict(len(prompt_ids), num_tokens)
                 await response.write(oa.stream_chunk(completion_id, req.model, created, [], usage))
-            self.metrics.requests.inc(outcome="ok")
+            self.metrics.record_outcome("ok")
         except oa.APIError as exc:
-            self.metrics.requests.inc(outcome=f"error_{exc.status}")
+            self.metrics.record_outcome(f"error_{exc.status}")
             logger.warning("streamed request %s failed: %s", completion_id, exc.message)
             await response.write(oa.sse_error(exc))
         await response.write(oa.SSE_DONE)

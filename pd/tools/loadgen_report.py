@@ -14,7 +14,7 @@ import dataclasses
 import math
 import statistics
 
-from pd.router.metrics import parse_prometheus
+from prometheus_client.parser import text_string_to_metric_families
 
 PERCENTILES = (50, 90, 99)
 
@@ -85,28 +85,77 @@ def _meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return all(values[k] <= limit for k, limit in slos_ms.items())
 
 
+def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
+    """Prometheus text -> sample name -> {sorted label items: value} (prometheus_client's parser)."""
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
 def transfer_figures(before: str, after: str) -> dict:
     """Workers' KV transfer and cache figures from two /metrics scrapes.
 
-    Counters (bytes, blocks, loads, failures, leases) are summed over workers
-    as after - before; rates and latencies are shown per worker as they stand
-    after the run.
+    Transfer counters (bytes, blocks, failures by cause, leases by end) are
+    summed over workers as after - before; the load latency (mean and
+    histogram p50 / p99), receive GB/s and prefix hit rate are over the run, per
+    worker; KV usage per worker as it stands after the run.
     """
     b, a = parse_prometheus(before), parse_prometheus(after)
+
+    def delta(name: str) -> dict[tuple, float]:
+        prev = b.get(name, {})
+        return {labels: v - prev.get(labels, 0.0) for labels, v in a.get(name, {}).items()}
+
     out: dict = {}
-    for name, samples in sorted(a.items()):
-        if not name.startswith("pdkv_kv_transfer_"):
+    for name in sorted(a):
+        if not (name.startswith("pdkv_kv_transfer_") and name.endswith("_total")):
             continue
-        key = name.removeprefix("pdkv_kv_transfer_")
-        if "latency" in key or "gbps" in key:
-            out[key] = {lbl.get("worker", "?"): v for lbl, v in samples if v}
+        key = name.removeprefix("pdkv_kv_transfer_").removesuffix("_total")
+        for labels, value in delta(name).items():
+            extra = [v for k, v in labels if k not in ("model_name", "worker", "role")]
+            out[key] = out.get(key, 0.0) + value
+            if extra:
+                out[f"{key}_{extra[0]}"] = out.get(f"{key}_{extra[0]}", 0.0) + value
+    counts, sums = delta("pdkv_kv_transfer_load_seconds_count"), delta("pdkv_kv_transfer_load_seconds_sum")
+    received = {_worker(labels): v for labels, v in delta("pdkv_kv_transfer_bytes_recv_total").items()}
+    buckets = delta("pdkv_kv_transfer_load_seconds_bucket")
+    out["loads"] = sum(counts.values())
+    for labels, count in counts.items():
+        if count <= 0:
             continue
-        prev = {tuple(sorted(lbl.items())): v for lbl, v in b.get(name, [])}
-        out[key] = sum(v - prev.get(tuple(sorted(lbl.items())), 0.0) for lbl, v in samples)
-    for name, key in (("pdkv_worker_prefix_cache_hit_rate", "prefix_hit_rate"),
-                      ("pdkv_worker_kv_usage_ratio", "kv_usage")):
-        out[key] = {lbl.get("worker", "?"): v for lbl, v in a.get(name, [])}
+        worker, seconds = _worker(labels), sums.get(labels, 0.0)
+        out.setdefault("load_latency_mean_ms", {})[worker] = seconds / count * 1000
+        mine = sorted((float(dict(lbl)["le"]), v) for lbl, v in buckets.items() if _worker(lbl) == worker)
+        for q in (50, 99):
+            out.setdefault(f"load_latency_p{q}_ms", {})[worker] = _bucket_quantile(mine, q / 100) * 1000
+        if seconds > 0:
+            out.setdefault("recv_gbps", {})[worker] = received.get(worker, 0.0) / seconds / 1e9
+    hits, queries = delta("pdkv_worker_prefix_cache_hits_total"), delta("pdkv_worker_prefix_cache_queries_total")
+    out["prefix_hit_rate"] = {_worker(lbl): hits.get(lbl, 0.0) / q for lbl, q in queries.items() if q > 0}
+    out["kv_usage"] = {_worker(lbl): v for lbl, v in a.get("pdkv_worker_kv_usage_ratio", {}).items()}
     return out
+
+
+def _worker(labels: tuple) -> str:
+    return dict(labels).get("worker", "?")
+
+
+def _bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Quantile `q` from cumulative (upper bound, count) buckets, linear inside a bucket
+    (as PromQL's histogram_quantile); the highest finite bound when it falls in +Inf."""
+    if not buckets or buckets[-1][1] <= 0:
+        return 0.0
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 0.0)
+        lower, below = bound, count
+    return lower
 
 
 def format_report(metrics: dict, transfer: dict) -> str:

@@ -41,8 +41,8 @@ class WorkerActor:
     async def health(self) -> str:
         return json.dumps(self._worker.health())
 
-    async def stats(self) -> str:
-        return json.dumps(self._worker.stats())
+    async def stats(self, audit: bool = False) -> str:
+        return json.dumps(self._worker.stats(audit))
 
     async def stop(self) -> int:
         await self._worker.stop()

@@ -5,7 +5,7 @@ Endpoints (all require `Authorization: Bearer <deployment secret>`):
   in, NDJSON out: one `{"token_ids": [...], "finished": bool, "finish_reason", "kv_transfer_params",
   "error"}` object per line, the last one with `finished: true`;
 - `GET /internal/health`: liveness and identity;
-- `GET /internal/stats`: engine, KV cache, transfer and pool-audit figures;
+- `GET /internal/stats`: engine, KV cache and transfer figures (`?audit=1`: with a pool audit);
 - `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references.
 
 Guarantees:
@@ -43,7 +43,7 @@ class JobHandler(Protocol):
     def generate(self, job: Any) -> AsyncIterator[dict]: ...
     def abort(self, request_id: str) -> None: ...
     def health(self) -> dict: ...
-    def stats(self) -> dict: ...
+    def stats(self, audit: bool = False) -> dict: ...
     def reset_prefix_cache(self) -> bool: ...
 
 
@@ -89,7 +89,8 @@ class WorkerHTTPServer:
         return web.json_response(self._worker.health())
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(await asyncio.to_thread(self._worker.stats))
+        audit = request.query.get("audit") in ("1", "true")
+        return web.json_response(await asyncio.to_thread(self._worker.stats, audit))
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.json_response({"reset": await asyncio.to_thread(self._worker.reset_prefix_cache)})

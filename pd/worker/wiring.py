@@ -6,8 +6,9 @@ connector's constructors, so a change in either touches only this module.
 
 Guarantees: `build_engine` returns a connector for prefill / decode roles
 and none for the colocated role; the connector and the engine agree on the
-block size, model identity and secret; `engine_stats` includes a pool audit
-(`audit.all_free`, with the audit's message when not) taken between steps.
+block size, model identity and secret; `engine_stats(audit=True)` includes a
+pool audit (`audit.all_free`, with the audit's message when not) taken
+between steps; without it, stats take no lock (the router polls them often).
 """
 from __future__ import annotations
 
@@ -109,12 +110,13 @@ def _model_id(cfg) -> str:
     return f"{m.name}|{source}|{m.dtype}|{json.dumps(m.architecture, sort_keys=True)}"
 
 
-def engine_stats(engine, connector) -> dict[str, Any]:
+def engine_stats(engine, connector, audit: bool = False) -> dict[str, Any]:
     stats = dict(engine.stats())
     stats["kv_usage"] = stats.get("kv_cache_usage", 0.0)
     stats["prefix_hit_rate"] = stats.get("prefix_cache_hit_rate", 0.0)
     stats["transfer"] = _transfer_stats(connector)
-    stats["audit"] = _audit(engine)
+    if audit:
+        stats["audit"] = _audit(engine)
     return stats
 
 

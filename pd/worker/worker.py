@@ -187,7 +187,9 @@ class Worker:
         return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
                 "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3)}
 
-    def stats(self) -> dict:
+    def stats(self, audit: bool = False) -> dict:
+        """Engine, KV cache and transfer figures; with a pool audit (`audit`) only when asked,
+        since the audit walks the pool under the engine's step lock."""
         from pd.worker.wiring import engine_stats
 
         out: dict[str, Any] = {"worker_id": self.spec.worker_id, "role": self.spec.role.value, "url": self.url,
@@ -196,7 +198,7 @@ class Worker:
             out["error"] = "engine not running"
             return out
         try:
-            out.update(engine_stats(self._engine, self._connector))
+            out.update(engine_stats(self._engine, self._connector, audit=audit))
         except Exception as exc:  # stats must not take the worker down
             logger.exception("stats failed")
             out["error"] = f"{type(exc).__name__}: {exc}"

@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from pd.router.metrics import parse_prometheus
 from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
                                 worker_reports)
+from metrics_lint import VLLM_SAMPLES, assert_counters_grew, lint, promtool_problems
 
 
 @pytest.fixture(scope="module")
@@ -179,20 +180,66 @@ def test_curl(pd):
     assert out.stdout.rstrip().endswith("data: [DONE]") and out.stdout.count("data: ") >= 3
 
 
-def test_metrics_endpoint(pd):
+def _scrape(url: str) -> str:
+    resp = requests.get(f"{url}/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/plain"), resp.text[:200]
+    return resp.text
+
+
+def _by_worker(samples: dict, name: str) -> dict[str, float]:
+    return {dict(labels)["worker"]: v for (n, labels), v in samples.items() if n == name}
+
+
+def test_metrics_scrape_lints_clean_and_counters_grow(pd):
     complete(pd, PROMPTS[0])
-    text = requests.get(f"{pd}/metrics", timeout=10).text
-    for name in ("pdkv_requests_total", "pdkv_time_to_first_token_seconds_bucket",
-                 "pdkv_inter_token_latency_seconds_count", "pdkv_worker_kv_usage_ratio",
-                 "pdkv_worker_prefix_cache_hit_rate", "pdkv_worker_up"):
-        assert name in text, name
-    parsed = parse_prometheus(text)
-    received = {lbl["worker"]: v for lbl, v in parsed["pdkv_kv_transfer_bytes_recv"]}
-    sent = {lbl["worker"]: v for lbl, v in parsed["pdkv_kv_transfer_bytes_sent"]}
+    worker_reports(pd)  # a poll now: /metrics shows the workers' figures as of the last poll
+    before_text = _scrape(pd)
+    before = lint(before_text, "pdkv-tiny")
+    for prompt in PROMPTS[:3]:
+        complete(pd, prompt)
+    stream_events(pd, PROMPTS[1])
+    worker_reports(pd)
+    after_text = _scrape(pd)
+    after = lint(after_text, "pdkv-tiny")
+    assert assert_counters_grew(before, after, before_text) > 10
+    names = {name for name, _ in after}
+    missing = [name for name in VLLM_SAMPLES if name not in names]
+    assert not missing, missing
+    received = _by_worker(after, "pdkv_kv_transfer_bytes_recv_total")
+    sent = _by_worker(after, "pdkv_kv_transfer_bytes_sent_total")
     assert received["decode-0"] > 0 and sent["prefill-0"] > 0  # KV really moved P -> D
-    assert all(v == 0 for _, v in parsed["pdkv_kv_transfer_failures_total"])
-    hit_rate = {lbl["worker"]: v for lbl, v in parsed["pdkv_worker_prefix_cache_hit_rate"]}
-    assert hit_rate["prefill-0"] > 0  # the shared prefixes hit P's prefix cache
+    assert _by_worker(after, "pdkv_kv_transfer_load_seconds_count")["decode-0"] >= 4
+    assert sum(v for (n, _), v in after.items() if n == "pdkv_kv_transfer_failures_total") == 0
+    assert _by_worker(after, "pdkv_worker_prefix_cache_hits_total")["prefill-0"] > 0  # shared prefixes hit P
+    engines = {dict(labels)["engine"] for (n, labels) in after if n == "vllm:kv_cache_usage_perc"}
+    assert engines == {"prefill-0", "decode-0"}
+    problems = promtool_problems(after_text)
+    if problems is None:
+        pytest.skip("promtool not on PATH (apt package `prometheus`): the lint above ran, promtool did not")
+    assert not problems, problems
+
+
+def test_metrics_scrape_never_waits_on_a_frozen_worker(pd):
+    """A scrape serves the last poll's figures: with the decode worker's process stopped
+    (SIGSTOP), /metrics still answers at once, its figures included."""
+    psutil = pytest.importorskip("psutil")
+    complete(pd, PROMPTS[3])
+    port = int(worker_reports(pd)["decode-0"]["url"].rsplit(":", 1)[1])
+    pids = {c.pid for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port
+            and c.status == psutil.CONN_LISTEN and c.pid}
+    assert len(pids) == 1, pids
+    frozen = psutil.Process(pids.pop())
+    frozen.suspend()
+    try:
+        t0 = time.monotonic()
+        samples = lint(_scrape(pd), "pdkv-tiny")  # the old synchronous poll waited 10 s here
+        waited = time.monotonic() - t0
+        assert waited < 2.0, waited
+        assert _by_worker(samples, "pdkv_worker_num_running")["decode-0"] == 0
+        assert _by_worker(samples, "pdkv_worker_up")["decode-0"] == 1.0
+    finally:
+        frozen.resume()
+    assert worker_reports(pd)["decode-0"]["healthy"]  # the pause was shorter than the health limit
 
 
 def test_loadgen_writes_json_and_png(pd, tmp_path):

@@ -9,11 +9,12 @@ import pytest
 from pd.router import openai_api as oa
 from pd.cluster.config import ConfigError, DeployConfig, Mode, load_deploy_config
 from pd.tools.loadgen import arrival_delays, parse_range
-from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile
-from pd.router.metrics import RouterMetrics, parse_prometheus
+from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile, transfer_figures
+from pd.router.metrics import RouterMetrics, WorkerFigures
 from pd.router.choice import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
 from pd.router.text_stream import TextStream
 from pd.engine.tokenizer import ByteTokenizer
+from metrics_lint import assert_counters_grew, lint, promtool_problems
 
 
 @pytest.mark.parametrize("data, message", [
@@ -91,17 +92,52 @@ def test_least_loaded_routing_and_dead_workers():
     assert pool.pick(Role.PREFILL).endpoint.worker_id == "p0"
 
 
-def test_metrics_render_and_parse():
-    metrics = RouterMetrics()
-    metrics.ttft.observe(0.02)
-    metrics.requests.inc(outcome="ok")
-    text = metrics.render([("p0", "prefill", True, {"kv_usage": 0.5, "transfer": {"bytes_sent": 4096,
-                                                                                   "failures": {"timeout": 1}}})])
-    parsed = parse_prometheus(text)
-    assert parsed["pdkv_requests_total"] == [({"outcome": "ok"}, 1.0)]
-    assert parsed["pdkv_time_to_first_token_seconds_count"][0][1] == 1.0
-    assert parsed["pdkv_kv_transfer_bytes_sent"] == [({"role": "prefill", "worker": "p0"}, 4096.0)]
-    assert parsed["pdkv_kv_transfer_failures_timeout"][0][1] == 1.0
+def _worker_figures(bytes_sent: int, loads: int) -> list[WorkerFigures]:
+    transfer = {"bytes_sent": bytes_sent, "bytes_recv": 2 * bytes_sent, "failures": {"timeout": 1},
+                "loads_ok": loads, "load_seconds": 0.004 * loads,
+                "load_latency_buckets": [[0.001, 0], [0.005, loads], [0.01, loads]],
+                "handshakes_refused": {'bad "peer"\n': 1}, "recv_gbps": 9.0, "load_latency_p99_s": 0.004}
+    stats = {"kv_usage": 0.5, "num_running": 1, "num_waiting": 0, "prefix_cache_queries": 10 * loads,
+             "prefix_cache_hits": 4 * loads, "num_preemptions": 0, "model_s": 0.1, "transfer": transfer,
+             "num_blocks": True}  # a boolean is not a figure: skipped
+    return [WorkerFigures("p0", "prefill", True, stats), WorkerFigures("d0", "decode", False, {"kv_usage": 0.9})]
+
+
+def test_metrics_render_lint_and_loadgen_figures():
+    figures = _worker_figures(4096, 2)
+    metrics = RouterMetrics("tiny", lambda: figures)
+    metrics.record_outcome("ok")
+    metrics.record_prompt_tokens(5)
+    metrics.record_tokens(1, 0.02, first=True)
+    metrics.record_tokens(2, 0.01, first=False)
+    metrics.record_request_end("length", 0.05)
+    metrics.record_worker_failure("d0", "timeout")
+    before = metrics.render().decode()
+    samples = lint(before, "tiny")
+    assert samples[("pdkv_requests_total", (("model_name", "tiny"), ("outcome", "ok")))] == 1.0
+    assert samples[("vllm:time_to_first_token_seconds_count", (("model_name", "tiny"),))] == 1.0
+    assert samples[("vllm:generation_tokens_total", (("model_name", "tiny"),))] == 3.0
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] == 1.0
+    p0 = (("model_name", "tiny"), ("role", "prefill"), ("worker", "p0"))
+    assert samples[("pdkv_kv_transfer_bytes_sent_total", p0)] == 4096.0
+    assert samples[("pdkv_kv_transfer_load_seconds_bucket", (("le", "0.005"),) + p0)] == 2.0
+    assert samples[("vllm:kv_cache_usage_perc", (("engine", "p0"), ("model_name", "tiny"), ("role", "prefill")))] == 0.5
+    assert not any(name == "pdkv_worker_num_blocks" for name, _ in samples)
+    # a worker out of the rotation exports only its up gauge, not its stale figures
+    assert samples[("pdkv_worker_up", (("model_name", "tiny"), ("role", "decode"), ("worker", "d0")))] == 0.0
+    assert not any(dict(labels).get("worker") == "d0" for name, labels in samples if name != "pdkv_worker_up"
+                   and not name.startswith("pdkv_worker_failures"))
+    problems = promtool_problems(before)
+    assert not problems, problems  # None (no promtool) passes here; the e2e test reports the skip
+
+    figures[:] = _worker_figures(5120, 3)
+    after = metrics.render().decode()
+    assert assert_counters_grew(samples, lint(after, "tiny"), before) > 0
+    report = transfer_figures(before, after)
+    assert report["bytes_sent"] == 1024.0 and report["loads"] == 1.0 and report["failures"] == 0.0
+    assert report["load_latency_mean_ms"] == {"p0": pytest.approx(4.0)}
+    assert 1.0 < report["load_latency_p50_ms"]["p0"] <= 5.0
+    assert report["prefix_hit_rate"] == {"p0": pytest.approx(0.4)} and report["kv_usage"] == {"p0": 0.5}
 
 
 def test_loadgen_datasets(tmp_path):
@@ -158,5 +194,15 @@ def test_router_api_key_and_no_workers_over_real_http():
                     assert resp.status == 200 and "pdkv_requests_total" in await resp.text()
         finally:
             await router.stop()
+        guarded = Router(config, [], "s" * 32, metrics_require_key=True)
+        url = await guarded.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/metrics") as resp:
+                    assert resp.status == 401
+                async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + "k" * 20}) as resp:
+                    assert resp.status == 200 and "vllm:num_requests_running" in await resp.text()
+        finally:
+            await guarded.stop()
 
     asyncio.run(scenario())

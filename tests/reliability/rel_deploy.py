@@ -72,7 +72,7 @@ class LocalDeployment:
         self._thread.join(10)
 
     def audits(self) -> dict[str, dict]:
-        return {wid: w.stats()["audit"] for wid, w in self.workers.items()}
+        return {wid: w.stats(audit=True)["audit"] for wid, w in self.workers.items()}
 
     def wait_all_free(self, timeout_s: float = 15.0) -> float:
         """Seconds until every worker's pool audit says all free and consistent (fails after timeout_s)."""
