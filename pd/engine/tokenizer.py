@@ -63,6 +63,20 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    # --- MINIMAL STUB (openai branch): the real chat-template tokenizer lands from another branch;
+    # the lead merges this with the real `render_chat`. Simple built-in template, no BOS in the text.
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """`<|role|>\ncontent\n` per message, then `<|assistant|>\n` when a reply is wanted."""
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+# --- MINIMAL STUB (openai branch): the real `load_tokenizer` (checkpoint tokenizer.json / GGUF)
+# comes from another branch; until the merge every path keeps today's byte tokenizer.
+def load_tokenizer(path: str | None) -> ByteTokenizer:
+    """The tokenizer for a model checkpoint at `path` (None: the random test model's ByteTokenizer)."""
+    return ByteTokenizer()
+
 
 def as_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     """A prompt given as text or as token ids -> validated token ids."""
