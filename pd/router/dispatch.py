@@ -15,7 +15,10 @@ Guarantees:
 - a worker that fails to answer is probed; if the probe fails too it leaves
   the rotation; a failure before any token was produced is retried once on
   another worker, a failure after it raises `APIError` (no silent truncation);
-- in-flight counts are released on every path.
+- in-flight counts are released on every path;
+- `num_cached_tokens` (prompt tokens served from a prefix cache, as the
+  worker reports it; 0 when it does not) comes from P in P/D, else from the
+  one worker, and rides on the events from the moment it is known.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 class TokenEvent:
     token_ids: tuple[int, ...]
     finish_reason: str | None  # set on the last event
+    num_cached_tokens: int = 0
 
 
 class Dispatcher:
@@ -56,15 +60,15 @@ class Dispatcher:
             return
         started = time.perf_counter()
         prefill = dict(payload, sampling=dict(sampling, max_tokens=1), kv_transfer_params={"do_remote_decode": True})
-        params = None
+        params, num_cached = None, 0
         async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True)) as answers:
-            async for answer in answers:
-                params = answer  # the prefill's one answer: the kv_transfer_params for decode
+            async for params, num_cached in answers:  # the prefill's one answer: the kv_transfer_params for decode
+                pass
         self._metrics.record_prefill_hop(time.perf_counter() - started)
         decode = dict(payload, kv_transfer_params=params)
         async with contextlib.aclosing(self._run(Role.DECODE, decode)) as events:
             async for event in events:
-                yield event
+                yield dataclasses.replace(event, num_cached_tokens=num_cached)  # P's cache hits, not D's pull
 
     async def _run(self, role: Role, payload: dict, keep_params: bool = False) -> AsyncIterator:
         """Runs `payload` on a `role` worker; retries once if the first worker is unreachable
@@ -78,11 +82,12 @@ class Dispatcher:
                         if keep_params:
                             if event.get("finished"):
                                 produced = True
-                                yield _checked_params(event.get("kv_transfer_params"), load)
+                                yield _checked_params(event.get("kv_transfer_params"), load), _num_cached(event)
                             continue
                         produced = True  # from here on the caller has seen output: no retry
                         yield TokenEvent(tuple(event.get("token_ids") or ()),
-                                         event.get("finish_reason") if event.get("finished") else None)
+                                         event.get("finish_reason") if event.get("finished") else None,
+                                         _num_cached(event))
                 return
             except WorkerCallError as exc:
                 await self._on_failure(load, exc)
@@ -107,6 +112,11 @@ class Dispatcher:
             await self._client.get_json(load.endpoint.url, "/internal/health")
         except WorkerCallError as probe:
             self._pool.mark_dead(worker_id, f"{exc} (health probe: {probe})")
+
+
+def _num_cached(event: dict) -> int:
+    value = event.get("num_cached_tokens")
+    return value if type(value) is int and value >= 0 else 0
 
 
 def _checked_params(params: dict | None, load: WorkerLoad) -> dict | None:

@@ -1,23 +1,32 @@
-"""OpenAI `/v1/completions` request validation and response shaping.
+"""OpenAI request schemas: `/v1/completions` and `/v1/chat/completions`.
 
-`parse_completion_request` turns a JSON body into a frozen `CompletionRequest`
-or raises `APIError` (400 with the offending parameter named). The shaping
-functions build the JSON objects OpenAI clients expect: a completion, its
-stream chunks, a final usage chunk, the model list and errors.
+`parse_completion_request` / `parse_chat_request` turn a JSON body into a
+frozen pydantic model or raise `APIError` (400, naming the offending field as
+`param`, e.g. `temperature` or `messages[0].content`).
 
-Guarantees: client-supplied `kv_transfer_params` (and any other internal
-field) never survive parsing — only the fields below are read; a request that
-parses is within the server's limits (`max_model_len`).
+Guarantees:
+- types are strict: booleans are JSON booleans, integers are not floats or
+  booleans, token ids are integers in [0, vocab_size), seeds fit an int64;
+- every field pdkv does not implement (`tools`, `logprobs`, `n` > 1,
+  penalties, `response_format`, ...) is refused by name unless it carries its
+  neutral value, and any other unknown field is refused too: nothing is
+  silently ignored;
+- the one exception is `kv_transfer_params`, which is dropped: only the
+  router's own P/D flow may set it, never a client.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
-import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_STOP_SEQUENCES = 8
+MAX_NEW_TOKENS = 1 << 20
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_DROPPED = ("kv_transfer_params",)
 
 
 class APIError(Exception):
@@ -36,162 +45,299 @@ def server_error(message: str, status: int = 503, code: str = "worker_unavailabl
     return APIError(status, message, err_type="server_error", code=code)
 
 
-@dataclasses.dataclass(frozen=True)
-class CompletionRequest:
-    """One validated completion request; `prompts` holds one entry per choice group."""
+# -- neutral values of the fields pdkv does not implement ---------------------
+def _is_int(value: Any, want: int) -> bool:
+    return type(value) is int and value == want
 
-    model: str
-    prompts: tuple[str | tuple[int, ...], ...]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    echo: bool
-    user: str | None
+
+def _is_zero(value: Any) -> bool:
+    return type(value) in (int, float) and value == 0
+
+
+def _is_false(value: Any) -> bool:
+    return value is False
+
+
+def _is_empty(value: Any) -> bool:
+    return value in ({}, [])
+
+
+_COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: _is_int(v, 1),
+    "best_of": lambda v: _is_int(v, 1),
+    "logit_bias": _is_empty,
+    "presence_penalty": _is_zero,
+    "frequency_penalty": _is_zero,
+    "repetition_penalty": lambda v: type(v) in (int, float) and v == 1,
+    "min_tokens": _is_zero,
+}
+COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **_COMMON_UNSUPPORTED,
+    "echo": _is_false,
+    "logprobs": lambda v: False,  # any number of logprobs asks for them
+    "suffix": lambda v: v == "",
+}
+CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": _is_false,
+    "top_logprobs": _is_zero,
+    "tools": _is_empty,
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
+    "functions": _is_empty,
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
+    "prediction": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "web_search_options": lambda v: False,
+    "store": _is_false,
+    "metadata": _is_empty,
+    "service_tier": lambda v: v in ("auto", "default"),
+}
+
+
+def _in_vocab(token_id: int, info: ValidationInfo) -> int:
+    vocab_size = (info.context or {}).get("vocab_size")
+    if vocab_size is not None and token_id >= vocab_size:
+        raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+    return token_id
+
+
+TokenId = Annotated[int, Field(ge=0), AfterValidator(_in_vocab)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Stop = str | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_SEQUENCES)] | tuple[NonEmpty, ...]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields common to both endpoints; `null` means "the default" for each of them."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_NEW_TOKENS)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Stop = ()
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, body: Any) -> Any:
+        """Drops nulls (so defaults apply) and `kv_transfer_params`; refuses unimplemented fields by name."""
+        if not isinstance(body, dict):
+            raise ValueError("request body must be a JSON object")
+        table = cls._unsupported_fields()
+        kept = {}
+        for name, value in body.items():
+            if value is None or name in _DROPPED:
+                continue
+            if name in table:
+                if not table[name](value):
+                    raise _Refused(name, value)
+                continue
+            kept[name] = value
+        return kept
+
+    @classmethod
+    def _unsupported_fields(cls) -> dict[str, Callable[[Any], bool]]:
+        raise NotImplementedError
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stop_tuple(cls, stop: Any) -> tuple[str, ...]:
+        if isinstance(stop, str):
+            return (stop,) if stop else ()
+        return tuple(stop)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop)  # a tuple already (`_stop_tuple`); typed as the union the client may send
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int) -> dict:
+        """The worker's sampling parameters (router <-> worker message)."""
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": max(0, self.top_k), "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+                "ignore_eos": self.ignore_eos}
+
+
+class CompletionRequest(_SamplingRequest):
+    """One validated completion request; `prompt` is normalised to one entry per choice."""
+
+    prompt: tuple[str | tuple[int, ...], ...]
+    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
     return_token_ids: bool = False  # extension (as in vLLM): choices also carry the generated token ids
 
+    @classmethod
+    def _unsupported_fields(cls) -> dict[str, Callable[[Any], bool]]:
+        return COMPLETION_UNSUPPORTED
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        kind = "an integer" if integer else "a number"
-        raise APIError(400, f"'{name}' must be {kind}, got {json.dumps(value)}", param=name)
-    if not lo <= value <= hi:
-        raise APIError(400, f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
-    return value
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, raw: Any, info: ValidationInfo) -> tuple[str | tuple[int, ...], ...]:
+        vocab_size = (info.context or {}).get("vocab_size", 1 << 62)
+
+        def token_ids(ids: list) -> tuple[int, ...]:
+            if not ids:
+                raise ValueError("must not be empty")
+            for t in ids:
+                if type(t) is not int or not 0 <= t < vocab_size:
+                    raise ValueError(f"token ids must be integers in [0, {vocab_size}), got {json.dumps(t)}")
+            return tuple(ids)
+
+        if isinstance(raw, str):
+            if not raw:
+                raise ValueError("must not be empty")
+            return (raw,)
+        if isinstance(raw, list) and raw:
+            if all(isinstance(p, str) for p in raw):
+                if not all(raw):
+                    raise ValueError("must not contain empty strings")
+                return tuple(raw)
+            if all(isinstance(p, list) for p in raw):
+                return tuple(token_ids(p) for p in raw)
+            return (token_ids(raw),)
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    @property
+    def prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        """One entry per choice: text or token ids."""
+        return self.prompt
+
+    @model_validator(mode="after")
+    def _one_prompt_per_stream(self) -> Any:
+        if self.stream and len(self.prompt) > 1:
+            raise _Refused("prompt", None, "streaming supports one prompt per request")
+        return self
 
 
-def _prompts(raw: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
-    def token_ids(ids: list) -> tuple[int, ...]:
-        if not ids:
-            raise APIError(400, "'prompt' must not be empty", param="prompt")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise APIError(400, f"'prompt' token ids must be integers in [0, {vocab_size}), got {t!r}",
-                               param="prompt")
-        return tuple(ids)
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
-    if isinstance(raw, str):
-        if not raw:
-            raise APIError(400, "'prompt' must not be empty", param="prompt")
-        return (raw,)
-    if isinstance(raw, list) and raw:
-        if all(isinstance(p, str) for p in raw):
-            if any(not p for p in raw):
-                raise APIError(400, "'prompt' must not contain empty strings", param="prompt")
-            return tuple(raw)
-        if all(isinstance(p, list) for p in raw):
-            return tuple(token_ids(p) for p in raw)
-        return (token_ids(raw),)
-    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
-                   param="prompt")
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def rendered(self) -> dict:
+        """The message as a chat template sees it (`developer` is the newer name of `system`)."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+
+    @classmethod
+    def _unsupported_fields(cls) -> dict[str, Callable[[Any], bool]]:
+        return CHAT_UNSUPPORTED
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """`max_completion_tokens` (the current name) over `max_tokens`; None: up to the context length."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class _Refused(ValueError):
+    def __init__(self, param: str, value: Any, message: str | None = None) -> None:
+        super().__init__(message or f"'{param}' is not supported by pdkv (got {_show(value)})")
+        self.param = param
+
+
+_Request = TypeVar("_Request", bound=_SamplingRequest)
 
 
 def parse_completion_request(body: Any, *, served_model: str, vocab_size: int) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    model = body.get("model") or served_model
-    if model != served_model:
-        raise APIError(404, f"model '{model}' does not exist; this server serves '{served_model}'",
+    return _parse(CompletionRequest, body, served_model, vocab_size)
+
+
+def parse_chat_request(body: Any, *, served_model: str, vocab_size: int) -> ChatCompletionRequest:
+    return _parse(ChatCompletionRequest, body, served_model, vocab_size)
+
+
+def _parse(cls: type[_Request], body: Any, served_model: str, vocab_size: int) -> _Request:
+    try:
+        req = cls.model_validate(body, context={"vocab_size": vocab_size})
+    except _Refused as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if req.model is not None and req.model != served_model:
+        raise APIError(404, f"model '{req.model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
-    if "prompt" not in body:
-        raise APIError(400, "'prompt' is required", param="prompt")
-    prompts = _prompts(body["prompt"], vocab_size)
-    n = _number(body, "n", 1, 1, 1, integer=True)
-    best_of = body.get("best_of")
-    if best_of not in (None, n):
-        raise APIError(400, "'best_of' is not supported", param="best_of")
-    if body.get("echo"):
-        raise APIError(400, "'echo' is not supported", param="echo")
-    if body.get("logprobs") is not None:
-        raise APIError(400, "'logprobs' is not supported", param="logprobs")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
-        stops = tuple(stop)
-    else:
-        raise APIError(400, "'stop' must be a string or a list of non-empty strings", param="stop")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise APIError(400, f"'stop' allows at most {MAX_STOP_SEQUENCES} sequences", param="stop")
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size
-                                                       for t in stop_token_ids):
-        raise APIError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", param="stream")
-    if stream and len(prompts) > 1:
-        raise APIError(400, "streaming supports one prompt per request", param="prompt")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, "'seed' must be an integer", param="seed")
-    return CompletionRequest(
-        model=model,
-        prompts=prompts,
-        max_tokens=_number(body, "max_tokens", 16, 1, 1 << 20, integer=True),
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 1e-6, 1.0)),
-        top_k=_number(body, "top_k", -1, -1, 1 << 20, integer=True),
-        seed=seed,
-        stop=stops,
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        stream=stream,
-        include_usage=bool(stream_options.get("include_usage", True)),
-        echo=bool(body.get("echo", False)),
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
-        return_token_ids=bool(body.get("return_token_ids", False)),
-    )
+    return req.model_copy(update={"model": served_model})
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    # among a union's branches, the most specific: the deepest, then a range error over a type error
+    error = max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, _Refused):
+        return APIError(400, str(cause), param=cause.param)
+    param = _param(error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return APIError(400, f"'{param}' is not supported by pdkv (unknown field)", param=param or None)
+    if error["type"] == "missing":
+        return APIError(400, f"'{param}' is required", param=param)
+    if not param:  # a model-level check: its message names the field
+        return APIError(400, message, param=_quoted_field(message))
+    if error["type"] != "value_error":  # pdkv's own checks already say what they got
+        message += f", got {_show(error.get('input'))}"
+    return APIError(400, f"'{param}': {message}", param=param)
 
 
-def usage_dict(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+# pydantic names union branches in error locations ("str", "list[TextPart]"): not fields, so skipped
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
 
 
-def completion_response(completion_id: str, model: str, choices: list[dict], usage: dict) -> dict:
-    return {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage}
-
-
-def choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-    out = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        out["token_ids"] = token_ids
+def _param(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part or "-" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
     return out
 
 
-def stream_chunk(completion_id: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> bytes:
-    body = {"id": completion_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+def _quoted_field(message: str) -> str | None:
+    parts = message.split("'")
+    return parts[1] if len(parts) > 2 else None
 
 
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_error(error: APIError) -> bytes:
-    return b"data: " + json.dumps(error.to_dict()).encode() + b"\n\n"
-
-
-def models_response(model: str, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pdkv",
-                                        "max_model_len": max_model_len}]}
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,6 +1,7 @@
 """The router: an OpenAI-compatible HTTP server in front of the P/D workers.
 
-Endpoints: `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both in
+pd.router.completions), `GET /v1/models[/{id}]`, `GET /health`,
 `GET /metrics` (Prometheus text, from the last worker poll) and
 `GET /pd/workers` (each worker's last stats; `?refresh=1` polls now, pool
 audits included).
@@ -8,7 +9,8 @@ audits included).
 Guarantees:
 - client input is validated before any worker is touched; errors are
   OpenAI-style JSON with a proper status code (400 bad input, 401 bad key,
-  404 unknown model, 502/503/504 worker trouble);
+  404 unknown model or route, 500 a bug here, 502/503/504 worker trouble),
+  never aiohttp's plain-text pages;
 - client-supplied `kv_transfer_params` are dropped (never forwarded);
 - a streamed request whose worker fails gets an error event and `[DONE]`,
   never a hang; a client that disconnects aborts its request on the worker;
@@ -22,28 +24,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import time
 
 from aiohttp import web
 
 from pd.router import openai_api as oa
-from pd.router.admission import AdmissionGate, AdmissionLimits, Overloaded
+from pd.router.admission import AdmissionGate, AdmissionLimits
+from pd.router.completions import CompletionEndpoints, error_response, internal_error
+from pd.router.openai_responses import model_card, models_response
 from pd.cluster.config import DeployConfig, Mode
 from pd.router.dispatch import Dispatcher
 from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
-from pd.router.text_stream import TextStream
-from pd.engine.tokenizer import ByteTokenizer, Tokenizer
+from pd.engine.tokenizer import Tokenizer, load_tokenizer
 from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_POLLS = 2
 STATS_TIMEOUT_S = 10.0
-_FINISH_REASONS = {"stopped": "stop", "stop": "stop", "finished_stopped": "stop", "length": "length",
-                   "length_capped": "length", "finished_length_capped": "length"}
 
 
 class Router:
@@ -51,7 +50,7 @@ class Router:
                  tokenizer: Tokenizer | None = None, policy: str = "least_loaded",
                  metrics_require_key: bool = False) -> None:
         self.config = config
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         self.pool = WorkerPool(POLICIES[policy]())
         for endpoint in endpoints:
             self.pool.add(endpoint)
@@ -62,12 +61,12 @@ class Router:
         self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated)
-        self._vocab_size = int(config.model.architecture.get("vocab_size", self.tokenizer.vocab_size))
         self._failed_polls: dict[str, int] = {}
         serving = (Role.BOTH,) if self._colocated else (Role.DECODE,)
         self.gate = AdmissionGate(
             lambda: rc.max_in_flight_per_worker * max(1, sum(len(self.pool.healthy(r)) for r in serving)),
             AdmissionLimits(rc.max_queued_requests, rc.queue_timeout_s, rc.retry_after_s))
+        self.endpoints = CompletionEndpoints(config, self.tokenizer, self.dispatcher, self.metrics, self.gate)
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
         self.url: str | None = None
@@ -77,8 +76,10 @@ class Router:
         await self.client.open()
         app = web.Application(middlewares=[self._api_key], client_max_size=self.config.router.max_body_bytes)
         app.add_routes([
-            web.post("/v1/completions", self._completions),
+            web.post("/v1/completions", self.endpoints.completions),
+            web.post("/v1/chat/completions", self.endpoints.chat),
             web.get("/v1/models", self._models),
+            web.get("/v1/models/{model_id}", self._model),
             web.get("/health", self._health),
             web.get("/metrics", self._metrics),
             web.get("/pd/workers", self._workers),
@@ -148,17 +149,29 @@ class Router:
     async def _api_key(self, request: web.Request, handler):
         key = self.config.router.api_key
         if key and request.path.startswith(self._key_paths):
-            header = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
-                return _error_response(oa.APIError(401, "invalid or missing API key", code="invalid_api_key"))
+            if not _authorized(request.headers.get("Authorization", ""), key):
+                return error_response(oa.APIError(401, "invalid or missing API key", code="invalid_api_key"))
         try:
             return await handler(request)
-        except web.HTTPException as exc:  # aiohttp's own 404/405: answer in OpenAI's shape too
-            return _error_response(oa.APIError(exc.status, exc.reason, code=str(exc.status)))
+        except oa.APIError as exc:
+            return error_response(exc)
+        except web.HTTPException as exc:  # aiohttp's own 404/405/413: answer in OpenAI's shape too
+            return error_response(oa.APIError(exc.status, exc.reason, code=str(exc.status)))
+        except Exception as exc:  # noqa: BLE001 - never aiohttp's plain-text 500
+            logger.exception("%s %s failed", request.method, request.path)
+            self.metrics.record_outcome("error_500")
+            return error_response(internal_error(exc))
 
     # -- endpoints --------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(oa.models_response(self.config.model.name, self.config.scheduler.max_model_len))
+        return web.json_response(models_response(self.config.model.name, self.config.scheduler.max_model_len))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.config.model.name:
+            raise oa.APIError(404, f"model '{model_id}' does not exist; this server serves '{self.config.model.name}'",
+                              param="model", code="model_not_found")
+        return web.json_response(model_card(model_id, self.config.scheduler.max_model_len))
 
     async def _health(self, request: web.Request) -> web.Response:
         roles = (Role.BOTH,) if self._colocated else (Role.PREFILL, Role.DECODE)
@@ -182,128 +195,11 @@ class Router:
                                        "num_in_flight": w.num_in_flight, "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        arrived = time.perf_counter()
-        try:
-            try:
-                body = await request.json()
-            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nesting deep enough to blow the stack
-                raise oa.APIError(400, "request body is not valid JSON") from None
-            req = oa.parse_completion_request(body, served_model=self.config.model.name, vocab_size=self._vocab_size)
-            if len(req.prompts) > self.config.router.max_prompts_per_request:
-                raise oa.APIError(400, f"at most {self.config.router.max_prompts_per_request} prompts per request",
-                                  param="prompt")
-            prompts = [self._prompt_ids(p, req.max_tokens) for p in req.prompts]
-        except oa.APIError as exc:
-            self.metrics.record_outcome(f"error_{exc.status}")
-            return _error_response(exc)
-        try:
-            admitted = await self.gate.acquire(len(prompts))
-        except Overloaded as exc:
-            self.metrics.record_outcome(f"error_{exc.status}")
-            return _error_response(oa.server_error(exc.message, status=exc.status, code="overloaded"),
-                                   headers={"Retry-After": str(exc.retry_after_s)})
-        try:
-            return await self._serve(request, req, prompts, arrived)
-        finally:
-            self.gate.release(admitted)
 
-    async def _serve(self, request: web.Request, req: oa.CompletionRequest, prompts: list[list[int]],
-                     arrived: float) -> web.StreamResponse:
-        completion_id = oa.new_completion_id()
-        if req.stream:
-            return await self._stream(request, req, completion_id, prompts[0], arrived)
-        tasks = [asyncio.create_task(self._collect(req, f"{completion_id}-{i}", ids, arrived))
-                 for i, ids in enumerate(prompts)]
-        try:
-            results = await asyncio.gather(*tasks)
-        except oa.APIError as exc:
-            self.metrics.record_outcome(f"error_{exc.status}")
-            return _error_response(exc)
-        finally:
-            for task in tasks:  # one prompt failed (or the client left): stop the others too
-                task.cancel()
-        choices = [oa.choice(i, text, reason, ids if req.return_token_ids else None)
-                   for i, (text, reason, ids) in enumerate(results)]
-        usage = oa.usage_dict(sum(len(p) for p in prompts), sum(len(ids) for _, _, ids in results))
-        self.metrics.record_outcome("ok")
-        return web.json_response(oa.completion_response(completion_id, req.model, choices, usage))
-
-    def _prompt_ids(self, prompt: str | tuple[int, ...], max_tokens: int) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        limit = self.config.scheduler.max_model_len
-        if len(ids) + max_tokens > limit:
-            raise oa.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
-                                   f"{len(ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
-                              code="context_length_exceeded")
-        max_prompt = self.config.router.max_prompt_tokens or limit - 1
-        if len(ids) > max_prompt:
-            raise oa.APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {max_prompt}",
-                              param="prompt", code="prompt_too_long")
-        return ids
-
-    def _sampling(self, req: oa.CompletionRequest) -> dict:
-        return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "top_k": max(0, req.top_k), "seed": req.seed, "stop_token_ids": list(req.stop_token_ids),
-                "ignore_eos": req.ignore_eos}
-
-    async def _tokens(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
-        """Yields (new text, new token ids, finish reason or None, num tokens so far); records latency metrics."""
-        text = TextStream(self.tokenizer, req.stop)
-        last = finish = None
-        self.metrics.record_prompt_tokens(len(prompt_ids))
-        events = self.dispatcher.stream_tokens(request_id, prompt_ids, self._sampling(req))
-        async with contextlib.aclosing(events) as stream:
-            async for event in stream:
-                now = time.perf_counter()
-                if event.token_ids:
-                    self.metrics.record_tokens(len(event.token_ids), now - (arrived if last is None else last),
-                                               first=last is None)
-                    last = now
-                new = text.push(event.token_ids)
-                ids = list(event.token_ids)
-                if text.stopped:
-                    finish = "stop"
-                    yield new, ids, finish, len(text.token_ids)
-                    break
-                if event.finish_reason is not None:
-                    finish = _FINISH_REASONS.get(event.finish_reason, event.finish_reason)
-                    yield new + text.flush(), ids, finish, len(text.token_ids)
-                    break
-                if event.token_ids:  # one chunk per token event, even when its text is held back
-                    yield new, ids, None, len(text.token_ids)
-        self.metrics.record_request_end(finish, time.perf_counter() - arrived)
-
-    async def _collect(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
-        pieces, token_ids, reason = [], [], None
-        async for new, ids, reason, _ in self._tokens(req, request_id, prompt_ids, arrived):
-            pieces.append(new)
-            token_ids.extend(ids)
-        return "".join(pieces), reason, token_ids
-
-    async def _stream(self, request: web.Request, req: oa.CompletionRequest, completion_id: str,
-                      prompt_ids: list[int], arrived: float) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        created = int(time.time())
-        num_tokens = 0
-        try:
-            async for new, ids, reason, num_tokens in self._tokens(req, f"{completion_id}-0", prompt_ids, arrived):
-                piece = oa.choice(0, new, reason, ids if req.return_token_ids else None)
-                await response.write(oa.stream_chunk(completion_id, req.model, created, [piece]))
-            if req.include_usage:
-                usage = oa.usage_dict(len(prompt_ids), num_tokens)
-                await response.write(oa.stream_chunk(completion_id, req.model, created, [], usage))
-            self.metrics.record_outcome("ok")
-        except oa.APIError as exc:
-            self.metrics.record_outcome(f"error_{exc.status}")
-            logger.warning("streamed request %s failed: %s", completion_id, exc.message)
-            await response.write(oa.sse_error(exc))
-        await response.write(oa.SSE_DONE)
-        await response.write_eof()
-        return response
-
-
-def _error_response(exc: oa.APIError, headers: dict | None = None) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
+def _authorized(header: str, key: str) -> bool:
+    try:
+        given = header.encode("utf-8")
+    except UnicodeEncodeError:  # a non-UTF-8 header arrives as surrogate escapes: not our key
+        return False
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 

@@ -51,8 +51,10 @@ def complete(url: str, prompt, **body) -> dict:
 
 
 def stream_events(url: str, prompt, **body) -> list[dict]:
-    """All SSE `data:` payloads of a streamed completion (the last one is "[DONE]")."""
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True, **body}
+    """All SSE `data:` payloads of a streamed completion (the last one is "[DONE]", the one before
+    it the usage chunk, unless `stream_options` says otherwise)."""
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}, **body}
     events = []
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S) as resp:
         assert resp.status_code == 200, resp.text

@@ -113,7 +113,7 @@ def test_decode_worker_killed_mid_stream(deployment):
 
     def run(i: int) -> None:
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 400, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
         events, passed = [], False
         with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as resp:
             for line in resp.iter_lines():

@@ -1,0 +1,215 @@
+"""OpenAI response schemas: completions, chat completions, their stream chunks, models, SSE framing.
+
+`CompletionFormat` and `ChatFormat` shape one request's output for its
+endpoint, so the generation flow (pd.router.completions) is written once.
+
+Guarantees: a stream carries a usage chunk (`choices: []`) only when the
+client asked for it (`stream_options.include_usage`); every chunk's JSON has
+the fields the `openai` client reads; `usage.prompt_tokens_details.cached_tokens`
+is always present (0 when nothing was cached).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, model_serializer
+
+from pd.router.openai_api import APIError
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None  # extension: only with `return_token_ids`
+
+    @model_serializer(mode="wrap")
+    def _without_absent_ids(self, handler):
+        out = handler(self)
+        if out.get("token_ids") is None:
+            out.pop("token_ids", None)
+        return out
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A stream step: `role` on the first chunk, `content` on content chunks, empty on the last."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_changed(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "pdkv"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One step of one choice's output: new text, new token ids, and the finish reason on the last."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+def sse(model: BaseModel, *, with_usage: bool = True) -> bytes:
+    exclude = None if with_usage else {"usage"}
+    return b"data: " + model.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+
+def sse_error(error: APIError) -> bytes:
+    return b"data: " + json.dumps(error.to_dict()).encode() + b"\n\n"
+
+
+class CompletionFormat:
+    """`/v1/completions` output."""
+
+    def __init__(self, model: str, include_usage: bool, return_token_ids: bool) -> None:
+        self.id, self.model, self.created = f"cmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self._include_usage, self._return_token_ids = include_usage, return_token_ids
+
+    def _choice(self, index: int, piece: Piece, token_ids: list[int]) -> CompletionChoice:
+        return CompletionChoice(index=index, text=piece.text, finish_reason=piece.finish_reason,
+                                token_ids=token_ids if self._return_token_ids else None)
+
+    def first_chunk(self) -> bytes | None:
+        return None
+
+    def chunks(self, piece: Piece) -> list[bytes]:
+        """One chunk per token event, even when its text is held back (a stop string may start there)."""
+        body = Completion(id=self.id, created=self.created, model=self.model,
+                          choices=[self._choice(0, piece, list(piece.token_ids))])
+        return [sse(body, with_usage=self._include_usage)]
+
+    def usage_chunk(self, usage: Usage) -> bytes | None:
+        if not self._include_usage:
+            return None
+        return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
+
+    def response(self, outputs: list[tuple[str, str | None, list[int]]], usage: Usage) -> dict:
+        choices = [self._choice(i, Piece(text, (), reason), ids) for i, (text, reason, ids) in enumerate(outputs)]
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                          usage=usage).model_dump(mode="json", exclude_none=False)
+
+
+class ChatFormat:
+    """`/v1/chat/completions` output: a role delta first, content deltas, then the finish reason."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self._include_usage = include_usage
+
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> bytes:
+        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        return sse(body, with_usage=self._include_usage)
+
+    def first_chunk(self) -> bytes | None:
+        return self._chunk(ChatDelta(role="assistant", content=""))
+
+    def chunks(self, piece: Piece) -> list[bytes]:
+        out = [self._chunk(ChatDelta(content=piece.text))] if piece.text else []
+        if piece.finish_reason is not None:
+            out.append(self._chunk(ChatDelta(), piece.finish_reason))
+        return out
+
+    def usage_chunk(self, usage: Usage) -> bytes | None:
+        if not self._include_usage:
+            return None
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
+
+    def response(self, outputs: list[tuple[str, str | None, list[int]]], usage: Usage) -> dict:
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason)
+                   for i, (text, reason, _) in enumerate(outputs)]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
+                              usage=usage).model_dump(mode="json")
+
+
+def model_card(model: str, max_model_len: int) -> dict:
+    return ModelCard(id=model, max_model_len=max_model_len).model_dump(mode="json")
+
+
+def models_response(model: str, max_model_len: int) -> dict:
+    return ModelList(data=[ModelCard(id=model, max_model_len=max_model_len)]).model_dump(mode="json")
