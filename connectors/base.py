@@ -15,12 +15,20 @@ Invariants every implementation keeps:
   unverified pages as computed;
 - blocks a producer keeps after `request_finished(...) -> (True, params)` are
   released exactly once, through `finished_sending`.
+
+`KVConnector` is the one seam code above `connectors/` depends on: both halves
+on one object, plus the remote-block lifecycle (`release_remote`,
+`abort_lease`) and `stats`. The engine and the P/D worker call only its
+methods, never the objects behind it (halves, producer, consumer).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from connectors.metrics import FailureCause
 
 if TYPE_CHECKING:  # kvcache is below us; imported for types only
     from kvcache import KVCacheBlocks, Request
@@ -58,6 +66,8 @@ class ConnectorOutput:
     finished_sending: set[str] = dataclasses.field(default_factory=set)
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
+    # request_id -> why its load failed (requests in `finished_recving` whose load did not verify)
+    load_failures: dict[str, FailureCause] = dataclasses.field(default_factory=dict)
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -115,5 +125,88 @@ class KVConnectorWorker(abc.ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def get_load_failures(self) -> dict[str, FailureCause]:
+        """request_id -> cause, for loads reported failed since the last call (after `get_finished`)."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027
         """Close sockets and join threads; idempotent."""
+
+
+class KVConnector(KVConnectorScheduler, KVConnectorWorker):
+    """Both halves of the contract on one object: the seam the engine and the P/D worker use.
+
+    An implementation composes a scheduler half and a worker half (kept as `scheduler` and
+    `worker` for the connector's own tests) and says how remote blocks are released early.
+    Guarantees, besides the halves': `release_remote` and `abort_lease` are safe from any
+    thread, never block on the network, and are harmless when repeated or when there is
+    nothing to release (they return False then).
+    """
+
+    def __init__(self, scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+
+    # -- remote-block lifecycle ------------------------------------------------
+    @abc.abstractmethod
+    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        """Consumer side: tell the producer named in `kv_transfer_params` (a request this
+        engine will not load) that nobody will read its blocks, so it frees them now rather
+        than at lease expiry. True when a release was sent."""
+
+    @abc.abstractmethod
+    def abort_lease(self, request_id: str) -> bool:
+        """Producer side: free the blocks kept for `request_id` (a finished prefill nobody
+        will pull) now. True when this connector keeps leases (the call was made)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Transfer figures for JSON (plain data)."""
+        return {}
+
+    # -- scheduler half ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        return self.scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        self.scheduler.update_connector_output(output)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    # -- worker half ---------------------------------------------------------------
+    @property  # the worker half decides
+    def shares_page_pool(self) -> bool:  # type: ignore[override]
+        return bool(self.worker.shares_page_pool)
+
+    def register_kv_caches(self, page_pool: KVPages) -> None:
+        self.worker.register_kv_caches(page_pool)
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self.worker.bind_connector_metadata(metadata)
+
+    def start_load_kv(self) -> None:
+        self.worker.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_load_failures(self) -> dict[str, FailureCause]:
+        return self.worker.get_load_failures()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -6,7 +6,10 @@ and in tests of the engine's connector hooks. Requests carrying
 """
 from __future__ import annotations
 
-from connectors.base import ConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from collections.abc import Mapping
+from typing import Any
+
+from connectors.base import ConnectorMetadata, KVConnector, KVConnectorScheduler, KVConnectorWorker
 
 
 class NoopConnectorScheduler(KVConnectorScheduler):
@@ -37,12 +40,14 @@ class NoopConnectorWorker(KVConnectorWorker):
         return set(), set()
 
 
-class NoopConnector:
-    """`.scheduler` and `.worker` halves, as the engine expects."""
+class NoopConnector(KVConnector):
+    """A `KVConnector` with nothing remote: nothing to release, no leases to abort."""
 
     def __init__(self) -> None:
-        self.scheduler = NoopConnectorScheduler()
-        self.worker = NoopConnectorWorker()
+        super().__init__(NoopConnectorScheduler(), NoopConnectorWorker())
 
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        return False
+
+    def abort_lease(self, request_id: str) -> bool:
+        return False

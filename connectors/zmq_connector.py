@@ -2,8 +2,10 @@
 
     connector = ZmqConnector(ZmqConnectorConfig(engine_id=..., role=KVRole.CONSUMER,
                                                 secret=..., model_id=...), kv_cache_groups)
-    engine = Engine(engine_config, connector=connector)   # .scheduler / .worker halves
+    engine = Engine(engine_config, connector=connector)   # a KVConnector
     ...
+    connector.release_remote(kv_transfer_params)   # decode side: will not load it, free it now
+    connector.abort_lease(request_id)              # prefill side: nobody will pull it, free it now
     connector.shutdown()
 
 The worker half starts the producer (side channel + data listener) and/or the
@@ -18,9 +20,10 @@ import dataclasses
 import enum
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-from connectors.base import ConnectorMetadata, KVConnectorWorker
+from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker
 from connectors.consumer import Consumer, ConsumerConfig, DataPath
 from connectors.loads import LoadResult, RemoteAddr
 from connectors.cuda_staging import StreamFences, fences_for
@@ -91,6 +94,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._meta: ConnectorMetadata | None = None
         self._local_results: list[LoadResult] = []
         self._invalid: set[int] = set()
+        self._failures: dict[str, FailureCause] = {}
         self._lock = threading.Lock()
         self._fences: StreamFences | None = None  # CUDA pools: compute-stream <-> transfer ordering
         self.shares_page_pool = config.is_producer and config.allow_shm  # same-host consumers map it
@@ -171,6 +175,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
             recving.add(r.request_id)
             if not r.ok:
                 self._invalid.update(r.invalid_block_ids)
+                if r.cause is not None:
+                    self._failures[r.request_id] = r.cause
         if self._fences is not None:  # CUDA: later forwards run after every H2D landed so far
             self._fences.order_reads_after_landing()
         return sending, recving
@@ -179,6 +185,29 @@ class ZmqConnectorWorker(KVConnectorWorker):
         out, self._invalid = self._invalid, set()
         return out
 
+    def get_load_failures(self) -> dict[str, FailureCause]:
+        out, self._failures = self._failures, {}
+        return out
+
+    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        """Sends DONE for a remote-prefilled request this engine will not load (see KVConnector)."""
+        params = kv_transfer_params
+        if self.consumer is None or params.get("do_remote_prefill") is not True:
+            return False
+        engine_id, host, port, rid = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
+                                                              "remote_request_id"))
+        if not (isinstance(engine_id, str) and isinstance(host, str) and isinstance(rid, str)
+                and engine_id and host and rid and type(port) is int and 0 < port < 65536):
+            return False
+        self.consumer.notify_done(RemoteAddr(engine_id, host, port), [rid])
+        return True
+
+    def abort_lease(self, request_id: str) -> bool:
+        if self.producer is None:
+            return False
+        self.producer.abort_lease(request_id)
+        return True
+
     def shutdown(self) -> None:
         if self.consumer is not None:
             self.consumer.shutdown()
@@ -186,16 +215,19 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.producer.shutdown()
 
 
-class ZmqConnector:
-    """The engine-facing pair: `.scheduler` (KVConnectorScheduler) and `.worker` (KVConnectorWorker)."""
+class ZmqConnector(KVConnector):
+    """The engine-facing `KVConnector`: a `ZmqConnectorScheduler` and a `ZmqConnectorWorker`."""
+
+    worker: ZmqConnectorWorker
+    scheduler: ZmqConnectorScheduler
 
     def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...]):
         """`kv_cache_groups`: the engine's `KVCacheGroupSpec`s (KVCacheConfig.groups), in group order."""
         self.config = config
         self.metrics = TransferMetrics()
-        self.worker = ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics)
         layouts = tuple(GroupLayout.from_spec(g.spec) for g in kv_cache_groups)
-        self.scheduler = ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint)
+        super().__init__(ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint),
+                         ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics))
 
     def _endpoint(self) -> tuple[str, int, Producer | None]:
         producer = self.worker.producer
@@ -206,9 +238,12 @@ class ZmqConnector:
         """The side channel's port (after the engine registered its page pool)."""
         return self.worker.producer.port if self.worker.producer else 0
 
+    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+        return self.worker.release_remote(kv_transfer_params)
+
+    def abort_lease(self, request_id: str) -> bool:
+        return self.worker.abort_lease(request_id)
+
     def stats(self) -> dict:
         return self.metrics.snapshot()
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
 

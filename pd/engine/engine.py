@@ -22,15 +22,16 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
+from kvcache.audit import assert_all_free, check_invariants
 from kvcache.specs import cdiv
 
-from connectors.base import ConnectorOutput
+from connectors.base import ConnectorOutput, KVConnector
 from pd.engine.page_pool import PagePool
 from pd.engine.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
 from pd.engine.kv_layout import KVLayout
 from pd.engine.model import build_model
-from pd.engine.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput, RequestState, SchedulerOutput
 from pd.engine.runner import ModelRunner
 from pd.engine.sampling import SamplingParams, sample
 from pd.engine.scheduler import Scheduler
@@ -38,14 +39,15 @@ from pd.engine.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["Engine", "PoolAudit", "RequestOutput"]
 
 IDLE_WAIT_S = 0.05  # loop thread sleep when there is nothing at all to do (woken early by new work)
 NETWORK_POLL_S = 0.001  # pause between steps when only remote transfers are pending
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, connector: Any = None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
+                 tokenizer: Tokenizer | None = None):
         self.config = config
         if config.model_path:
             model = load_checkpoint(config.model_path, device=config.device)
@@ -60,17 +62,15 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
-        worker = getattr(connector, "worker", None)
         self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
-                                  shareable=bool(getattr(worker, "shares_page_pool", False)))
+                                  shareable=connector is not None and connector.shares_page_pool)
         self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend)
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm)
         self.connector = connector
-        self.scheduler = Scheduler(config, self.kv_cache_manager,
-                                   connector.scheduler if connector is not None else None,
+        self.scheduler = Scheduler(config, self.kv_cache_manager, connector,
                                    eos_token_id=self.model_config.eos_token_id)
-        if worker is not None:
-            worker.register_kv_caches(self.page_pool)
+        if connector is not None:
+            connector.register_kv_caches(self.page_pool)
         self._lock = threading.Lock()  # guards _pending, _active_ids, _listeners
         self._step_lock = threading.Lock()  # one step at a time
         self._pending: list[tuple[str, Any]] = []
@@ -140,19 +140,20 @@ class Engine:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
             t1 = time.perf_counter()
-            worker = getattr(self.connector, "worker", None) if self.connector is not None else None
-            if worker is not None and sched.connector_metadata is not None:
-                worker.bind_connector_metadata(sched.connector_metadata)
-                worker.start_load_kv()
+            connector = self.connector
+            if connector is not None and sched.connector_metadata is not None:
+                connector.bind_connector_metadata(sched.connector_metadata)
+                connector.start_load_kv()
             sampled = self._execute(sched)
             connector_output = None
-            if worker is not None:
-                worker.wait_for_save()
-                sending, recving = worker.get_finished()
-                invalid = set(worker.get_block_ids_with_load_errors())
+            if connector is not None:
+                connector.wait_for_save()
+                sending, recving = connector.get_finished()
+                invalid = set(connector.get_block_ids_with_load_errors())
                 if invalid:
                     self._scrub_pages(invalid)
-                connector_output = ConnectorOutput(set(sending), set(recving), invalid)
+                connector_output = ConnectorOutput(set(sending), set(recving), invalid,
+                                                   dict(connector.get_load_failures()))
             t2 = time.perf_counter()
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
@@ -178,7 +179,8 @@ class Engine:
                 try:
                     self.scheduler.add_request(arg)
                 except ValueError as exc:
-                    outputs.append(RequestOutput(arg.request.request_id, [], True, "error", error=str(exc)))
+                    outputs.append(RequestOutput(arg.request.request_id, [], True, FinishReason.ERROR,
+                                                 error=str(exc)))
             else:
                 out = self.scheduler.abort_request(arg)
                 if out is not None:
@@ -251,9 +253,8 @@ class Engine:
         with self._lock:  # callers still awaiting generate() must not hang
             for target in self._listeners.values():
                 self._notify(target, RuntimeError("engine shut down"))
-        worker = getattr(self.connector, "worker", None) if self.connector is not None else None
-        if worker is not None:
-            worker.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
                        sampling_params: SamplingParams | None = None,
@@ -297,6 +298,21 @@ class Engine:
             "num_errors": s.stats.num_errors,
             **{k: round(v, 6) for k, v in self.timing.items()},
         }
+
+    def audit(self) -> PoolAudit:
+        """Pool audit between steps (`kvcache.audit`), taken under the step lock so the loop
+        thread cannot change the pool mid-audit; never raises on a failed check."""
+        passed: dict[str, bool] = {}
+        detail = ""
+        with self._step_lock:
+            for name, check in (("consistent", check_invariants), ("all_free", assert_all_free)):
+                try:
+                    check(self.kv_cache_manager)
+                    passed[name] = True
+                except AssertionError as exc:
+                    passed[name] = False
+                    detail += str(exc)[:2000] + " "
+        return PoolAudit(detail=detail, **passed)
 
     def generate_sync(self, prompts: dict[str, Sequence[int]], params: SamplingParams) -> dict[str, list[int]]:
         """Run `prompts` to completion on the calling thread (tests, benchmarks)."""

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
 
 from connectors.base import ConnectorMetadata
+from connectors.metrics import FailureCause
 from pd.engine.sampling import SamplingParams
 
 
@@ -21,6 +23,15 @@ class ScheduledChunk:
     needs_logits: bool  # True when the chunk reaches the end of the sequence
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended (the value is what callers see in JSON)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request (new tokens and/or its end)."""
@@ -28,9 +39,20 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    error_cause: FailureCause | None = None  # set when a KV load failure ended the request
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolAudit:
+    """The KV pool between steps: `all_free` when no block is held by anyone, `consistent`
+    when the pool's bookkeeping checks out; `detail` holds the failed checks' messages."""
+
+    all_free: bool
+    consistent: bool
+    detail: str = ""
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,6 +64,7 @@ class RequestState:
     generator: torch.Generator | None
     skip_connector_load: bool = False  # set once a remote load failed: compute locally from then on
     load_failed: bool = False
+    load_failure: FailureCause | None = None  # why, when the connector said
     num_external_tokens: int = 0  # tokens of the current async load
     awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
     awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent

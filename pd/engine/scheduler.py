@@ -27,15 +27,17 @@ import logging
 from kvcache import KVCacheManager, RequestStatus
 
 from connectors.base import ConnectorOutput, KVConnectorScheduler
+from connectors.metrics import FailureCause
 from pd.engine.config import EngineConfig
-from pd.engine.outputs import RequestOutput, RequestState, SchedulerOutput
+from pd.engine.outputs import FinishReason, RequestOutput, RequestState, SchedulerOutput
 from pd.engine.outputs import ScheduledChunk
 from pd.engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH_CAPPED,
-                 "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}
+FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+                 FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
+                 FinishReason.ABORT: RequestStatus.FINISHED_ABORTED, FinishReason.ERROR: RequestStatus.FINISHED_ERROR}
 
 
 class Scheduler:
@@ -80,7 +82,7 @@ class Scheduler:
         # An async load may still be writing into the blocks: keep them until the connector says done.
         state.awaiting_recv = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and request_id not in self.finished_recving
         self._finish(state, RequestStatus.FINISHED_ABORTED)
-        return RequestOutput(request_id, [], True, "abort")
+        return RequestOutput(request_id, [], True, FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.remote_waiting or self.held)
@@ -207,7 +209,7 @@ class Scheduler:
             self.finished_recving.discard(req.request_id)
             if state.load_failed:
                 if self.config.kv_load_failure_policy == "fail":
-                    self._finish(state, RequestStatus.FINISHED_ERROR, error="KV load failed")
+                    self._finish(state, RequestStatus.FINISHED_ERROR, *_load_error(state))
                     continue
                 # Recompute locally: drop every block of the failed load (never cache unverified pages).
                 logger.warning("KV load for %s failed; recomputing the prompt locally", req.request_id)
@@ -247,15 +249,16 @@ class Scheduler:
             outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params))
         return outputs
 
-    def _stop_reason(self, state: RequestState, token: int) -> str | None:
+    def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:
         req, params = state.request, state.params
         if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
-            return "stop"
+            return FinishReason.STOP
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None) -> dict | None:
+    def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None,
+                error_cause: FailureCause | None = None) -> dict | None:
         """Mark finished, leave every queue, and free or hand the blocks to the connector."""
         req = state.request
         rid = req.request_id
@@ -280,7 +283,8 @@ class Scheduler:
         else:
             self._release(state)
         if error is not None:
-            self._error_outputs.append(RequestOutput(rid, [], True, "error", error=error))
+            self._error_outputs.append(RequestOutput(rid, [], True, FinishReason.ERROR, error=error,
+                                                     error_cause=error_cause))
         return None if status == RequestStatus.FINISHED_ABORTED else params
 
     def _release(self, state: RequestState) -> None:
@@ -296,6 +300,10 @@ class Scheduler:
 
     def _apply_connector_output(self, out: ConnectorOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for rid, cause in out.load_failures.items():  # before the invalid blocks are acted on
+            state = self.requests.get(rid)
+            if state is not None:
+                state.load_failure = FailureCause(cause)
         if out.invalid_block_ids:
             outputs.extend(self._handle_invalid_blocks(set(out.invalid_block_ids)))
         if self.connector is not None:
@@ -333,7 +341,9 @@ class Scheduler:
             # A running request (synchronous load) holding bad pages.
             if self.config.kv_load_failure_policy == "fail":
                 self._finish(state, RequestStatus.FINISHED_ERROR)
-                outputs.append(RequestOutput(req.request_id, [], True, "error", error="KV load failed"))
+                error, cause = _load_error(state)
+                outputs.append(RequestOutput(req.request_id, [], True, FinishReason.ERROR, error=error,
+                                             error_cause=cause))
             else:
                 self.running.remove(state)
                 self.mgr.free(req)
@@ -343,3 +353,9 @@ class Scheduler:
                 self.waiting.appendleft(state)
                 self.stats.num_load_failures_recomputed += 1
         return outputs
+
+
+def _load_error(state: RequestState) -> tuple[str, FailureCause | None]:
+    """The error text and cause of a request ended by a failed KV load."""
+    cause = state.load_failure
+    return ("KV load failed" if cause is None else f"KV load failed: {cause.value}"), cause

@@ -12,15 +12,19 @@ between steps; without it, stats take no lock (the router polls them often).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pd.engine.config import EngineConfig, ModelConfig
 from pd.cluster.roles import Role
+
+if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
+    from connectors.base import KVConnector
+    from connectors.zmq_connector import ZmqConnector
+    from pd.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +60,24 @@ def engine_config_for(spec) -> EngineConfig:
     )
 
 
-def build_engine(spec) -> tuple[Any, Any]:
+def build_engine(spec) -> tuple[Engine, KVConnector | None]:
     """(engine, connector or None) for a worker spec; the engine is not started."""
     from pd.engine.engine import Engine
 
     engine_config = engine_config_for(spec)
-    connector = None
+    connector: KVConnector | None = None
     if spec.role is not Role.BOTH:
         connector = _build_connector(spec, engine_config)
     try:
         engine = Engine(engine_config, connector=connector)
     except BaseException:
-        if connector is not None and getattr(connector, "worker", None) is not None:
-            connector.worker.shutdown()
+        if connector is not None:
+            connector.shutdown()
         raise
     return engine, connector
 
 
-def _build_connector(spec, engine_config: EngineConfig):
+def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     """The ZMQ connector for a prefill (producer) or decode (consumer) worker.
 
     Every worker of a deployment gets the same `model_id` and secret, so the
@@ -110,38 +114,21 @@ def _model_id(cfg) -> str:
     return f"{m.name}|{source}|{m.dtype}|{json.dumps(m.architecture, sort_keys=True)}"
 
 
-def engine_stats(engine, connector, audit: bool = False) -> dict[str, Any]:
+def engine_stats(engine: Engine, connector: KVConnector | None, audit: bool = False) -> dict[str, Any]:
     stats = dict(engine.stats())
     stats["kv_usage"] = stats.get("kv_cache_usage", 0.0)
     stats["prefix_hit_rate"] = stats.get("prefix_cache_hit_rate", 0.0)
     stats["transfer"] = _transfer_stats(connector)
-    if audit:
-        stats["audit"] = _audit(engine)
+    if audit:  # takes the engine's step lock: only when asked for, never on the routine poll
+        stats["audit"] = dataclasses.asdict(engine.audit())
     return stats
 
 
-def _transfer_stats(connector) -> dict:
+def _transfer_stats(connector: KVConnector | None) -> dict:
     """The connector's transfer figures, plus a failure total that is always present."""
-    if connector is None or not hasattr(connector, "stats"):
+    if connector is None:
         return {}
     stats = dict(connector.stats())
     stats["failures_total"] = sum(stats.get("failures", {}).values())
     return stats
 
-
-def _audit(engine) -> dict:
-    """Pool audit between steps (`kvcache.audit`): `all_free` is True when no block is
-    held by anyone; `consistent` is True when the pool's bookkeeping checks out."""
-    from kvcache.audit import assert_all_free, check_invariants
-
-    out = {"all_free": True, "consistent": True, "detail": ""}
-    # The step lock keeps the engine thread from changing the pool mid-audit.
-    lock = getattr(engine, "_step_lock", None)
-    with lock if lock is not None else contextlib.nullcontext():
-        for key, check in (("consistent", check_invariants), ("all_free", assert_all_free)):
-            try:
-                check(engine.kv_cache_manager)
-            except AssertionError as exc:
-                out[key] = False
-                out["detail"] += str(exc)[:2000] + " "
-    return out

@@ -21,13 +21,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectors.base import KV_PARAM_KEYS
 from pd.cluster.config import DeployConfig, Mode
 from pd.cluster.roles import Role
+from pd.engine.outputs import FinishReason
 from pd.engine.sampling import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer
+
+if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
+    from connectors.base import KVConnector
+    from pd.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,8 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self._engine = None
-        self._connector = None
+        self._engine: Engine | None = None
+        self._connector: KVConnector | None = None
         self._http = WorkerHTTPServer(self, spec.secret)
         self._started_at = time.time()
         self._num_aborted = 0
@@ -139,15 +144,8 @@ class Worker:
         blocks now, rather than when its lease runs out."""
         self._num_rejected += 1
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        consumer = getattr(getattr(self._connector, "worker", None), "consumer", None)
-        if consumer is None or not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-            return
-        from connectors.consumer import RemoteAddr
-
-        engine_id, host, port, rid = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
-                                                              "remote_request_id"))
-        if all(isinstance(v, str) and v for v in (engine_id, host, rid)) and type(port) is int and 0 < port < 65536:
-            consumer.notify_done(RemoteAddr(engine_id, host, port), [rid])
+        if self._connector is not None and isinstance(params, dict):
+            self._connector.release_remote(params)
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict]:
         """Yields one event per engine output for the request (see `pd.worker.http_api`)."""
@@ -168,6 +166,7 @@ class Worker:
                 "finish_reason": _reason_name(out.finish_reason),
                 "kv_transfer_params": out.kv_transfer_params if out.finished else None,
                 "error": out.error,
+                "error_cause": out.error_cause.value if out.error_cause is not None else None,
             }
 
     def abort(self, request_id: str) -> None:
@@ -175,9 +174,8 @@ class Worker:
         if self._engine is not None:
             self._num_aborted += 1
             self._engine.abort_request(request_id)
-            producer = getattr(getattr(self._connector, "worker", None), "producer", None)
-            if producer is not None:  # a finished prefill nobody will pull: free its blocks now, not at lease expiry
-                producer.abort_lease(request_id)
+            if self._connector is not None:  # a finished prefill nobody will pull: free its blocks now, not at expiry
+                self._connector.abort_lease(request_id)
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._require_engine().kv_cache_manager.reset_prefix_cache())
@@ -210,8 +208,5 @@ class Worker:
         return self._engine
 
 
-def _reason_name(reason: Any) -> str | None:
-    if reason is None:
-        return None
-    name = getattr(reason, "name", None) or str(reason)
-    return name.lower()
+def _reason_name(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FinishReason(reason).value

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from kvcache import RequestStatus
 
-from connectors.base import ConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from connectors.base import ConnectorMetadata, KVConnector, KVConnectorScheduler, KVConnectorWorker
+from connectors.metrics import FailureCause
 
 
 class FakeLink:
@@ -18,6 +19,8 @@ class FakeLink:
         self.read_done: set[tuple[str, str]] = set()  # (producer engine id, request id) copied by a consumer
         self.hold_loads = False  # True: loads complete only through release()
         self.released: set[str] = set()
+        self.remote_released: list[dict] = []  # kv_transfer_params given to release_remote
+        self.aborted_leases: list[str] = []
         self.corrupt: set[str] = set()  # request ids whose load is reported invalid
         self.num_loads = 0
 
@@ -76,6 +79,7 @@ class FakeWorkerHalf(KVConnectorWorker):
         self.block_size = block_size
         self.inflight: dict[str, dict] = {}
         self.errors: set[int] = set()
+        self.failures: dict[str, FailureCause] = {}
         self.pool = None
 
     def register_kv_caches(self, page_pool):
@@ -102,6 +106,7 @@ class FakeWorkerHalf(KVConnectorWorker):
                         self.pool.buffer[loc].copy_(src.buffer[r])
             if rid in self.link.corrupt:
                 self.errors.update(b for ids in load["local_block_ids"][:1] for b in ids[skip:] if b)
+                self.failures[rid] = FailureCause.CHECKSUM
             self.link.read_done.add((load["remote_engine_id"], load["remote_request_id"]))
             self.link.num_loads += 1
             recving.add(rid)
@@ -113,8 +118,20 @@ class FakeWorkerHalf(KVConnectorWorker):
         out, self.errors = self.errors, set()
         return out
 
+    def get_load_failures(self):
+        out, self.failures = self.failures, {}
+        return out
 
-class FakeConnector:
+
+class FakeConnector(KVConnector):
     def __init__(self, link: FakeLink, engine_id: str, block_size: int):
-        self.scheduler = FakeSchedulerHalf(link, engine_id)
-        self.worker = FakeWorkerHalf(link, engine_id, block_size)
+        super().__init__(FakeSchedulerHalf(link, engine_id), FakeWorkerHalf(link, engine_id, block_size))
+        self.link = link
+
+    def release_remote(self, kv_transfer_params):
+        self.link.remote_released.append(dict(kv_transfer_params))
+        return True
+
+    def abort_lease(self, request_id):
+        self.link.aborted_leases.append(request_id)
+        return True

@@ -4,7 +4,9 @@ from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 from pd_fake_connector import FakeConnector, FakeLink
 
+from connectors.metrics import FailureCause
 from pd.engine.engine import Engine
+from pd.engine.outputs import FinishReason
 from pd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -113,7 +115,8 @@ def test_load_failure_fail_policy():
     link.corrupt.add("r")
     d.add_request("r", PROMPTS["req1"], GREEDY, kv_transfer_params=params)
     outs = step_all(p, d)
-    assert [o.finish_reason for o in outs["r"]] == ["error"] and outs["r"][0].error
+    assert [o.finish_reason for o in outs["r"]] == [FinishReason.ERROR] and outs["r"][0].error
+    assert outs["r"][0].error_cause is FailureCause.CHECKSUM  # the connector's cause, as the enum
     assert tokens(outs["r"]) == []
     assert d.stats()["num_errors"] == 1
     assert_all_free(p.kv_cache_manager)

@@ -156,7 +156,7 @@ class Pair:
 
     def add_decode(self, rid: str, tokens: list[int], params: dict | None, n: int) -> dict:
         """Queues the decode on D; the returned dict collects its outputs."""
-        got = {"tokens": [], "finished": False, "reason": None, "error": None}
+        got = {"tokens": [], "finished": False, "reason": None, "error": None, "cause": None}
         self.d.add_request(rid, tokens, greedy(n), kv_transfer_params=params)
         return got
 
@@ -167,7 +167,7 @@ class Pair:
                 continue
             got["tokens"].extend(o.new_token_ids)
             if o.finished:
-                got["finished"], got["reason"], got["error"] = True, o.finish_reason, o.error
+                got["finished"], got["reason"], got["error"], got["cause"] = True, o.finish_reason, o.error, o.error_cause
 
     def drive(self, outs_by_rid: dict[str, dict], timeout_s: float = 20.0, on_step=None) -> None:
         """Steps both engines until every request in `outs_by_rid` finished on D."""

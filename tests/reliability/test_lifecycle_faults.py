@@ -10,6 +10,7 @@ import time
 import pytest
 
 from connectors.consumer import RemoteAddr
+from connectors.metrics import FailureCause
 from rel_pair import Pair, Side, free_port, make_engine, prompt, reference
 from connectors.zmq_connector import KVRole
 
@@ -44,9 +45,9 @@ def test_abort_racing_a_transfer(want, fault_record):
 
 def test_abort_on_producer_before_decode_arrives(want, fault_record):
     with Pair(Side("prefill-0", lease_s=30.0), Side("decode-0")) as pair:
-        pair.prefill("r1", TOKS)
+        params = pair.prefill("r1", TOKS)
         # the router gave up before sending the decode: D tells P to drop the lease (what a refused decode does)
-        pair.d.connector.worker.consumer.notify_done(RemoteAddr("prefill-0", "127.0.0.1", pair.p.connector.port), ["r1"])
+        assert pair.d.connector.release_remote(params)
         t0 = time.monotonic()
         pair.assert_all_free(timeout_s=5)  # far less than the 30 s lease
         freed = time.monotonic() - t0
@@ -122,6 +123,7 @@ def test_restarted_producer_with_fail_policy_gives_a_clear_error(fault_record):
         t0 = time.monotonic()
         pair.drive(out, timeout_s=20)
         assert out["r1"]["reason"] == "error" and "KV load failed" in out["r1"]["error"]
+        assert out["r1"]["cause"] is FailureCause.HANDSHAKE_REFUSED  # the connector's cause, as the enum
         assert out["r1"]["tokens"] == []
         seconds = time.monotonic() - t0
         pair.assert_all_free()
