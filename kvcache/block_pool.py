@@ -81,44 +81,40 @@ class BlockPool:
                 yield gid, h, blk
 
     # ------------------------------------------------------------------ cache
-    def _insert(self, block: KVCacheBlock, block_hash: bytes, group_id: int) -> None:
-        m = self.cached_map(group_id)
-        if block_hash in m:
-            self._dups.setdefault((group_id, block_hash), {})[block.block_id] = block
-        else:
-            m[block_hash] = block
-        block.block_hash = block_hash
-        block.hash_group_id = group_id
+    def _uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop every given block's prefix-cache entry (blocks without one are skipped).
 
-    def _uncache(self, block: KVCacheBlock) -> bool:
-        """Drop `block`'s prefix-cache entry (if any); True when one was removed."""
-        h = block.block_hash
-        if h is None:
-            return False
-        gid = block.hash_group_id
-        m = self._cached[gid]
-        removed = True
-        if m.get(h) is block:
-            dups = self._dups.get((gid, h))
-            if dups:
-                first_id = next(iter(dups))
-                m[h] = dups.pop(first_id)
-                if not dups:
-                    del self._dups[(gid, h)]
+        The only place entries leave the cache (reuse, eviction, re-hashing):
+        when the block was the map's entry, the oldest duplicate takes its slot
+        so the prefix stays findable; one BlockRemoved per entry removed."""
+        cached = self._cached
+        dups = self._dups
+        events = self.kv_event_queue if self.enable_kv_cache_events else None
+        for blk in blocks:
+            h = blk.block_hash
+            if h is None:
+                continue
+            gid = blk.hash_group_id
+            blk.block_hash = None
+            blk.hash_group_id = -1
+            m = cached[gid]
+            if m.get(h) is blk:
+                # `dups and`: without duplicates (the common case) no key tuple is built
+                d = dups and dups.get((gid, h))
+                if d:
+                    m[h] = d.pop(next(iter(d)))
+                    if not d:
+                        del dups[(gid, h)]
+                else:
+                    del m[h]
             else:
-                del m[h]
-        else:
-            dups = self._dups.get((gid, h))
-            if dups is not None and dups.pop(block.block_id, None) is not None:
-                if not dups:
-                    del self._dups[(gid, h)]
-            else:
-                removed = False
-        block.block_hash = None
-        block.hash_group_id = -1
-        if removed and self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[h], group_idx=gid))
-        return removed
+                d = dups and dups.get((gid, h))
+                if not d or d.pop(blk.block_id, None) is None:
+                    continue  # a stale hash: no entry, nothing to report
+                if not d:
+                    del dups[(gid, h)]
+            if events is not None:
+                events.append(BlockRemoved(block_hashes=[h], group_idx=gid))
 
     def cache_full_blocks(self, request, blocks: Sequence[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
@@ -154,7 +150,7 @@ class BlockPool:
             if blk.block_hash is not None:
                 if blk.block_hash == h and blk.hash_group_id == kv_cache_group_id:
                     continue
-                self._uncache(blk)
+                self._uncache_blocks((blk,))
             if m.setdefault(h, blk) is not blk:
                 dups.setdefault((kv_cache_group_id, h), {})[blk.block_id] = blk
             blk.block_hash = h
@@ -180,34 +176,12 @@ class BlockPool:
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        if num_blocks <= 0:
-            return []
-        out: list[KVCacheBlock] = []
-        append = out.append
-        head = queue.head
-        blk = head.next_free_block
-        # fast lazy eviction when no duplicates and no events need handling
-        simple = not self._dups and not self.enable_kv_cache_events
-        cached = self._cached
-        for _ in range(num_blocks):
-            nxt = blk.next_free_block
-            blk.prev_free_block = blk.next_free_block = None
-            h = blk.block_hash
-            if h is not None:
-                m = cached[blk.hash_group_id]
-                if simple and m.get(h) is blk:
-                    del m[h]
-                    blk.block_hash = None
-                    blk.hash_group_id = -1
-                else:
-                    self._uncache(blk)
+        blocks = queue.popleft_n(num_blocks)
+        # lazy eviction: a free block kept its entry until it is reused now
+        self._uncache_blocks(blocks)
+        for blk in blocks:
             blk.ref_cnt = 1
-            append(blk)
-            blk = nxt
-        head.next_free_block = blk
-        blk.prev_free_block = head
-        queue.num_free_blocks -= num_blocks
-        return out
+        return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on prefix-hit blocks (claiming free ones)."""
@@ -222,42 +196,36 @@ class BlockPool:
 
         Blocks reaching ref 0 go to the queue tail if hashed (kept for hits) and
         to the head if not (reused first), each set in the given order."""
-        queue = self.free_block_queue
-        tail = queue.tail
-        last = tail.prev_free_block
-        num_appended = 0
-        without_hash = None
+        hashed: list[KVCacheBlock] = []
+        keep = hashed.append
+        unhashed = None  # rare (a request's partial last block): built only when needed
         for blk in ordered_blocks:
             rc = blk.ref_cnt - 1
             blk.ref_cnt = rc
             if rc == 0 and not blk.is_null:
-                if blk.block_hash is None:
-                    if without_hash is None:
-                        without_hash = [blk]
-                    else:
-                        without_hash.append(blk)
+                if blk.block_hash is not None:
+                    keep(blk)
+                elif unhashed is None:
+                    unhashed = [blk]
                 else:
-                    # append to the tail in place
-                    blk.prev_free_block = last
-                    last.next_free_block = blk
-                    last = blk
-                    num_appended += 1
-        if num_appended:
-            last.next_free_block = tail
-            tail.prev_free_block = last
-            queue.num_free_blocks += num_appended
-        if without_hash is not None:
-            queue.prepend_n(without_hash)
+                    unhashed.append(blk)
+        queue = self.free_block_queue
+        if hashed:
+            queue.append_n(hashed)
+        if unhashed is not None:
+            queue.prepend_n(unhashed)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove these blocks' prefix-cache entries (e.g. their KV failed to load);
         blocks still referenced stay allocated."""
         n = len(self.blocks)
+        blocks = []
         for bid in block_ids:
             if not 0 <= bid < n:
                 raise ValueError(f"invalid block id {bid} (pool has {n}); a connector reported "
                                  f"a block the scheduler never allocated")
-            self._uncache(self.blocks[bid])
+            blocks.append(self.blocks[bid])
+        self._uncache_blocks(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

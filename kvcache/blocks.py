@@ -11,8 +11,6 @@ Invariants: a block is in the queue iff its `prev_free_block` is not None;
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 
 class KVCacheBlock:
     """Metadata of one block.
@@ -102,17 +100,16 @@ class FreeKVCacheBlockQueue:
         self.tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Append `blocks` at the tail, keeping their order (blocks[-1] becomes tail)."""
         last = self.tail.prev_free_block
-        count = 0
         for block in blocks:
             block.prev_free_block = last
             last.next_free_block = block
             last = block
-            count += 1
         last.next_free_block = self.tail
         self.tail.prev_free_block = last
-        self.num_free_blocks += count
+        self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Insert `blocks` at the head, keeping their order (blocks[0] becomes head)."""

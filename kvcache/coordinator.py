@@ -8,9 +8,11 @@ All groups draw block ids from one shared BlockPool. Three flavours:
   batched together and full attention first, aligned to the LCM of the group
   block sizes.
 
-Guarantee: `allocate_new_computed_blocks` touches every group's hits before any
-group takes fresh blocks, so one group's allocation can never evict another
-group's not-yet-claimed hit.
+`allocate_slots` is the one allocation path for every flavour and every number
+of groups. Guarantees: it changes nothing but window releases when the blocks
+do not fit; it touches every group's hits before any group takes fresh blocks,
+so one group's allocation can never evict another group's not-yet-claimed hit;
+all groups allocate before any group caches (the KV event order vLLM emits).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.blocks import KVCacheBlock
 from kvcache.config import KVCacheConfig
 from kvcache.hashing import hashes_at_block_size
+from kvcache.kv_cache_blocks import KVCacheBlocks
 from kvcache.mamba import MambaManager
 from kvcache.single_type import FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager
 from kvcache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -77,6 +80,68 @@ class KVCacheCoordinator:
                                      settings.scheduler_block_size, settings.max_model_len,
                                      settings.max_num_batched_tokens)
             for i, g in enumerate(settings.kv_cache_config.groups))
+        # managers that ever drop leading blocks (windows, Mamba): full attention
+        # never does, so its groups skip that call on every allocation
+        self.skipping_managers = tuple(
+            m for m in self.single_type_managers
+            if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens)
+        # caching stops at a multiple of this many tokens (1: at every group's block boundary)
+        self.cache_alignment = 1
+        # (group index, manager) pairs built once: zip() per call costs more than the loop body
+        self._indexed_managers = tuple(enumerate(self.single_type_managers))
+        # "no blocks in any group": the shared empty result and "no prefix hits"
+        self.no_blocks: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in self.single_type_managers)
+        self.empty_kv_cache_blocks = KVCacheBlocks(self.no_blocks)
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int,
+                       new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] | None,
+                       num_lookahead_tokens: int, num_external_computed_tokens: int, headroom: int,
+                       reserved_blocks: int, full_sequence_must_fit: bool,
+                       cache: bool) -> KVCacheBlocks | None:
+        """Claim the hits, allocate slots for the new (+ lookahead) tokens after the
+        computed and external ones, and cache the full blocks when `cache`.
+
+        Returns the newly allocated blocks (`empty_kv_cache_blocks` when none), or
+        None when they do not fit in the free pool less `headroom` and
+        `reserved_blocks`; with `full_sequence_must_fit` the whole current
+        sequence must fit in the free pool less `headroom`. The caller owns the
+        policy that sets those numbers."""
+        rid = request.request_id
+        max_len = self.max_model_len
+        queue = self.block_pool.free_block_queue
+        hits = self.no_blocks if new_computed_blocks is None else new_computed_blocks
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = num_local + num_external_computed_tokens
+        # clamps written as comparisons: this runs on every decode step (no builtin calls)
+        total_computed = num_computed if num_computed < max_len else max_len
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, max_len)
+            needed = self.get_num_blocks_to_allocate(rid, full, hits, total_computed, full,
+                                                     apply_admission_cap=True)
+            if needed + headroom > queue.num_free_blocks:
+                return None
+        num_main = total_computed + num_new_tokens
+        num_slots = num_main + num_lookahead_tokens
+        if num_slots > max_len:
+            num_slots = max_len
+        # release blocks that left the window first, even if we fail below
+        for m in self.skipping_managers:
+            m.remove_skipped_blocks(rid, total_computed)
+        needed = 0
+        for i, m in self._indexed_managers:
+            needed += m.get_num_blocks_to_allocate(rid, num_slots, hits[i], num_computed, num_main)
+        if needed + headroom > queue.num_free_blocks - reserved_blocks:
+            return None
+        if hits is not self.no_blocks or num_external_computed_tokens > 0:
+            self.allocate_new_computed_blocks(rid, hits, num_local, num_external_computed_tokens)
+        # `needed` counts every block any group will take from the pool, so 0
+        # means no group grows (most decode steps)
+        new = self.allocate_new_blocks(rid, num_slots, num_main) if needed else None
+        if cache:
+            # unverified draft tokens (past num_tokens) are never cached
+            num_tokens = request.num_tokens
+            self.cache_blocks(request, num_main if num_main < num_tokens else num_tokens)
+        return KVCacheBlocks(new) if new is not None and any(new) else self.empty_kv_cache_blocks
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
@@ -104,12 +169,22 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-                     for m in self.single_type_managers)
+        new = []  # a plain loop: a generator would cost a frame on every call
+        for m in self.single_type_managers:
+            new.append(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model))
+        return tuple(new)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        """Enter each group's full blocks up to `num_computed_tokens` into the prefix cache."""
+        align = self.cache_alignment
+        if align > 1:
+            num_computed_tokens = num_computed_tokens // align * align
+        rid = request.request_id
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens)
+            # a group gains a full block only at its block boundaries: most decode
+            # steps complete none, and skipping the call is what keeps them cheap
+            if num_computed_tokens // m.block_size > m.num_cached_block.get(rid, 0):
+                m.cache_blocks(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         for m in self.single_type_managers:
@@ -196,15 +271,10 @@ class HybridCoordinator(KVCacheCoordinator):
         # needs one lookup and is truncated to the agreed length afterwards
         spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
         self.spec_groups = spec_groups
-        self.num_uncached_common_prefix_tokens = 0
-
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
         # hits are multiples of the scheduler block size: nothing past the last
-        # such boundary could ever be hit
-        sbs = self.scheduler_block_size
-        aligned = num_computed_tokens // sbs * sbs
-        for m in self.single_type_managers:
-            m.cache_blocks(request, aligned)
+        # such boundary could ever be hit, so nothing past it is cached
+        self.cache_alignment = self.scheduler_block_size
+        self.num_uncached_common_prefix_tokens = 0
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         hbs = self.hash_block_size

@@ -46,15 +46,18 @@ class SingleTypeKVCacheManager:
                                    apply_admission_cap: bool = False) -> int:
         """Free-pool blocks an allocation to `num_tokens` slots would consume,
         including free prefix-hit blocks that touching would take off the queue."""
-        num_required = cdiv(num_tokens, self.block_size)
-        cap = self.max_admission_blocks_per_request
-        if apply_admission_cap and cap is not None and cap < num_required:
-            num_required = cap
+        # cdiv and max written out: this runs on every decode step of every request
+        num_required = -(-num_tokens // self.block_size)
+        if apply_admission_cap:
+            cap = self.max_admission_blocks_per_request
+            if cap is not None and cap < num_required:
+                num_required = cap
         req_blocks = self.req_to_blocks.get(request_id)
         num_req_blocks = len(req_blocks) if req_blocks is not None else 0
         if request_id in self.num_cached_block:
-            assert len(new_computed_blocks) == 0, "prefix hits for a request that already holds blocks"
-            return max(num_required - num_req_blocks, 0)
+            assert not new_computed_blocks, "prefix hits for a request that already holds blocks"
+            num_new = num_required - num_req_blocks
+            return num_new if num_new > 0 else 0
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_local = len(new_computed_blocks) + num_req_blocks
         num_new = max(num_required - max(num_skipped_blocks, num_local), 0)
@@ -102,7 +105,7 @@ class SingleTypeKVCacheManager:
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -181,31 +184,31 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes, max_length: int, group_ids: Sequence[int],
                                alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         bs = self.block_size
-        max_blocks = max_length // bs
         pool = self.block_pool
-        if len(group_ids) == 1:
-            m = pool.cached_map(group_ids[0])
+        limit = max_length // bs
+        computed: list[list[KVCacheBlock]] = []
+        # Group by group: each later group searches only as far as the previous
+        # ones hit, so the final (shortest) length is the first block any group
+        # misses -- exactly a block-by-block search over all groups at once.
+        for gid in group_ids:
+            m = pool.cached_map(gid)
             hits: list[KVCacheBlock] = []
             append = hits.append
-            for h in islice(block_hashes, max_blocks):
+            for h in islice(block_hashes, limit):
                 blk = m.get(h)
                 if blk is None:
                     break  # chained hashes: nothing after a miss can hit
                 append(blk)
-            computed = (hits,)
-        else:
-            computed = tuple([] for _ in group_ids)
-            for h in islice(block_hashes, max_blocks):
-                found = pool.get_cached_block(h, group_ids)
-                if found is None:
-                    break
-                for lst, blk in zip(computed, found):
-                    lst.append(blk)
+            limit = len(hits)
+            computed.append(hits)
+        if len(computed) > 1:
+            for hits in computed:
+                del hits[limit:]
         if bs != alignment_tokens:
             while len(computed[0]) * bs % alignment_tokens:
                 for lst in computed:
                     lst.pop()
-        return computed
+        return tuple(computed)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         n_reqs = len(self.req_to_blocks)

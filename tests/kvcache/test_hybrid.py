@@ -204,16 +204,6 @@ def test_events_are_annotated_with_group_kind_and_window(caplog):
     assert_all_free(mgr)
 
 
-def test_block_ids_for_computed_tokens_clip_attention_groups():
-    mgr = make_manager(40, fa_spec(4), swa_spec(4, 12), max_model_len=200)
-    r = make_request("r", list(range(10)), block_size=4)
-    mgr.allocate_slots(r, 10, num_lookahead_tokens=6)
-    assert [len(g) for g in mgr.get_block_ids("r")] == [4, 4]
-    assert [len(g) for g in mgr.get_block_ids_for_computed_tokens("r", 5)] == [2, 2]
-    mgr.free(r)
-    assert_all_free(mgr)
-
-
 def test_no_prefix_cache_coordinator_allocates_every_group():
     mgr = make_manager(40, fa_spec(4), swa_spec(4, 8), enable_caching=False, max_model_len=200)
     r = make_request("r", list(range(10)), block_size=4)

@@ -1,4 +1,6 @@
 """Sliding-window groups: right-to-left hit search, null-block replacement."""
+from types import SimpleNamespace
+
 import pytest
 
 from kvcache import BlockPool, KVCacheBlock, RequestStatus
@@ -27,9 +29,10 @@ def test_sliding_window_hit_search(cached, expected):
     pool = BlockPool(40, hash_block_size=2)
     mgr = SlidingWindowManager(swa_spec(2, 4), pool, True, 0, 2)
     hashes = [f"h{i}".encode() for i in range(len(cached))]
-    for i, ok in enumerate(cached):
-        if ok:
-            pool._insert(pool.blocks[i + 10], hashes[i], 0)
+    # cache block i (id i + 10) under hashes[i] where `cached` says so, through the
+    # pool's one insertion path; only the fields cache_full_blocks reads
+    req = SimpleNamespace(request_id="r", block_hashes=hashes, block_hasher=object())
+    pool.cache_full_blocks(req, pool.blocks[10:10 + len(cached)], 0, len(cached), 2, 0, block_mask=cached)
     hit = mgr.find_longest_cache_hit(hashes, len(hashes) * 2, (0,), 2)[0]
     assert [b.block_id for b in hit] == expected
     assert all(b is pool.null_block for b in hit[:-2])
