@@ -31,6 +31,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens not computed here: prefix cache hit + tokens pulled from a producer
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +46,7 @@ class RequestState:
     num_external_tokens: int = 0  # tokens of the current async load
     awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
     awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent
+    num_cached_tokens: int = 0  # set when first admitted (local hit), plus an async load once it lands
 
 
 @dataclasses.dataclass

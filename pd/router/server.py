@@ -24,10 +24,13 @@ import logging
 import time
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, AdmissionLimits, Overloaded
 from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.messages import Sampling
+from pd.cluster.schema import describe
 from pd.router.dispatch import Dispatcher
 from pd.router.metrics import RouterMetrics
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
@@ -233,10 +236,13 @@ class Router:
                               param="prompt", code="prompt_too_long")
         return ids
 
-    def _sampling(self, req: oa.CompletionRequest) -> dict:
-        return {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "top_k": max(0, req.top_k), "seed": req.seed, "stop_token_ids": list(req.stop_token_ids),
-                "ignore_eos": req.ignore_eos}
+    def _sampling(self, req: oa.CompletionRequest) -> Sampling:
+        try:
+            return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            top_k=max(0, req.top_k), seed=req.seed, stop_token_ids=list(req.stop_token_ids),
+                            ignore_eos=req.ignore_eos)
+        except ValidationError as exc:  # a value the OpenAI parser let through but no worker takes
+            raise oa.APIError(400, describe(exc)) from None
 
     async def _tokens(self, req: oa.CompletionRequest, request_id: str, prompt_ids: list[int], arrived: float):
         """Yields (new text, new token ids, finish reason or None, num tokens so far); records latency metrics."""
