@@ -9,9 +9,8 @@ relayed frame by frame, page bytes included, so each frame can be dropped,
 delayed, duplicated or corrupted on the wire, the link can stall, or it (or
 the process hosting it) can be killed at a named point.
 
-Points (`LINK_POINTS`): `side.<type>` for side-channel messages and
-`data.<type>` for data-stream frames (`MsgType` values), plus
-`data.page_bytes` for the raw page bytes that follow a PAGES header.
+Points: `connectors.fault_points.LINK_POINTS` (`side.<type>`, `data.<type>`,
+`data.page_bytes`).
 
 Guarantees: with no rule firing the link forwards every byte unchanged and in
 order; every socket wait is bounded (the threads notice `close()` within
@@ -28,13 +27,12 @@ from typing import Callable
 import zmq
 
 from connectors import framing, wire
+from connectors.fault_points import LINK_POINTS  # noqa: F401 - re-exported: the points this link fires
 from connectors.faults import FaultAction, FaultPlan
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 
-LINK_POINTS = frozenset({f"side.{t.value}" for t in MsgType} | {f"data.{t.value}" for t in MsgType}
-                        | {"data.page_bytes"})
 _POLL_S = 0.1
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -120,7 +121,9 @@ def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pd.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="deployment YAML (see deploy/)")
+    parser.add_argument("--config", help="deployment YAML (see deploy/)")
+    parser.add_argument("--print-config-schema", action="store_true",
+                        help="print the deployment YAML's JSON Schema and exit")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else local)")
     parser.add_argument("--port", type=int, default=None, help="override router.port")
     parser.add_argument("--host", default=None, help="override router.host")
@@ -132,11 +135,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--result-json", default=None, help="with --run-load")
     parser.add_argument("--plot", default=None, help="with --run-load")
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.config and not args.print_config_schema:
+        parser.error("--config is required")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.print_config_schema:
+        print(json.dumps(DeployConfig.json_schema(), indent=2))
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_deploy_config(args.config)

@@ -174,7 +174,9 @@ def check_device(device: str) -> None:
                              "use device 'cpu' or run on a GPU node")
         if index and int(index) >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-ATTENTION_BACKENDS = ("torch", "fused")
+# auto: "fused" wherever it is valid (float32 on the CPU, the C++ kernel builds), else "torch";
+# fused: the C++ decode kernel, refused at engine start where it is not valid; torch: the reference path.
+ATTENTION_BACKENDS = ("auto", "torch", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,8 @@ class EngineConfig:
     """Everything the engine needs besides the weights.
 
     Either `model_path` (a local HF-style directory) or `model` (random init
-    with `seed`) defines the model. The page pool holds `num_blocks` pages
+    with `seed`) defines the model; `dtype`, when set, is the serving dtype
+    of either (a checkpoint is converted on load). The page pool holds `num_blocks` pages
     when given, else as many as `kv_cache_bytes` allows.
     """
 
@@ -201,8 +204,9 @@ class EngineConfig:
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
     hash_algorithm: str = "sha256"
+    dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
     device: str = "cpu"
-    attention_backend: str = "torch"  # "fused": C++ decode kernel (float32, CPU), built on first use
+    attention_backend: str = "torch"  # see ATTENTION_BACKENDS; the C++ kernel is built on first use
     engine_id: str = "engine-0"
 
     def __post_init__(self) -> None:
@@ -221,7 +225,9 @@ class EngineConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")

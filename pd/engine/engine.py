@@ -14,6 +14,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -50,9 +51,12 @@ class Engine:
                  tokenizer: Tokenizer | None = None):
         self.config = config
         if config.model_path:
-            model = load_checkpoint(config.model_path, device=config.device)
+            model = load_checkpoint(config.model_path, dtype=config.dtype, device=config.device)
         else:
-            model = build_model(config.model, seed=config.seed, device=config.device)
+            model_config = config.model
+            if config.dtype is not None:
+                model_config = dataclasses.replace(model_config, dtype=config.dtype)
+            model = build_model(model_config, seed=config.seed, device=config.device)
         self.model_config = model.config
         self.tokenizer = tokenizer or ByteTokenizer()
         self.layout = KVLayout(self.model_config, config.block_size)
@@ -91,10 +95,7 @@ class Engine:
                     kv_transfer_params: dict | None = None) -> None:
         params = sampling_params or SamplingParams()
         ids = as_token_ids(prompt_token_ids, self.tokenizer, self.model_config.vocab_size)
-        if len(ids) >= self.config.resolved_max_model_len:
-            raise ValueError(f"request {request_id}: prompt of {len(ids)} tokens leaves no room under "
-                             f"max_model_len={self.config.resolved_max_model_len}")
-        self.check_fits(len(ids) + params.max_tokens, request_id)
+        self.check_fits(len(ids), params.max_tokens, request_id)
         req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
                       kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
         state = RequestState(req, params, params.make_generator())
@@ -107,11 +108,16 @@ class Engine:
             self._pending.append(("add", state))
         self._wake.set()
 
-    def check_fits(self, num_tokens: int, request_id: str = "") -> None:
-        """Raises ValueError for a request whose whole sequence (`num_tokens`, capped at
-        max_model_len) needs more KV blocks than this pool has: it could never be scheduled
-        and would wait forever."""
-        num_tokens = min(num_tokens, self.config.resolved_max_model_len)
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, request_id: str = "") -> None:
+        """The engine's one capacity check. Raises ValueError for a request that could never run
+        here: its prompt leaves no room for a token under max_model_len, or its whole sequence
+        (capped at max_model_len) needs more KV blocks than this pool has (it would wait forever)."""
+        max_model_len = self.config.resolved_max_model_len
+        who = f"request {request_id}: " if request_id else "request "
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(f"{who}prompt of {num_prompt_tokens} tokens leaves no room under "
+                             f"max_model_len={max_model_len}")
+        num_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
         need = 0
         for spec in self._kv_specs:
             blocks = cdiv(num_tokens, spec.block_size)
@@ -119,7 +125,6 @@ class Engine:
             need += min(blocks, cdiv(window, spec.block_size) + 1) if window else blocks
         have = self.page_pool.num_blocks - 1  # block 0 is the null block
         if need > have:
-            who = f"request {request_id}: " if request_id else "request "
             raise ValueError(f"{who}needs {need} KV blocks for {num_tokens} tokens; the pool has {have}")
 
     def abort_request(self, request_id: str) -> None:

@@ -22,6 +22,29 @@ from pd.engine.paged_attention import PagedAttention, SeqSlice, Workspace
 logger = logging.getLogger(__name__)
 
 
+def use_fused_decode(attention_backend: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Resolves an `EngineConfig.attention_backend`: whether decode runs the fused C++ kernel.
+
+    `auto` picks it wherever it is valid and falls back to torch quietly; `fused`
+    where it is not valid raises ValueError saying why (at engine start, never mid-request).
+    """
+    if attention_backend == "torch":
+        return False
+    why = None
+    if dtype != torch.float32:
+        why = f"the model runs in {dtype}, the kernel is float32 only"
+    elif device.type != "cpu":
+        why = f"the model runs on {device}, the kernel is for the CPU"
+    elif cpu_kernels.load() is None:
+        why = "the C++ kernel could not be built here (is a C++ compiler installed? see the log)"
+    if why is None:
+        return True
+    if attention_backend == "fused":
+        raise ValueError(f"attention_backend 'fused' is not usable: {why}; use 'auto' or 'torch'")
+    logger.info("attention_backend auto: using torch (%s)", why)
+    return False
+
+
 class ModelRunner:
     """Owns the model and the typed views of the page pool.
 
@@ -38,14 +61,8 @@ class ModelRunner:
         self.token_rows = layout.token_rows(page_pool)
         self.device = page_pool.device
         self.workspace = Workspace()
-        # "fused": decode tokens use the C++ kernel (float32 on CPU); prefill chunks always use torch.
-        self.fused_decode = False
-        if attention_backend == "fused":
-            usable = layout.dtype == torch.float32 and self.device.type == "cpu"
-            self.fused_decode = usable and cpu_kernels.load() is not None
-            if not self.fused_decode:
-                logger.warning("fused decode attention not usable here (dtype %s, device %s); using torch",
-                               layout.dtype, self.device)
+        # fused: decode tokens use the C++ kernel (float32 on CPU); prefill chunks always use torch.
+        self.fused_decode = use_fused_decode(attention_backend, layout.dtype, self.device)
         # Steps made only of decode tokens skip the per-layer Python path entirely.
         self.fused_decoder = FusedDecoder(model, layout, self.group_views) if self.fused_decode else None
 

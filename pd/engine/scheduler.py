@@ -63,9 +63,8 @@ class Scheduler:
         rid = state.request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if state.request.num_tokens >= self.max_model_len:
-            raise ValueError(f"request {rid}: prompt of {state.request.num_tokens} tokens leaves no room "
-                             f"under max_model_len={self.max_model_len}")
+        # Prompt length and KV capacity were checked at the engine's edge (Engine.check_fits).
+        assert state.request.num_tokens < self.max_model_len, (rid, state.request.num_tokens, self.max_model_len)
         if state.request.kv_transfer_params and self.connector is None:
             logger.warning("request %s carries kv_transfer_params but no connector is configured", rid)
         self.requests[rid] = state
@@ -155,7 +154,8 @@ class Scheduler:
             state = self.waiting[0]
             req = state.request
             hit_blocks, num_local, num_external, load_async = None, 0, 0, False
-            if req.num_computed_tokens == 0:
+            looked_up = req.num_computed_tokens == 0  # else: an async load landed, or a chunked prefill goes on
+            if looked_up:
                 hit_blocks, num_local = self.mgr.get_computed_blocks(req)
                 self.stats.record_prefix_lookup(req.num_tokens, num_local)
                 if self.connector is not None and not state.skip_connector_load:
@@ -183,6 +183,8 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
             req.num_computed_tokens = num_computed
+            if looked_up and req.num_preemptions == 0 and not state.skip_connector_load:  # first admission
+                state.num_cached_tokens = num_local + (0 if load_async else num_external)
             if load_async:
                 state.num_external_tokens = num_external
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -220,6 +222,7 @@ class Scheduler:
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
                 self.stats.num_remote_tokens += state.num_external_tokens
+                state.num_cached_tokens += state.num_external_tokens
                 if req.num_computed_tokens >= req.num_tokens:
                     req.num_computed_tokens = req.num_tokens - 1  # recompute the last token for its logits
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
@@ -243,10 +246,11 @@ class Scheduler:
             req.append_output_token_ids(token)
             reason = self._stop_reason(state, token)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, [token]))
+                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
-            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params))
+            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
+                                         num_cached_tokens=state.num_cached_tokens))
         return outputs
 
     def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:

@@ -37,8 +37,6 @@ from pd.router.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS = {"stopped": "stop", "stop": "stop", "finished_stopped": "stop", "length": "length",
-                   "length_capped": "length", "finished_length_capped": "length"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -221,7 +219,7 @@ class CompletionEndpoints:
                     break
                 if event.finish_reason is not None:
                     new += text.flush()  # the held-back tail may itself complete a stop string
-                    finish = "stop" if text.stopped else _FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+                    finish = "stop" if text.stopped else event.finish_reason
                     yield Piece(new, event.token_ids, finish)
                     break
                 if event.token_ids:

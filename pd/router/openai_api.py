@@ -23,6 +23,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from pd.cluster.messages import Sampling
+from pd.cluster.schema import describe
+
 MAX_STOP_SEQUENCES = 8
 MAX_NEW_TOKENS = 1 << 20
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -176,11 +179,14 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_tokens: int) -> dict:
+    def sampling(self, max_tokens: int) -> Sampling:
         """The worker's sampling parameters (router <-> worker message)."""
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": max(0, self.top_k), "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "ignore_eos": self.ignore_eos}
+        try:
+            return Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                            top_k=max(0, self.top_k), seed=self.seed, stop_token_ids=list(self.stop_token_ids),
+                            ignore_eos=self.ignore_eos)
+        except ValidationError as exc:  # a value this parser let through but no worker takes
+            raise APIError(400, describe(exc)) from None
 
 
 class CompletionRequest(_SamplingRequest):

@@ -3,9 +3,11 @@
 Guarantees:
 - every call has a timeout: connect, stall (no byte for `stall_timeout_s`)
   and total; none can hang the router;
-- failures surface as `WorkerCallError` carrying the cause (`connect`,
-  `timeout`, `stream`, `http_<status>`, `worker_error`), so the router can tell
-  a dead worker from a bad request;
+- failures surface as `WorkerCallError` carrying a `CallCause` (and the HTTP
+  status where there was one), so the router can tell a dead worker from a
+  bad request;
+- requests are built and events parsed with `pd.cluster.messages`: an event
+  that does not validate is a broken stream, never half-read;
 - leaving a `generate` stream early closes the connection, which makes the
   worker abort the request and free its blocks.
 """
@@ -13,24 +15,46 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import enum
 import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
+from pydantic import ValidationError
+
+from pd.cluster.messages import GenerateRequest, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 
+class CallCause(str, enum.Enum):
+    """Why a call to a worker failed (also the `cause` label of the failure metric)."""
+
+    CONNECT = "connect"  # no connection (the worker is down or unreachable)
+    TIMEOUT = "timeout"  # no answer, or no byte for the stall timeout
+    STREAM = "stream"  # the stream broke, ended early or carried a malformed event
+    REFUSED = "refused"  # HTTP 4xx: the worker refused this request (bad input for it)
+    HTTP_ERROR = "http_error"  # any other non-200 answer
+    WORKER_ERROR = "worker_error"  # the worker reported an error in-band
+
+
+_UNREACHABLE = frozenset({CallCause.CONNECT, CallCause.STREAM, CallCause.TIMEOUT})
+
+
 class WorkerCallError(RuntimeError):
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: CallCause, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.cause = cause
+        self.status = status  # the HTTP status of REFUSED / HTTP_ERROR
+
+    @classmethod
+    def for_status(cls, status: int, message: str) -> WorkerCallError:
+        return cls(CallCause.REFUSED if 400 <= status < 500 else CallCause.HTTP_ERROR, message, status)
 
     @property
     def worker_unreachable(self) -> bool:
         """True when the worker itself looks gone, not just this request."""
-        return self.cause in ("connect", "stream", "timeout")
+        return self.cause in _UNREACHABLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,48 +80,51 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, payload: dict) -> AsyncIterator[dict]:
+    async def generate(self, url: str, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Streams the worker's events for one request; the last has `finished`."""
         t = self._timeouts
         timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.stall_s)
+        body = request.model_dump_json(exclude_none=True).encode()
         finished = False
         try:
-            async with self._session.post(f"{url}/internal/generate", json=payload, timeout=timeout) as resp:
+            async with self._session.post(f"{url}/internal/generate", data=body, timeout=timeout,
+                                          headers={"Content-Type": "application/json"}) as resp:
                 if resp.status != 200:
-                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
+                    raise WorkerCallError.for_status(resp.status, await _error_text(resp))
                 while True:
                     line = await resp.content.readline()
                     if not line:
                         break
-                    event = json.loads(line)
-                    if event.get("error"):
-                        raise WorkerCallError("worker_error", str(event["error"]))
-                    finished = bool(event.get("finished"))
+                    event = TokenEvent.model_validate_json(line)
+                    if event.error:
+                        raise WorkerCallError(CallCause.WORKER_ERROR, event.error)
+                    finished = event.finished
                     yield event
                     if finished:
                         return
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            raise WorkerCallError("connect" if not finished else "stream", f"{type(exc).__name__}: {exc}") from None
+            cause = CallCause.CONNECT if not finished else CallCause.STREAM
+            raise WorkerCallError(cause, f"{type(exc).__name__}: {exc}") from None
         except asyncio.TimeoutError:
-            raise WorkerCallError("timeout", f"no answer from {url} within the timeout") from None
+            raise WorkerCallError(CallCause.TIMEOUT, f"no answer from {url} within the timeout") from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientOSError, ConnectionError) as exc:
-            raise WorkerCallError("stream", f"stream from {url} broke: {type(exc).__name__}: {exc}") from None
-        except json.JSONDecodeError:
-            raise WorkerCallError("stream", f"malformed event from {url}") from None
+            raise WorkerCallError(CallCause.STREAM, f"stream from {url} broke: {type(exc).__name__}: {exc}") from None
+        except ValidationError as exc:
+            raise WorkerCallError(CallCause.STREAM, f"malformed event from {url}: {exc.errors()[0]['msg']}") from None
         if not finished:
-            raise WorkerCallError("stream", f"stream from {url} ended before the request finished")
+            raise WorkerCallError(CallCause.STREAM, f"stream from {url} ended before the request finished")
 
     async def get_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
         try:
             async with self._session.get(f"{url}{path}", timeout=timeout) as resp:
                 if resp.status != 200:
-                    raise WorkerCallError(f"http_{resp.status}", await _error_text(resp))
+                    raise WorkerCallError.for_status(resp.status, await _error_text(resp))
                 return await resp.json()
         except asyncio.TimeoutError:
-            raise WorkerCallError("timeout", f"{url}{path}: no answer within {timeout.total}s") from None
+            raise WorkerCallError(CallCause.TIMEOUT, f"{url}{path}: no answer within {timeout.total}s") from None
         except aiohttp.ClientError as exc:
-            raise WorkerCallError("connect", f"{url}{path}: {type(exc).__name__}: {exc}") from None
+            raise WorkerCallError(CallCause.CONNECT, f"{url}{path}: {type(exc).__name__}: {exc}") from None
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:

@@ -31,7 +31,7 @@ from pd.engine.sampling import SamplingParams
 BENCH_MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=8,
                           num_heads=8, num_kv_heads=4, max_position_embeddings=4096,
                           bos_token_id=1, eos_token_id=2)
-ATTENTION = "fused"  # the C++ decode kernel; the engine falls back to torch where it cannot be built
+ATTENTION = "auto"  # the C++ decode kernel wherever it is valid, else torch (as serving runs)
 TINY_MODEL = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2)
 

@@ -1,12 +1,10 @@
-"""Fault injection inside a worker: named points of the request lifecycle, plus
-KV pulls routed through a `FaultLink` for connector-level faults.
+"""Fault injection inside a worker: the runtime half of the fault kit.
 
-Points (`WORKER_POINTS`, used with `connectors.faults` rule syntax):
-- `worker.request_received`: a generate request was accepted, before the engine sees it;
-- `worker.prefill_done`: a prefill worker has its answer (kv_transfer_params) but has not sent it;
-- `worker.decode_token`: a worker is about to stream a token event (`after=N` picks the N+1-th);
-plus every `connectors.fault_link.LINK_POINTS` point: a decode worker then pulls
-KV through a FaultLink of its own, and a `kill` there ends the worker mid-transfer.
+Which points and actions exist, and how a plan is parsed, lives in
+`pd.cluster.fault_rules` (pure, so the deploy config checks plans without
+loading zmq). Here: a decode worker with link points in its plan pulls KV
+through a `FaultLink` of its own, and a `kill` there ends the worker
+mid-transfer.
 
 Actions at worker points: `kill` ends the process at once (`os._exit`, as a
 crash would: no cleanup, no goodbye), `delay`/`stall` pause the request.
@@ -22,24 +20,14 @@ import logging
 import os
 
 from connectors.fault_link import LINK_POINTS, FaultLink
-from connectors.faults import FaultAction, FaultPlan, FaultSpecError
+from connectors.faults import FaultAction, FaultPlan
+from pd.cluster.fault_rules import ALL_POINTS, WORKER_POINTS, parse_worker_faults
+
+__all__ = ["ALL_POINTS", "WORKER_POINTS", "WorkerFaults", "die", "parse_worker_faults"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
-ALL_POINTS = WORKER_POINTS | LINK_POINTS
-_WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
 KILL_EXIT_CODE = 137
-
-
-def parse_worker_faults(spec: str | None) -> FaultPlan | None:
-    """Parses a worker's plan (config value, else `PDKV_FAULTS`); raises FaultSpecError."""
-    plan = FaultPlan.parse(spec, ALL_POINTS) if spec else FaultPlan.from_env(ALL_POINTS)
-    if plan is not None:
-        for rule in plan.rules:
-            if rule.point in WORKER_POINTS and rule.action not in _WORKER_ACTIONS:
-                raise FaultSpecError(f"fault rule {rule}: worker points take {[a.value for a in _WORKER_ACTIONS]}")
-    return plan
 
 
 def die() -> None:

@@ -1,9 +1,8 @@
 """A worker's internal HTTP API (router -> worker), on aiohttp.
 
 Endpoints (all require `Authorization: Bearer <deployment secret>`):
-- `POST /internal/generate`: JSON `{request_id, prompt_token_ids, sampling, kv_transfer_params}`
-  in, NDJSON out: one `{"token_ids": [...], "finished": bool, "finish_reason", "kv_transfer_params",
-  "error"}` object per line, the last one with `finished: true`;
+- `POST /internal/generate`: a `pd.cluster.messages.GenerateRequest` (JSON) in, NDJSON out:
+  one `TokenEvent` per line, the last one with `finished: true`;
 - `GET /internal/health`: liveness and identity;
 - `GET /internal/stats`: engine, KV cache and transfer figures (`?audit=1`: with a pool audit);
 - `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references.
@@ -26,6 +25,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pd.cluster.messages import TokenEvent
+
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -40,7 +41,7 @@ class JobHandler(Protocol):
 
     def parse_job(self, body: Any) -> Any: ...
     def release_remote(self, body: Any) -> None: ...
-    def generate(self, job: Any) -> AsyncIterator[dict]: ...
+    def generate(self, job: Any) -> AsyncIterator[TokenEvent]: ...
     def abort(self, request_id: str) -> None: ...
     def health(self) -> dict: ...
     def stats(self, audit: bool = False) -> dict: ...
@@ -110,16 +111,16 @@ class WorkerHTTPServer:
         finished = False
         try:
             async for event in self._worker.generate(job):
-                finished = bool(event.get("finished"))
-                await response.write(json.dumps(event).encode() + b"\n")
+                finished = event.finished
+                await response.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("request %s: router went away, aborting", job.request_id)
             raise
         except Exception as exc:  # the stream has started: report in-band, never hang the router
             logger.exception("request %s failed", job.request_id)
             if not finished:
-                await _write_quietly(response, {"token_ids": [], "finished": True, "finish_reason": "error",
-                                                "kv_transfer_params": None, "error": f"{type(exc).__name__}: {exc}"})
+                await _write_quietly(response, TokenEvent(finished=True, finish_reason="error",
+                                                          error=f"{type(exc).__name__}: {exc}"))
         finally:
             if not finished:
                 self._worker.abort(job.request_id)
@@ -127,8 +128,8 @@ class WorkerHTTPServer:
         return response
 
 
-async def _write_quietly(response: web.StreamResponse, event: dict[str, Any]) -> None:
+async def _write_quietly(response: web.StreamResponse, event: TokenEvent) -> None:
     try:
-        await response.write(json.dumps(event).encode() + b"\n")
+        await response.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
     except ConnectionError:
         pass

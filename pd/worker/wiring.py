@@ -45,6 +45,8 @@ def engine_config_for(spec) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(**arch),
         model_path=cfg.model.path,
+        dtype=cfg.model.dtype,  # the serving dtype, also for a checkpoint stored in another one
+        attention_backend=cfg.model.attention_backend,
         seed=cfg.model.seed,
         block_size=cfg.cache.block_size,
         kv_cache_bytes=int(cfg.cache.kv_memory_mb * 1024 * 1024),
@@ -83,27 +85,16 @@ def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     Every worker of a deployment gets the same `model_id` and secret, so the
     connector's handshake accepts exactly the peers of this deployment.
     """
-    from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+    from connectors.zmq_connector import KVRole, ZmqConnector
     from pd.engine.checkpoint import load_config
     from pd.engine.kv_layout import KVLayout
 
     cfg = spec.config
-    model_config = load_config(cfg.model.path) if cfg.model.path else engine_config.model
+    model_config = load_config(cfg.model.path, dtype=engine_config.dtype) if cfg.model.path else engine_config.model
     groups = KVLayout(model_config, engine_config.block_size).kv_cache_groups()
     role = KVRole.PRODUCER if spec.role is Role.PREFILL else KVRole.CONSUMER
-    connector_config = ZmqConnectorConfig(
-        engine_id=engine_config.engine_id,
-        role=role,
-        secret=spec.secret,
-        model_id=_model_id(cfg),
-        host=spec.host,
-        port=cfg.transfer.port,
-        lease_s=cfg.transfer.lease_s,
-        handshake_timeout_s=min(5.0, cfg.transfer.timeout_s),
-        transfer_timeout_s=cfg.transfer.timeout_s,
-        io_timeout_s=min(5.0, cfg.transfer.timeout_s),
-        data_path=cfg.transfer.data_path,
-    )
+    connector_config = cfg.transfer.transfer_settings().connector_config(
+        engine_id=engine_config.engine_id, role=role, secret=spec.secret, model_id=_model_id(cfg), host=spec.host)
     return ZmqConnector(connector_config, groups)
 
 

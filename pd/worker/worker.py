@@ -23,10 +23,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import KV_PARAM_KEYS
+from pydantic import ValidationError
+
 from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.messages import GenerateRequest, KVTransferParams, TokenEvent
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
+from pd.cluster.schema import describe
 from pd.engine.sampling import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer
 
@@ -64,9 +67,6 @@ class GenerateJob:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     kv_transfer_params: dict | None
-
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class Worker:
@@ -107,37 +107,22 @@ class Worker:
 
     # -- requests ---------------------------------------------------------
     def parse_job(self, body: Any) -> GenerateJob:
-        """Validates an internal generate request; raises ValueError naming the field."""
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        ids = body.get("prompt_token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a non-empty list of integers")
-        sampling = body.get("sampling") or {}
-        if not isinstance(sampling, dict) or set(sampling) - _SAMPLING_FIELDS:
-            raise ValueError(f"sampling must be an object with keys from {sorted(_SAMPLING_FIELDS)}")
-        params = body.get("kv_transfer_params")
-        if params is not None and (not isinstance(params, dict) or set(params) - set(KV_PARAM_KEYS)):
-            raise ValueError(f"kv_transfer_params must be an object with keys from {list(KV_PARAM_KEYS)}")
-        if params and params.get("do_remote_prefill") and self.spec.role is not Role.DECODE:
-            raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
-        if params and params.get("do_remote_decode") and self.spec.role is not Role.PREFILL:
-            raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
+        """Validates an internal generate request (`GenerateRequest`) against this worker's role
+        and capacity; raises ValueError naming the field. The one check at the worker's edge."""
         try:
-            sp = SamplingParams(**{k: (tuple(v) if k == "stop_token_ids" else v) for k, v in sampling.items()})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"sampling: {exc}") from None
-        self._check_fits(len(ids) + sp.max_tokens)
-        return GenerateJob(request_id, tuple(ids), sp, params)
-
-    def _check_fits(self, num_tokens: int) -> None:
-        """Refuses a request whose whole sequence can never fit in this worker's KV pool
-        (it would wait for blocks forever, keeping its producer's lease alive)."""
+            request = GenerateRequest.model_validate(body)
+        except ValidationError as exc:
+            raise ValueError(describe(exc)) from None
+        params = request.kv_transfer_params
+        if params is not None and params.do_remote_prefill and self.spec.role is not Role.DECODE:
+            raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
+        if params is not None and params.do_remote_decode and self.spec.role is not Role.PREFILL:
+            raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
+        sampling = request.sampling
         if self._engine is not None:
-            self._engine.check_fits(num_tokens)
+            self._engine.check_fits(len(request.prompt_token_ids), sampling.max_tokens, request.request_id)
+        return GenerateJob(request.request_id, tuple(request.prompt_token_ids), sampling.to_params(),
+                           params.to_dict() if params is not None else None)
 
     def release_remote(self, body: Any) -> None:
         """Tells the producer named in a refused request's kv_transfer_params to free its
@@ -147,7 +132,7 @@ class Worker:
         if self._connector is not None and isinstance(params, dict):
             self._connector.release_remote(params)
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[dict]:
+    async def generate(self, job: GenerateJob) -> AsyncIterator[TokenEvent]:
         """Yields one event per engine output for the request (see `pd.worker.http_api`)."""
         engine = self._require_engine()
         faults = self._faults
@@ -160,14 +145,12 @@ class Worker:
             if faults is not None:
                 await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
                                 else "worker.decode_token")
-            yield {
-                "token_ids": list(out.new_token_ids),
-                "finished": bool(out.finished),
-                "finish_reason": _reason_name(out.finish_reason),
-                "kv_transfer_params": out.kv_transfer_params if out.finished else None,
-                "error": out.error,
-                "error_cause": out.error_cause.value if out.error_cause is not None else None,
-            }
+            params = out.kv_transfer_params if out.finished else None
+            yield TokenEvent(token_ids=list(out.new_token_ids), finished=out.finished,
+                             finish_reason=_reason_name(out.finish_reason),
+                             kv_transfer_params=KVTransferParams(**params) if params else None,
+                             error=out.error, num_cached_tokens=out.num_cached_tokens,
+                             error_cause=out.error_cause.value if out.error_cause is not None else None)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request whose consumer went away (counted in stats as `num_aborted`)."""

@@ -1,0 +1,60 @@
+"""The user-facing KV transfer settings, and the one place the connector's timeouts derive from them.
+
+A deployment exposes a handful of transfer knobs (`TransferSettings`); the
+ZMQ connector has more (handshake, per-I/O, whole-transfer timeouts, the
+heartbeat interval). `connector_config` maps the few onto the many, so every
+derived timeout is declared here once, not by each caller.
+
+This module imports neither zmq nor torch until `connector_config` is called.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    from connectors.zmq_connector import KVRole, ZmqConnectorConfig
+
+# A handshake or a single socket I/O that takes longer than this is a dead peer, however long
+# a whole transfer may take: waiting longer only delays the fallback to local recompute.
+MAX_STEP_TIMEOUT_S = 5.0
+HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
+DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.consumer.DataPath)
+DATA_PATHS = get_args(DataPathName)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSettings:
+    """What a deployment sets: side-channel port, the whole-transfer timeout, the producer's
+    lease on blocks a consumer has not pulled yet, and the data path."""
+
+    port: int = 0  # 0: any free port (reported in kv_transfer_params)
+    timeout_s: float = 10.0
+    lease_s: float = 30.0
+    data_path: DataPathName = "auto"  # auto: shared memory to a producer on the same host, else tcp
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be a TCP port (0 = any free), got {self.port}")
+        if self.timeout_s <= 0 or self.lease_s <= 0:
+            raise ValueError("timeout_s and lease_s must be positive")
+        if self.data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+
+    @property
+    def step_timeout_s(self) -> float:
+        """Handshake and single-I/O timeout: never longer than the whole transfer."""
+        return min(MAX_STEP_TIMEOUT_S, self.timeout_s)
+
+    def connector_config(self, *, engine_id: str, role: KVRole, secret: str | bytes, model_id: str,
+                         host: str) -> ZmqConnectorConfig:
+        """The ZMQ connector's full config for one engine of the deployment."""
+        from connectors.consumer import DataPath
+        from connectors.zmq_connector import ZmqConnectorConfig
+
+        return ZmqConnectorConfig(
+            engine_id=engine_id, role=role, secret=secret.encode() if isinstance(secret, str) else secret,
+            model_id=model_id, host=host, port=self.port,
+            lease_s=self.lease_s, heartbeat_interval_s=self.lease_s / HEARTBEATS_PER_LEASE,
+            handshake_timeout_s=self.step_timeout_s, transfer_timeout_s=self.timeout_s,
+            io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path))

@@ -1,0 +1,30 @@
+"""Which fault-injection rules a worker accepts: point names and actions, checked without side effects.
+
+Points (`WORKER_POINTS`, used with `connectors.faults` rule syntax):
+- `worker.request_received`: a generate request was accepted, before the engine sees it;
+- `worker.prefill_done`: a prefill worker has its answer (kv_transfer_params) but has not sent it;
+- `worker.decode_token`: a worker is about to stream a token event (`after=N` picks the N+1-th);
+plus every `connectors.fault_points.LINK_POINTS` point (fired by a FaultLink in
+front of the producer a decode worker pulls from).
+
+This is the pure half of the fault kit: the deploy config validates plans
+with it, and `pd.worker.faults` applies them (it alone imports the link and zmq).
+"""
+from __future__ import annotations
+
+from connectors.fault_points import LINK_POINTS
+from connectors.faults import FaultAction, FaultPlan, FaultSpecError
+
+WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
+ALL_POINTS = WORKER_POINTS | LINK_POINTS
+WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
+
+
+def parse_worker_faults(spec: str | None) -> FaultPlan | None:
+    """Parses a worker's plan (the config value, else `PDKV_FAULTS`); raises FaultSpecError."""
+    plan = FaultPlan.parse(spec, ALL_POINTS) if spec else FaultPlan.from_env(ALL_POINTS)
+    if plan is not None:
+        for rule in plan.rules:
+            if rule.point in WORKER_POINTS and rule.action not in WORKER_ACTIONS:
+                raise FaultSpecError(f"fault rule {rule}: worker points take {[a.value for a in WORKER_ACTIONS]}")
+    return plan

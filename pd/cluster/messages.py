@@ -1,0 +1,92 @@
+"""The router <-> worker messages: one generate request in, NDJSON token events out.
+
+    POST /internal/generate   GenerateRequest (JSON)
+    <- one TokenEvent per line (NDJSON); the last has `finished: true`
+
+Both sides build and parse these models, so the wire format is declared once.
+Guarantees (from `StrictModel`): unknown keys are refused, booleans are real
+booleans, ints are ints and within the ranges below; a message that does not
+validate raises `pydantic.ValidationError`, which `describe()` words with the
+field's path (`sampling.ignore_eos: expected bool, got int 1`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field
+
+from pd.cluster.schema import StrictModel
+
+if TYPE_CHECKING:  # the router uses these models too, and it never imports torch
+    from pd.engine.sampling import SamplingParams
+
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+BlockId = Annotated[int, Field(ge=0, lt=1 << 31)]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Sampling(StrictModel):
+    """A request's decoding parameters (the engine's `SamplingParams`, on the wire)."""
+
+    max_tokens: int = Field(16, ge=1, le=1 << 24)
+    temperature: float = Field(0.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1 << 31, description="0 = disabled")
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_params(self) -> SamplingParams:
+        from pd.engine.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+
+
+class KVTransferParams(StrictModel):
+    """The per-request transfer fields (vLLM's names, `connectors.base.KV_PARAM_KEYS`).
+
+    Only their types are checked here; whether they describe a usable remote
+    prefill is the connector's judgement (`connectors.params`): a request whose
+    params do not is computed locally, never half-trusted.
+    """
+
+    do_remote_prefill: bool | None = None
+    do_remote_decode: bool | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = Field(None, ge=0, le=65535)
+    remote_request_id: str | None = None
+    remote_block_ids: list[list[BlockId]] | None = None
+    remote_num_tokens: int | None = Field(None, ge=0)
+
+    def to_dict(self) -> dict:
+        """The fields that are set, as the connector reads them."""
+        return self.model_dump(exclude_none=True)
+
+
+class GenerateRequest(StrictModel):
+    """One prompt to run on a worker (prefill, decode, or both)."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class TokenEvent(StrictModel):
+    """What one engine step produced for one request, as the worker streams it.
+
+    `num_cached_tokens`: prompt tokens this worker did not compute itself (its
+    prefix cache hit plus the tokens pulled from a prefill worker); the same on
+    every event of a request once it is scheduled, 0 before.
+    """
+
+    token_ids: list[TokenId] = Field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    error: str | None = None
+    error_cause: str | None = None  # why a KV load ended the request (connectors.metrics.FailureCause value)
+    num_cached_tokens: int = Field(0, ge=0)
