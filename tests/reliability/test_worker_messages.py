@@ -73,14 +73,17 @@ def test_num_cached_tokens_on_a_prefix_hit(colocated_dep):
     dep.wait_all_free()
 
 
-def test_num_cached_tokens_counts_the_tokens_pulled_from_prefill():
+def test_num_cached_tokens_in_pd_are_the_prefill_workers_cache_hits():
+    """Through the router's dispatcher, a P/D request's cached tokens are what P did not compute
+    (its prefix-cache hit), not the tokens D pulled: the prompt was computed once, on P."""
     with LocalDeployment(local_config()) as dep:
         sampling = Sampling(max_tokens=4, ignore_eos=True)
-        events = dep.run(_stream(dep, "pd1", PROMPT, sampling))
-        assert events[-1].finished and events[-1].finish_reason == "length"
-        # D pulled the whole prompt's KV from P: every prompt token was served, none computed on D
-        assert {e.num_cached_tokens for e in events} == {len(PROMPT)}
-        assert sum(len(e.token_ids) for e in events) == 4
+        first = dep.run(_stream(dep, "pd1", PROMPT, sampling))
+        second = dep.run(_stream(dep, "pd2", PROMPT, sampling))
+        assert first[-1].finished and first[-1].finish_reason == "length"
+        assert {e.num_cached_tokens for e in first} == {0}
+        assert {e.num_cached_tokens for e in second} == {32}  # the two full blocks P cached the first time
+        assert [t for e in first for t in e.token_ids] == [t for e in second for t in e.token_ids]
         dep.wait_all_free()
 
 
