@@ -29,6 +29,9 @@ def _log_hist(ax, values_ms: list[float], title: str, color: str) -> None:
     edges = [lo * (hi / lo) ** (i / num_bins) for i in range(num_bins + 1)]
     ax.hist(positive, bins=edges, color=color, alpha=0.85)
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())  # a narrow range: minor labels would overlap
     for q, style in ((50, "-"), (99, "--")):
         ax.axvline(percentile(positive, q), color="#d8543b", linestyle=style, label=f"p{q}")
     ax.set_xlabel("ms (log)")
