@@ -13,6 +13,14 @@
 #                           `ray get-auth-token` prints it there).
 #   RAY_AUTH_MODE=disabled  for a cluster started with RAY_AUTH_MODE=disabled.
 # Other settings: RAY_JOB_ADDRESS (dashboard URL, default http://127.0.0.1:8265).
+#
+# How pdkv reaches the cluster (PDKV_INSTALL):
+#   source  (default) the repository is the job's working_dir: pd/ is importable from it; the
+#           cluster's Python must already have pdkv's dependencies (e.g. deploy/Dockerfile's image).
+#   wheel   for a cluster where pdkv is not installed: builds pdkv's wheel here, ships it with
+#           deploy/ as the working_dir, and has Ray's pip runtime_env install it (with the extras in
+#           PDKV_EXTRAS, default "model") into the job's own virtualenv on every node; pip fetches
+#           whichever dependencies that node's Python lacks.
 set -euo pipefail
 
 CONFIG="${1:-deploy/local.yaml}"
@@ -35,7 +43,20 @@ case "$RAY_AUTH_MODE" in
 esac
 
 ADDRESS="${RAY_JOB_ADDRESS:-http://127.0.0.1:8265}"
-echo "submitting $CONFIG to $ADDRESS (RAY_AUTH_MODE=$RAY_AUTH_MODE)" >&2
-exec ray job submit --address "$ADDRESS" --working-dir . \
-  --runtime-env-json '{"excludes": [".git", "results", "*.png", "__pycache__"]}' \
+INSTALL="${PDKV_INSTALL:-source}"
+case "$INSTALL" in
+  source)
+    WORKING_DIR=.
+    RUNTIME_ENV='{"excludes": [".git", "results", "*.png", "__pycache__", "build", "dist"]}' ;;
+  wheel)
+    WORKING_DIR="$(mktemp -d)"
+    trap 'rm -rf "$WORKING_DIR"' EXIT
+    python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$WORKING_DIR" . >&2
+    cp -r deploy "$WORKING_DIR/deploy"
+    WHEEL="$(cd "$WORKING_DIR" && ls pdkv-*.whl)"
+    RUNTIME_ENV="{\"pip\": [\"\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$WHEEL[${PDKV_EXTRAS:-model}]\"]}" ;;
+  *) echo "submit.sh: PDKV_INSTALL must be 'source' or 'wheel', got '$INSTALL'" >&2; exit 2 ;;
+esac
+echo "submitting $CONFIG to $ADDRESS (RAY_AUTH_MODE=$RAY_AUTH_MODE, PDKV_INSTALL=$INSTALL)" >&2
+ray job submit --address "$ADDRESS" --working-dir "$WORKING_DIR" --runtime-env-json "$RUNTIME_ENV" \
   -- python -m pd.launch --config "$CONFIG" "$@"

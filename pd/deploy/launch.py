@@ -18,11 +18,14 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import ray
+
+import pd
 
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
@@ -32,6 +35,7 @@ from pd.router.server import Router
 logger = logging.getLogger(__name__)
 
 ROUTER_START_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 1800.0
 
 
 class Deployment:
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                  else f"colocated x{topo.num_colocated}")
         print(f"pdkv router ({shape}, model {config.model.name}) serving at {url}", flush=True)
         if args.run_load:
-            rc = _run_load(url, args)
+            rc = _run_load(url, args, config.router.api_key)
             audits = deployment.pool_audits()
             leaks = {wid: a.get("detail") or a for wid, a in audits.items() if not a.get("all_free")}
             print(f"KV pools after the run: {'all free' if not leaks else 'NOT all free'} "
@@ -193,17 +197,33 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
 
-def _run_load(url: str, args: argparse.Namespace) -> int:
-    from pd.tools import loadgen
+def _run_load(url: str, args: argparse.Namespace, api_key: str | None) -> int:
+    """Runs `python -m pd.loadgen` against the deployment, in its own process.
 
-    load_args = ["--url", url, "--dataset", "shared-prefix", "--num-prompts", str(args.num_prompts),
-                 "--request-rate", args.request_rate, "--input-len", "48:96", "--output-len", "8:24",
-                 "--max-concurrency", "8", "--seed", "0"]
+    Not in this process: here the router's event loop would share the GIL with
+    the load generator's, read the workers' token lines late and in batches, and
+    the client would see tokens arrive in bursts that the server never made."""
+    load_args = ["--base-url", url, "--dataset-name", "prefix_repetition", "--num-prompts", str(args.num_prompts),
+                 "--request-rate", args.request_rate, "--prefix-repetition-prefix-len", "32",
+                 "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
+                 "--prefix-repetition-output-len", "16", "--max-concurrency", "8", "--seed", "0",
+                 "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                 "--metric-percentiles", "50,90,99", "--disable-tqdm"]
     if args.result_json:
-        load_args += ["--result-json", args.result_json]
+        load_args += ["--save-result", "--save-detailed", "--result-filename", args.result_json]
     if args.plot:
         load_args += ["--plot", args.plot]
-    return loadgen.main(load_args)
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pd.__file__)))  # the copy of pdkv this launch runs
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key  # in the environment, not on a command line others can read
+    try:
+        return subprocess.run([sys.executable, "-m", "pd.loadgen", *load_args], env=env,
+                              timeout=LOAD_TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        print(f"error: the load run took more than {LOAD_TIMEOUT_S:.0f} s", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

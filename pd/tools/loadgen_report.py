@@ -1,12 +1,16 @@
-"""Benchmark figures from per-request records: latency percentiles, throughput,
-goodput, the workers' transfer figures, and PNG plots.
+"""Benchmark figures from per-request records, with `vllm bench serve`'s names.
 
-Definitions (the ones `vllm bench serve` users know):
-- TTFT: send -> first streamed chunk with text; E2EL: send -> last chunk;
+Definitions (vLLM's):
+- TTFT: send -> first streamed chunk with a choice; E2EL: send -> last chunk;
 - TPOT per request: (E2EL - TTFT) / (output tokens - 1), requests with more
   than one output token only (a 1-token request counts TPOT 0 for goodput);
 - ITL: every gap between successive chunks, pooled over requests;
 - goodput: completed requests per second that meet *every* SLO given.
+The result is flat: `mean_ttft_ms`, `median_itl_ms`, `p99_tpot_ms`, ... for the
+metrics in `--percentile-metrics` and the percentiles in `--metric-percentiles`.
+pdkv adds, beside them, how bursty delivery was (`itl_gaps_under_1ms`,
+`itl_gaps_under_1ms_share`, `mean_tokens_per_chunk`) and the workers' KV
+transfer figures (`pdkv_kv_*`, from two `/metrics` scrapes).
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import statistics
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+BURST_GAP_S = 1e-3  # gaps below this are tokens delivered in a burst, not one per engine step
 
 
 @dataclasses.dataclass
@@ -29,6 +34,9 @@ class RequestRecord:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     itl_s: list[float] = dataclasses.field(default_factory=list)
+    start_time: float = 0.0  # s after the run started
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # s after the run started, per chunk
+    generated_text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -47,37 +55,73 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarise_ms(values_s: list[float]) -> dict[str, float]:
-    ms = [v * 1000.0 for v in values_s]
-    out = {"mean": statistics.fmean(ms) if ms else 0.0, "median": percentile(ms, 50)}
-    for q in PERCENTILES[1:]:
-        out[f"p{q}"] = percentile(ms, q)
-    return out
+def percentile_key(q: float) -> str:
+    """vLLM's spelling: 99 -> 'p99', 99.9 -> 'p99.9'."""
+    return f"p{int(q)}" if int(q) == q else f"p{q}"
 
 
-def compute_metrics(records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float]) -> dict:
+def metric_values_s(records: list[RequestRecord]) -> dict[str, list[float]]:
+    done = [r for r in records if r.success]
+    return {"ttft": [r.ttft_s for r in done],
+            "tpot": [t for t in (r.tpot_s for r in done) if t is not None],
+            "itl": [g for r in done for g in r.itl_s],
+            "e2el": [r.latency_s for r in done]}
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float],
+                    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+                    percentiles: tuple[float, ...] = (99.0,)) -> dict:
+    """The run's figures as one flat dict with vLLM's key names (plus pdkv's burst figures)."""
     done = [r for r in records if r.success]
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_tokens for r in done)
     duration_s = max(duration_s, 1e-9)
     good = [r for r in done if _meets(r, slos_ms)] if slos_ms else done
-    return {
+    out = {
+        "duration": duration_s,
         "completed": len(done),
         "failed": len(records) - len(done),
-        "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(done) / duration_s,
+        "request_goodput": len(good) / duration_s if slos_ms else None,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
-        "request_goodput": len(good) / duration_s if slos_ms else None,
-        "slos_ms": slos_ms,
-        "ttft_ms": summarise_ms([r.ttft_s for r in done]),
-        "tpot_ms": summarise_ms([t for t in (r.tpot_s for r in done) if t is not None]),
-        "itl_ms": summarise_ms([g for r in done for g in r.itl_s]),
-        "e2el_ms": summarise_ms([r.latency_s for r in done]),
-        "errors": sorted({r.error for r in records if r.error})[:10],
+        **_peaks(done),
     }
+    values = metric_values_s(records)
+    for name in percentile_metrics:
+        ms = [v * 1000.0 for v in values[name]]
+        out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
+        out[f"median_{name}_ms"] = percentile(ms, 50)
+        out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
+        for q in percentiles:
+            out[f"{percentile_key(q)}_{name}_ms"] = percentile(ms, q)
+    gaps = values["itl"]
+    num_chunks = sum(len(r.chunk_times) for r in done)
+    out.update({
+        "num_itl_gaps": len(gaps),
+        "itl_gaps_under_1ms": sum(g < BURST_GAP_S for g in gaps),
+        "itl_gaps_under_1ms_share": sum(g < BURST_GAP_S for g in gaps) / len(gaps) if gaps else 0.0,
+        "mean_tokens_per_chunk": total_out / num_chunks if num_chunks else 0.0,
+        "goodput_slos_ms": slos_ms,
+        "error_samples": sorted({r.error for r in records if r.error})[:10],
+    })
+    return out
+
+
+def _peaks(done: list[RequestRecord]) -> dict:
+    """Peak output tokens/s over 1 s buckets, and requests in flight at that peak."""
+    buckets: dict[int, float] = {}
+    for r in done:
+        per_chunk = r.output_tokens / len(r.chunk_times) if r.chunk_times else 0.0
+        for t in r.chunk_times:
+            buckets[int(t)] = buckets.get(int(t), 0.0) + per_chunk
+    if not buckets:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    peak = max(buckets, key=buckets.get)
+    in_flight = sum(1 for r in done if r.start_time < peak + 1 and r.start_time + r.latency_s >= peak)
+    return {"max_output_tokens_per_s": buckets[peak], "max_concurrent_requests": in_flight}
 
 
 def _meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
@@ -158,60 +202,58 @@ def _bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return lower
 
 
-def format_report(metrics: dict, transfer: dict) -> str:
-    lines = ["", "=" * 22 + " pdkv load report " + "=" * 22]
-    lines.append(f"{'Successful requests:':<36}{metrics['completed']:>12}")
-    lines.append(f"{'Failed requests:':<36}{metrics['failed']:>12}")
-    lines.append(f"{'Benchmark duration (s):':<36}{metrics['duration_s']:>12.2f}")
-    lines.append(f"{'Total input tokens:':<36}{metrics['total_input_tokens']:>12}")
-    lines.append(f"{'Total generated tokens:':<36}{metrics['total_output_tokens']:>12}")
-    lines.append(f"{'Request throughput (req/s):':<36}{metrics['request_throughput']:>12.2f}")
-    lines.append(f"{'Output token throughput (tok/s):':<36}{metrics['output_throughput']:>12.2f}")
-    lines.append(f"{'Total token throughput (tok/s):':<36}{metrics['total_token_throughput']:>12.2f}")
-    if metrics["request_goodput"] is not None:
-        lines.append(f"{'Request goodput (req/s):':<36}{metrics['request_goodput']:>12.2f}")
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
-        lines.append("-" * 18 + f" {title} " + "-" * max(1, 41 - len(title)))
-        for stat, value in metrics[key].items():
-            lines.append(f"{f'{stat.capitalize()} (ms):':<36}{value:>12.2f}")
-    lines.append("-" * 18 + " Workers (from /metrics) " + "-" * 19)
-    for key, value in transfer.items():
+def kv_figures(transfer: dict) -> dict:
+    """The workers' figures as flat result keys: counters as `pdkv_kv_<name>`, per-worker ones nested."""
+    return {f"pdkv_kv_{key}": value for key, value in transfer.items()}
+
+
+_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+
+
+def format_report(result: dict, percentile_metrics: tuple[str, ...], percentiles: tuple[float, ...]) -> str:
+    """The console report, laid out like vLLM's, then pdkv's burst and worker figures."""
+    lines = ["{:=^60}".format(" Serving Benchmark Result (pdkv) ")]
+
+    def row(label: str, value, fmt: str = "") -> None:
+        lines.append(f"{label:<44}{value:>16{fmt}}")
+
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    if result.get("max_concurrency"):
+        row("Maximum request concurrency:", result["max_concurrency"])
+    row("Benchmark duration (s):", result["duration"], ".2f")
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", result["request_throughput"], ".2f")
+    if result["request_goodput"] is not None:
+        row("Request goodput (req/s):", result["request_goodput"], ".2f")
+    row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
+    row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f")
+    row("Peak concurrent requests:", result["max_concurrent_requests"])
+    row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
+    for name in percentile_metrics:
+        short, title = _TITLES[name]
+        lines.append("{:-^60}".format(f" {title} "))
+        row(f"Mean {short} (ms):", result[f"mean_{name}_ms"], ".2f")
+        row(f"Median {short} (ms):", result[f"median_{name}_ms"], ".2f")
+        for q in percentiles:
+            key = percentile_key(q)
+            row(f"P{key[1:]} {short} (ms):", result[f"{key}_{name}_ms"], ".2f")
+    lines.append("{:-^60}".format(" Token delivery (pdkv) "))
+    row("Inter-token gaps:", result["num_itl_gaps"])
+    row("Gaps under 1 ms (bursts):", f"{result['itl_gaps_under_1ms']} ({100 * result['itl_gaps_under_1ms_share']:.1f}%)")
+    row("Mean tokens per chunk:", result["mean_tokens_per_chunk"], ".2f")
+    workers = {k.removeprefix("pdkv_kv_"): v for k, v in result.items() if k.startswith("pdkv_kv_")}
+    if workers:
+        lines.append("{:-^60}".format(" Workers (from /metrics) "))
+    for key, value in workers.items():
         if isinstance(value, dict):
             shown = ", ".join(f"{w}={v:.4g}" for w, v in sorted(value.items())) or "-"
-            lines.append(f"{key + ':':<36}{shown}")
+            lines.append(f"{key + ':':<44}{shown}")
         else:
-            lines.append(f"{key + ':':<36}{value:>12.6g}")
-    if metrics["errors"]:
-        lines.append("Errors: " + "; ".join(metrics["errors"]))
-    lines.append("=" * 62)
+            row(key + ":", value, ".6g")
+    if result["error_samples"]:
+        lines.append("Errors: " + "; ".join(result["error_samples"]))
+    lines.append("=" * 60)
     return "\n".join(lines)
-
-
-def write_plots(records: list[RequestRecord], path: str) -> None:
-    """Histograms of TTFT, TPOT, ITL and E2EL (ms) in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in records if r.success]
-    series = {
-        "TTFT (ms)": [r.ttft_s * 1000 for r in done],
-        "TPOT (ms)": [r.tpot_s * 1000 for r in done if r.tpot_s is not None],
-        "ITL (ms)": [g * 1000 for r in done for g in r.itl_s],
-        "E2E latency (ms)": [r.latency_s * 1000 for r in done],
-    }
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, values) in zip(axes.flat, series.items()):
-        if values:
-            ax.hist(values, bins=min(40, max(5, len(values) // 2)), color="#3b7dd8", alpha=0.85)
-            for q, style in ((50, "-"), (99, "--")):
-                ax.axvline(percentile(values, q), color="#d8543b", linestyle=style, label=f"p{q}")
-            ax.legend()
-        ax.set_title(title)
-        ax.set_ylabel("count")
-    fig.suptitle(f"pdkv latency distributions ({len(done)} requests)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -246,14 +246,19 @@ def test_loadgen_writes_json_and_png(pd, tmp_path):
     from pd.tools import loadgen
 
     result_json, plot = tmp_path / "result.json", tmp_path / "latency.png"
-    rc = loadgen.main(["--url", pd, "--dataset", "shared-prefix", "--num-prompts", "8", "--request-rate", "20",
-                       "--input-len", "40:80", "--output-len", "4:8", "--max-concurrency", "4", "--seed", "1",
-                       "--goodput", "ttft:60000", "--result-json", str(result_json), "--plot", str(plot),
-                       "--no-progress"])
+    rc = loadgen.main(["--base-url", pd, "--dataset-name", "prefix_repetition", "--num-prompts", "8",
+                       "--request-rate", "20", "--prefix-repetition-prefix-len", "24",
+                       "--prefix-repetition-suffix-len", "24", "--prefix-repetition-num-prefixes", "2",
+                       "--output-len", "6", "--max-concurrency", "4", "--seed", "1", "--temperature", "0",
+                       "--ignore-eos", "--goodput", "ttft:60000", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                       "--metric-percentiles", "50,99", "--save-result", "--result-filename", str(result_json),
+                       "--plot", str(plot), "--disable-tqdm"])
     assert rc == 0
     result = json.loads(result_json.read_text())
-    assert result["metrics"]["completed"] == 8 and result["metrics"]["failed"] == 0
-    assert result["metrics"]["ttft_ms"]["p99"] > 0 and result["metrics"]["request_goodput"] > 0
+    assert result["completed"] == 8 and result["failed"] == 0 and result["total_output_tokens"] == 48
+    assert result["p99_ttft_ms"] > 0 and result["median_e2el_ms"] > 0 and result["request_goodput"] > 0
+    assert result["pdkv_kv_bytes_recv"] > 0  # the workers' KV transfer figures sit beside vLLM's keys
+    assert 0 <= result["itl_gaps_under_1ms"] <= result["num_itl_gaps"] == 8 * 5
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

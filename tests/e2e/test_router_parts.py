@@ -8,7 +8,7 @@ import pytest
 
 from pd.router import openai_api as oa
 from pd.cluster.config import ConfigError, DeployConfig, Mode, load_deploy_config
-from pd.tools.loadgen import arrival_delays, parse_range
+from pd.tools.loadgen import arrival_delays
 from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile, transfer_figures
 from pd.router.metrics import RouterMetrics, WorkerFigures
 from pd.router.choice import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
@@ -37,9 +37,9 @@ def test_deploy_config_errors_name_the_key(data, message):
 def test_every_shipped_deploy_config_is_valid(path):
     import yaml
 
-    if path.name.startswith("kuberay"):
+    if path.name.startswith("kuberay"):  # Kubernetes manifests: checked in tests/deploy/test_manifests.py
         docs = list(yaml.safe_load_all(path.read_text()))
-        assert docs[0]["kind"] == "RayJob" and "pd.launch" in docs[0]["spec"]["entrypoint"]
+        assert docs[0]["kind"] in ("RayJob", "RayService", "PersistentVolumeClaim")
         return
     config = load_deploy_config(path)
     assert config.topology.num_workers >= 1
@@ -141,31 +141,40 @@ def test_metrics_render_lint_and_loadgen_figures():
 
 
 def test_loadgen_datasets(tmp_path):
-    from pd.tools.loadgen import make_dataset, parse_args
+    from pd.tools.loadgen import parse_args
+    from pd.tools.loadgen_data import ByteLengths, make_dataset
 
+    tok = ByteLengths()
     data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "hello", "output_len": 3}\n\n{"prompt": "bye"}\n')
-    rows = make_dataset(parse_args(["--url", "x", "--dataset", f"jsonl:{data}", "--num-prompts", "3",
-                                    "--output-len", "5"]))
-    assert rows == [("hello", 3), ("bye", 5), ("hello", 3)]
-    rows = make_dataset(parse_args(["--url", "x", "--dataset", "shared-prefix", "--num-prompts", "4",
-                                    "--input-len", "40", "--num-prefixes", "2"]))
-    assert rows[0][0][:20] == rows[2][0][:20] and rows[0][0] != rows[2][0]
-    assert all(len(p.encode()) + 1 == 40 for p, _ in rows)
-    rows = make_dataset(parse_args(["--url", "x", "--num-prompts", "5", "--input-len", "10:20", "--seed", "3"]))
-    assert all(10 <= len(p) + 1 <= 20 for p, _ in rows)
+    data.write_text('{"prompt": "hello", "output_tokens": 3}\n\n{"prompt": "bye"}\n')
+    rows = make_dataset(parse_args(["--dataset-name", "custom", "--dataset-path", str(data), "--num-prompts", "3",
+                                    "--random-output-len", "5"]), tok)
+    assert [(r.prompt, r.expected_output_len) for r in rows] == [("hello", 3), ("bye", 5), ("hello", 3)]
+    rows = make_dataset(parse_args(["--dataset-name", "prefix_repetition", "--num-prompts", "4",
+                                    "--prefix-repetition-prefix-len", "20", "--prefix-repetition-suffix-len", "19",
+                                    "--prefix-repetition-num-prefixes", "2"]), tok)
+    prefixes = {r.prompt[:19] for r in rows}
+    assert len(prefixes) == 2 and len({r.prompt for r in rows}) == 4
+    assert all(r.prompt_len == tok.count(r.prompt) == 41 for r in rows)  # BOS + 20 + space + 19
+    rows = make_dataset(parse_args(["--num-prompts", "50", "--random-input-len", "20", "--random-range-ratio", "0.5",
+                                    "--random-output-len", "10", "--seed", "3"]), tok)
+    assert all(10 <= r.prompt_len - 1 <= 30 and 5 <= r.expected_output_len <= 15 for r in rows)
+    assert len({r.prompt_len for r in rows}) > 5  # lengths really vary
 
 
 def test_loadgen_maths():
-    assert parse_range("8:16", "x") == (8, 16) and parse_range("5", "x") == (5, 5)
     delays = arrival_delays(2000, rate=50.0, burstiness=1.0, seed=0)
     assert delays == sorted(delays) and 30 < delays[-1] < 50  # ~2000/50 s
     assert arrival_delays(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
     assert percentile([1, 2, 3, 4], 50) == 2.5
-    recs = [RequestRecord(10, 4, True, "", 4, 0.1, 0.4, [0.1] * 3), RequestRecord(10, 4, error="HTTP 502")]
-    m = compute_metrics(recs, 1.0, {"ttft": 50})
+    recs = [RequestRecord(10, 4, True, "", 4, 0.1, 0.4, [0.1, 0.0005, 0.1], chunk_times=[0.1, 0.2, 0.2005, 0.3005]),
+            RequestRecord(10, 4, error="HTTP 502")]
+    m = compute_metrics(recs, 1.0, {"ttft": 50}, ("ttft", "tpot", "itl"), (50.0, 99.9))
     assert m["completed"] == 1 and m["failed"] == 1 and m["request_goodput"] == 0.0
-    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert m["mean_tpot_ms"] == pytest.approx(100.0) and m["median_ttft_ms"] == pytest.approx(100.0)
+    assert "p99.9_itl_ms" in m and "p50_tpot_ms" in m and "mean_e2el_ms" not in m
+    assert m["itl_gaps_under_1ms"] == 1 and m["itl_gaps_under_1ms_share"] == pytest.approx(1 / 3)
+    assert m["total_output_tokens"] == 4 and m["mean_tokens_per_chunk"] == 1.0
 
 
 def test_router_api_key_and_no_workers_over_real_http():
