@@ -25,7 +25,6 @@ import time
 
 import ray
 
-import pd
 
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
@@ -214,7 +213,7 @@ def _run_load(url: str, args: argparse.Namespace, api_key: str | None) -> int:
     if args.plot:
         load_args += ["--plot", args.plot]
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pd.__file__)))  # the copy of pdkv this launch runs
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this launch's pdkv
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if api_key:
         env["OPENAI_API_KEY"] = api_key  # in the environment, not on a command line others can read
