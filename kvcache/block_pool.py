@@ -81,8 +81,9 @@ class BlockPool:
                 yield gid, h, blk
 
     # ------------------------------------------------------------------ cache
-    def _uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop every given block's prefix-cache entry (blocks without one are skipped).
+    def _uncache_blocks(self, blocks: Iterable[KVCacheBlock], claim: bool = False) -> None:
+        """Drop every given block's prefix-cache entry (blocks without one are skipped);
+        with `claim`, also set each block's ref count to 1 in the same pass.
 
         The only place entries leave the cache (reuse, eviction, re-hashing):
         when the block was the map's entry, the oldest duplicate takes its slot
@@ -91,6 +92,8 @@ class BlockPool:
         dups = self._dups
         events = self.kv_event_queue if self.enable_kv_cache_events else None
         for blk in blocks:
+            if claim:
+                blk.ref_cnt = 1
             h = blk.block_hash
             if h is None:
                 continue
@@ -177,10 +180,9 @@ class BlockPool:
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = queue.popleft_n(num_blocks)
-        # lazy eviction: a free block kept its entry until it is reused now
-        self._uncache_blocks(blocks)
-        for blk in blocks:
-            blk.ref_cnt = 1
+        # lazy eviction: a free block kept its entry until it is reused now;
+        # the same pass hands out the blocks' first reference
+        self._uncache_blocks(blocks, claim=True)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -70,11 +70,10 @@ class FreeKVCacheBlockQueue:
             return []
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
-        out = []
-        append = out.append
+        out = [None] * n  # filled by index: cheaper than append per block
         block = self.head.next_free_block
-        for _ in range(n):
-            append(block)
+        for i in range(n):
+            out[i] = block
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = nxt

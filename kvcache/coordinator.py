@@ -8,11 +8,12 @@ All groups draw block ids from one shared BlockPool. Three flavours:
   batched together and full attention first, aligned to the LCM of the group
   block sizes.
 
-`allocate_slots` is the one allocation path for every flavour and every number
-of groups. Guarantees: it changes nothing but window releases when the blocks
-do not fit; it touches every group's hits before any group takes fresh blocks,
-so one group's allocation can never evict another group's not-yet-claimed hit;
-all groups allocate before any group caches (the KV event order vLLM emits).
+`allocate_slots` is the one allocation sequence (UnitaryCoordinator runs it for
+its one group without the per-group loops and tuples). Guarantees: it changes
+nothing but window releases when the blocks do not fit; it touches every
+group's hits before any group takes fresh blocks, so one group's allocation can
+never evict another group's not-yet-claimed hit; all groups allocate before any
+group caches (the KV event order vLLM emits).
 """
 from __future__ import annotations
 
@@ -226,21 +227,94 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
-    """Exactly one group: its manager's hit is the hit."""
+    """Exactly one group (the common full-attention model): its manager's hit is
+    the hit. `allocate_slots` makes the generic path's manager calls in the same
+    order; the block operations live only in the manager and the pool."""
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         super().__init__(settings)
         if len(self.single_type_managers) != 1:
             raise ValueError("UnitaryCoordinator needs exactly one KV cache group")
-        self.block_size = self.single_type_managers[0].block_size
+        m = self.manager = self.single_type_managers[0]
+        self.block_size = m.block_size
         if self.enable_caching and self.hash_block_size != self.block_size:
             raise ValueError(f"one group: hash block size {self.hash_block_size} must equal "
                              f"block size {self.block_size}")
+        self.skips = bool(self.skipping_managers)
+        # Invariant used by allocate_slots: a manager that never skips and sizes
+        # with the base formula needs 0 blocks when there are no hits and the
+        # request's blocks already hold every slot (most decode steps), so it is
+        # not asked then.
+        self.sizing_is_plain = not self.skips and (
+            type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate)
+        self._req_to_blocks = m.req_to_blocks
+        self.free = m.free  # bound once; shadows the per-group loop
+        self._num_blocks_to_allocate = m.get_num_blocks_to_allocate
+        self._num_cached_block = m.num_cached_block
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int,
+                       new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] | None,
+                       num_lookahead_tokens: int, num_external_computed_tokens: int, headroom: int,
+                       reserved_blocks: int, full_sequence_must_fit: bool,
+                       cache: bool) -> KVCacheBlocks | None:
+        """KVCacheCoordinator.allocate_slots for one group (same contract)."""
+        m = self.manager
+        rid = request.request_id
+        max_len = self.max_model_len
+        # as in the generic path: an explicit hit result (even empty) or external tokens settle the prefix
+        if new_computed_blocks is None or new_computed_blocks is self.no_blocks:
+            hits = ()
+            settle = num_external_computed_tokens > 0
+        else:
+            hits = new_computed_blocks[0]
+            settle = True
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = num_local + num_external_computed_tokens
+        total_computed = num_computed if num_computed < max_len else max_len
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, max_len)
+            if self._num_blocks_to_allocate(rid, full, hits, total_computed, full,
+                                            apply_admission_cap=True) + headroom > num_free:
+                return None
+        num_main = total_computed + num_new_tokens
+        num_slots = num_main + num_lookahead_tokens
+        if num_slots > max_len:
+            num_slots = max_len
+        if self.skips:
+            m.remove_skipped_blocks(rid, total_computed)
+            num_free = self.block_pool.free_block_queue.num_free_blocks
+        req_blocks = self._req_to_blocks.get(rid)
+        if (not hits and req_blocks is not None and self.sizing_is_plain
+                and num_slots <= len(req_blocks) * self.block_size):
+            needed = 0
+        else:
+            needed = self._num_blocks_to_allocate(rid, num_slots, hits, num_computed, num_main)
+        if needed + headroom > num_free - reserved_blocks:
+            return None
+        if settle:
+            if rid in self._num_cached_block:
+                assert not hits, "prefix hits for a running request"
+            else:
+                m.add_local_computed_blocks(rid, hits, num_local, num_external_computed_tokens)
+                if num_external_computed_tokens > 0:
+                    m.allocate_external_computed_blocks(rid, num_local, num_external_computed_tokens)
+        new = m.allocate_new_blocks(rid, num_slots, num_main) if needed else None
+        if cache:
+            num_tokens = request.num_tokens
+            if num_main > num_tokens:
+                num_main = num_tokens  # unverified draft tokens are never cached
+            if num_main // self.block_size > self._num_cached_block.get(rid, 0):
+                m.cache_blocks(request, num_main)
+        return KVCacheBlocks((new,)) if new else self.empty_kv_cache_blocks
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
-        hits = self.single_type_managers[0].find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, (0,), self.block_size)
-        return hits, len(hits[0]) * self.block_size
+        """The manager's hit; a miss is reported as `no_blocks` (the shared marker)."""
+        hits = self.manager.find_longest_cache_hit(block_hashes, max_cache_hit_length, (0,), self.block_size)
+        num_blocks = len(hits[0])
+        if not num_blocks:
+            return self.no_blocks, 0
+        return hits, num_blocks * self.block_size
 
 
 class SpecGroup(NamedTuple):

@@ -69,6 +69,7 @@ class KVCacheManager:
         self.kv_cache_event_metadata = tuple((g.spec.kind, g.spec.sliding_window_size) for g in groups)
         # the coordinator's instance: its `.blocks` is also the "no hits" marker
         self.empty_kv_cache_blocks = self.coordinator.empty_kv_cache_blocks
+        self._no_blocks = self.empty_kv_cache_blocks.blocks
 
     # ------------------------------------------------------------------ queries
     @property
@@ -125,7 +126,7 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id} is hashed in blocks of {hasher.block_size} tokens; "
                              f"this KV cache needs {self.hash_block_size}")
         blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-        result = self.create_kv_cache_blocks(blocks)
+        result = self.empty_kv_cache_blocks if blocks is self._no_blocks else self.create_kv_cache_blocks(blocks)
         if self.log_stats:
             self.prefix_cache_stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
         return result, num_hit

@@ -136,7 +136,9 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
-        blocks = self.pop_blocks_for_free(request_id)
+        """Forget the request and release its blocks, tail first (no-op if unknown)."""
+        self.num_cached_block.pop(request_id, None)  # pop_blocks_for_free, without the call
+        blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
             blocks.reverse()  # tail blocks first: they are the least likely to be shared
             self.block_pool.free_blocks(blocks)
