@@ -48,7 +48,8 @@ class Engine:
     def __init__(self, config: EngineConfig, connector: Any = None, tokenizer: Tokenizer | None = None):
         self.config = config
         if config.model_path:
-            model = load_checkpoint(config.model_path, device=config.device)
+            # The caller's dtype (config.model.dtype) wins over the checkpoint's.
+            model = load_checkpoint(config.model_path, dtype=config.model.dtype, device=config.device)
         else:
             model = build_model(config.model, seed=config.seed, device=config.device)
         self.model_config = model.config

@@ -83,7 +83,7 @@ def _build_connector(spec, engine_config: EngineConfig):
     from pd.engine.kv_layout import KVLayout
 
     cfg = spec.config
-    model_config = load_config(cfg.model.path) if cfg.model.path else engine_config.model
+    model_config = load_config(cfg.model.path, cfg.model.dtype) if cfg.model.path else engine_config.model
     groups = KVLayout(model_config, engine_config.block_size).kv_cache_groups()
     role = KVRole.PRODUCER if spec.role is Role.PREFILL else KVRole.CONSUMER
     connector_config = ZmqConnectorConfig(
