@@ -1,5 +1,8 @@
 """Load and write Hugging Face-style checkpoints (config.json + *.safetensors).
 
+A `.gguf` file is accepted wherever a directory is: it is converted once into
+a cached Hugging Face directory (`pd.engine.gguf.resolve_checkpoint`).
+
 Tensor names follow the Llama layout that Qwen2 and Mistral share. Loading is
 strict: an unknown tensor, a missing tensor or a tensor of the wrong shape is
 an error naming every offender, and nothing half-loaded is returned.
@@ -28,19 +31,33 @@ class CheckpointError(ValueError):
     """A checkpoint directory that does not describe the model it claims to."""
 
 
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The Hugging Face directory of `path`: itself, or the cached conversion of a .gguf file."""
+    from pd.engine.gguf import resolve_checkpoint  # reads gguf files only when given one
+
+    return Path(resolve_checkpoint(path))
+
+
 def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
-    config_file = Path(path) / "config.json"
+    """The ModelConfig of the checkpoint at `path`, in `dtype` (default: the config's).
+
+    Raises CheckpointError naming the config field pdkv does not implement.
+    """
+    config_file = checkpoint_dir(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{config_file} not found")
     try:
         hf = json.loads(config_file.read_text())
+        if not isinstance(hf, dict):
+            raise ValueError("expected a JSON object")
         return ModelConfig.from_hf_dict(hf, dtype=dtype)
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{config_file}: {exc!r}") from exc
+        raise CheckpointError(f"{config_file}: {exc}") from exc
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: str = "cpu") -> CausalLM:
-    """The model stored in `path`, in `dtype` (default: the config's)."""
+    """The model stored in `path` (a directory or a .gguf file), in `dtype` (default: the config's)."""
+    path = checkpoint_dir(path)
     cfg = load_config(path, dtype)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:

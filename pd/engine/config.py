@@ -99,6 +99,7 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.resolved_head_dim,
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -110,49 +111,18 @@ class ModelConfig:
         }
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
-        if self.sliding_window is not None:
-            out["sliding_window"] = self.sliding_window
+        # Written even when None: Mistral's and Qwen2's defaults are a 4096-token window.
+        out["sliding_window"] = self.sliding_window
+        if self.architecture == "Qwen2ForCausalLM":
+            out["use_sliding_window"] = SLIDING_ATTENTION in self.resolved_layer_types
         return out
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-        """Reads the fields we model; rejects rope scaling we do not implement."""
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling {rope_scaling!r} is not supported")
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        num_layers = int(hf["num_hidden_layers"])
-        layer_types = hf.get("layer_types")
-        sliding_window = hf.get("sliding_window")
-        if layer_types is None and sliding_window and hf.get("use_sliding_window", archs[0] == "MistralForCausalLM"):
-            # Mistral-style configs: every layer uses the window.
-            layer_types = [SLIDING_ATTENTION] * num_layers
-        if layer_types is not None and SLIDING_ATTENTION not in layer_types:
-            sliding_window = None
-        torch_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim"),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            layer_types=tuple(layer_types) if layer_types is not None else None,
-            sliding_window=int(sliding_window) if sliding_window else None,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
-            dtype=str(torch_dtype),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
-            architecture=archs[0],
-        )
+        """Strict: see `pd.engine.hf_config` (unimplemented settings raise, naming the field)."""
+        from pd.engine.hf_config import model_config_from_hf  # it imports this module
+
+        return model_config_from_hf(hf, dtype=dtype)
 
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -183,8 +153,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "fused")
 class EngineConfig:
     """Everything the engine needs besides the weights.
 
-    Either `model_path` (a local HF-style directory) or `model` (random init
-    with `seed`) defines the model; `dtype`, when set, is the serving dtype
+    Either `model_path` (a local HF-style directory or a .gguf file) or `model`
+    (random init with `seed`) defines the model; `dtype`, when set, is the serving dtype
     of either (a checkpoint is converted on load). The page pool holds `num_blocks` pages
     when given, else as many as `kv_cache_bytes` allows.
     """

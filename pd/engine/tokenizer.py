@@ -209,9 +209,13 @@ def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
     path = Path(model_path)
     if path.is_dir():
         return HFTokenizer.from_dir(path)
+    if path.is_file() and path.suffix == ".gguf":  # its tokenizer lives in the GGUF's metadata
+        from pd.engine.gguf import resolve_checkpoint  # converts once into a cached directory
+
+        return HFTokenizer.from_dir(Path(resolve_checkpoint(path)))
     if path.exists():
-        raise ValueError(f"model.path {path}: expected a checkpoint directory with tokenizer.json, got a file "
-                         "(convert a GGUF file into a directory first)")
+        raise ValueError(f"model.path {path}: expected a checkpoint directory with tokenizer.json or a .gguf "
+                         "file, got another file")
     raise FileNotFoundError(f"model.path {path}: no such directory")
 
 

@@ -165,9 +165,9 @@ def test_load_tokenizer_errors(tmp_path, checkpoint):
         load_tokenizer(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match="got a file"):
-        load_tokenizer(tmp_path / "model.gguf")
+    (tmp_path / "model.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="got another file"):
+        load_tokenizer(tmp_path / "model.bin")
     (tmp_path / "tokenizer.json").write_bytes((checkpoint / "tokenizer.json").read_bytes())
     _write(tmp_path, "generation_config.json", {"eos_token_id": "two"})
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
