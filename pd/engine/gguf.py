@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pd.engine.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
+from pd.engine.model_files import locate_model
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
     The cache lives in `$PDKV_CACHE_DIR/gguf` (default `~/.cache/pdkv/gguf`).
     """
-    src = Path(path)
+    src = locate_model(path)
     if src.suffix.lower() != ".gguf":
         return src
     if not src.is_file():

@@ -206,7 +206,9 @@ def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
     """The tokenizer for a model: `ByteTokenizer` without a checkpoint, else the directory's own."""
     if model_path is None:
         return ByteTokenizer()
-    path = Path(model_path)
+    from pd.engine.model_files import locate_model
+
+    path = locate_model(model_path)
     if path.is_dir():
         return HFTokenizer.from_dir(path)
     if path.is_file() and path.suffix == ".gguf":  # its tokenizer lives in the GGUF's metadata
