@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import logging
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ from connectors.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.pull_stream import PullStream
+from connectors.session import ClientSession
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class _Session:
         self.state = _HS.HANDSHAKING
         self.deadline = deadline
         self.handshake: hs.ConsumerHandshake | None = None
-        self.token = b""
+        self.client: ClientSession | None = None  # after WELCOME: signs what this session sends
         self.streams: list[PullStream] = []
         self.pending: list[LoadHandle] = []
         self.pending_done: list[str] = []
@@ -216,6 +218,8 @@ class Consumer:
         job.done.set()
 
     def _fail_locked(self, job: LoadHandle, cause: FailureCause) -> None:
+        if job.result is not None:  # ended already (its deadline passed while it waited for a handshake)
+            return
         job.cause = job.cause or cause
         job.bad = list(job.dst)
         self._finish_locked(job)
@@ -289,6 +293,8 @@ class Consumer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
+        # A fixed identity survives reconnects (the producer binds the session to it; ROUTER_HANDOVER)
+        sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # (a leading zero byte is reserved)
         sock.connect(f"tcp://{remote.host}:{remote.port}")
         session = _Session(remote, sock, time.monotonic() + self.config.handshake_timeout_s)
         with self._lock:
@@ -313,7 +319,7 @@ class Consumer:
                 logger.debug("dropped malformed frame from %s: %s", session.remote, e)
             except hs.HandshakeRefused as e:
                 logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host, session.remote.port)
-                self.metrics.record_refused(e.reason.value)
+                self.metrics.record_refused(e.reason)
                 if not e.by_peer:  # tell the producer why, so both sides log it
                     self._send(session, wire.encode(MsgType.REFUSE, reason=e.reason.value, detail=e.detail))
                 self._close_session(session, poller, FailureCause.HANDSHAKE_REFUSED)
@@ -343,8 +349,8 @@ class Consumer:
         map_pool = cfg.data_path is not DataPath.SHM_STAGED and self.pool.device.type == "cpu"
         mode = ("map" if map_pool else "shm") if use_shm else "tcp"
         count = cfg.num_shm_streams if use_shm else cfg.num_tcp_streams
-        session.token = msg["session"]
-        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.token, mode,
+        session.client = session.handshake.on_welcome(msg)
+        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, mode,
                                       cfg.io_timeout_s, cfg.spin_us / 1e6)
                            for _ in range(count)]
         with self._lock:
@@ -357,15 +363,16 @@ class Consumer:
     def _flush_done(self, session: _Session) -> None:
         if session.pending_done:
             ids, session.pending_done = session.pending_done, []
-            self._send(session, wire.encode(MsgType.DONE, session=session.token, request_ids=ids))
+            self._send(session, session.client.side_message(MsgType.DONE, ids))
 
     def _send_heartbeats(self, poller) -> None:
         with self._lock:
             beats = dict(self._heartbeats)
-        for remote, ids in beats.items():
-            session = self._sessions.get(remote) or self._session_for(remote, poller)
+        for remote in beats.keys() - self._sessions.keys():
+            self._session_for(remote, poller)
+        for remote, session in list(self._sessions.items()):  # an empty heartbeat keeps an idle session alive
             if session.state is _HS.READY:
-                self._send(session, wire.encode(MsgType.HEARTBEAT, session=session.token, request_ids=ids))
+                self._send(session, session.client.side_message(MsgType.HEARTBEAT, beats.get(remote, [])))
 
     def _check_deadlines(self, now: float, poller) -> None:
         for session in list(self._sessions.values()):

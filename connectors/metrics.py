@@ -46,6 +46,7 @@ class TransferMetrics:
         self.leases: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.malformed_frames = 0
+        self.accept_backoffs = 0  # a listener paused at the fd limit (EMFILE and the like)
         self._latencies: deque[float] = deque(maxlen=keep_latencies)
         self._load_bucket_counts = [0] * (len(LOAD_BUCKETS_S) + 1)  # per bucket, the last one past every bound
 
@@ -71,9 +72,16 @@ class TransferMetrics:
         with self._lock:
             self.leases[end.value] += 1
 
-    def record_refused(self, reason: str) -> None:
+    def record_refused(self, reason: enum.Enum) -> None:
+        """One refusal, by reason: a member of a code-defined enum (`handshake.RefuseReason`),
+        so the keys stay few whatever peers send; anything else counts as "other"."""
+        key = reason.value if isinstance(reason, enum.Enum) else "other"
         with self._lock:
-            self.refused[reason] += 1
+            self.refused[key] += 1
+
+    def record_accept_backoff(self) -> None:
+        with self._lock:
+            self.accept_backoffs += 1
 
     def record_malformed(self) -> None:
         with self._lock:
@@ -100,6 +108,7 @@ class TransferMetrics:
                 "leases_expired": self.leases.get(LeaseEnd.EXPIRED.value, 0),
                 "handshakes_refused": dict(self.refused),
                 "malformed_frames": self.malformed_frames,
+                "accept_backoffs": self.accept_backoffs,
             }
 
 

@@ -4,10 +4,11 @@ Threads (all daemon, all with timeouts, none ended by bad input):
 - side channel: a ZMQ ROUTER bound on (host, port) - port 0 picks a free port,
   reported as `port`. It runs the handshake (see `handshake.py`), renews
   leases on heartbeats, ends them on DONE, expires them, and seals digests;
-- data listener: a TCP socket on (host, data_port) accepting data streams;
-- one thread per data stream: the first frame must ATTACH with a session
-  token issued by a completed handshake; then it serves PULL requests for
-  leased blocks in one of three modes:
+- data listener (`data_listener.py`): a TCP socket on (host, data_port); a
+  connection must ATTACH with the MAC of a session from a completed handshake
+  (`session.py`) before it costs more than a slot in one selector;
+- one thread per attached data stream, serving PULL requests for leased
+  blocks while its session lives, in one of three modes:
   - tcp: a PAGES header (xxh3 digests) followed by the raw page bytes;
   - map (same host, CPU pool): a PAGES header only; the consumer copies the
     pages out of this pool, mapped read-only, and CREDITs when done - the
@@ -21,21 +22,26 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 
 import zmq
 
 from connectors import handshake as hs
 from connectors import framing, wire
+from connectors.data_listener import DataListener, ListenerLimits
 from connectors.leases import LeaseTable, PullRefused
 from connectors.metrics import LeaseEnd, TransferMetrics
 from connectors.page_access import PageAccess
 from connectors.pages import KVPages
+from connectors.peer_log import WarnLimiter, quote
+from connectors.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
 from connectors.shm import ShmSegment
+from connectors.side_guard import SideChannelGuard
 from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 
-_MAX_SESSIONS = 1024
+_EXPIRE_EVERY_S = 1.0  # how often idle sessions are looked for
 _IDLE_S = 0.5  # an idle data stream's thread wakes this often to notice shutdown
 
 
@@ -50,7 +56,11 @@ class ProducerConfig:
     lease_s: float = 30.0
     io_timeout_s: float = 5.0  # longest wait for a peer in the middle of a frame or a credit
     handshake_timeout_s: float = 5.0
-    max_streams: int = 64
+    max_streams: int = 64  # attached data streams
+    max_preauth: int = 32  # data connections waiting for their ATTACH (oldest evicted)
+    max_side_connections: int = 256  # ZMQ connections to the side channel (newest refused)
+    max_sessions: int = 1024  # least recently used evicted
+    session_idle_s: float = 300.0  # consumers keep theirs alive with heartbeats
     shm_chunk_bytes: int = 8 * 1024 * 1024
     offer_shm: bool = True
 
@@ -59,8 +69,10 @@ class ProducerConfig:
             raise ValueError("engine_id must be non-empty")
         if len(self.secret) < 16:
             raise ValueError("secret must be at least 16 bytes (the side channel is always authenticated)")
-        if self.lease_s <= 0 or self.io_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+        if min(self.lease_s, self.io_timeout_s, self.handshake_timeout_s, self.session_idle_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if min(self.max_streams, self.max_preauth, self.max_side_connections, self.max_sessions) < 1:
+            raise ValueError("max_streams, max_preauth, max_side_connections and max_sessions must be >= 1")
         if not (0 <= self.port < 65536 and 0 <= self.data_port < 65536):
             raise ValueError("ports must be in [0, 65535]")
 
@@ -81,8 +93,8 @@ class Producer:
         self.host_id = hs.local_host_id()
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
-        self._sessions: set[bytes] = set()
-        self._sessions_lock = threading.Lock()
+        self.sessions = SessionTable(config.max_sessions, config.session_idle_s)
+        self._warn = WarnLimiter(logger)  # what strangers can trigger is rate-limited
         self._threads: list[threading.Thread] = []
         self._streams: set[socket.socket] = set()
         self._seal_access = PageAccess(pool)
@@ -97,15 +109,21 @@ class Producer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)  # zmq drops larger peers
+        # a connection that does not finish the ZMTP greeting in time is dropped
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_timeout_s * 1000))
         if self.config.port:
             self._router.bind(f"tcp://{self.config.host}:{self.config.port}")
             self.port = self.config.port
         else:
             self.port = self._router.bind_to_random_port(f"tcp://{self.config.host}")
-        self._listener = socket.create_server((self.config.host, self.config.data_port), backlog=64)
-        self._listener.settimeout(0.2)
-        self.data_port = self._listener.getsockname()[1]
-        for target, name in ((self._side_channel_loop, "side"), (self._accept_loop, "accept")):
+        self._guard = SideChannelGuard(self._router, f"tcp://{self.config.host}:{self.port}", self.port,
+                                       self.config.max_side_connections, self.metrics)
+        listener = socket.create_server((self.config.host, self.config.data_port), backlog=64)
+        self.data_port = listener.getsockname()[1]
+        self._data_listener = DataListener(
+            listener, self.sessions, ListenerLimits(self.config.max_preauth, self.config.handshake_timeout_s),
+            self._on_attached, self.metrics, self._stop)
+        for target, name in ((self._side_channel_loop, "side"), (self._data_listener.run, "accept")):
             t = threading.Thread(target=target, name=f"kv-producer-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -134,10 +152,18 @@ class Producer:
 
     # ------------------------------------------------------------------ side channel
     def _side_channel_loop(self) -> None:
-        router = self._router
+        router, guard = self._router, self._guard
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(guard.monitor, zmq.POLLIN)
+        next_expiry = 0.0
         try:
             while not self._stop.is_set():
-                if router.poll(50):
+                events = dict(poller.poll(50))
+                if guard.monitor in events:
+                    guard.poll_events()
+                guard.tick()
+                if router in events:
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
@@ -153,9 +179,14 @@ class Producer:
                 self.leases.expire()
                 self.leases.seal_pending(self._seal_access.page_digests)
                 self._handshake.expire()
+                now = time.monotonic()
+                if now >= next_expiry:
+                    next_expiry = now + _EXPIRE_EVERY_S
+                    self.sessions.expire()
         except Exception:  # the side channel must not die silently
             logger.exception("KV producer side channel crashed")
         finally:
+            guard.close()
             router.close(linger=0)
 
     def _on_side_message(self, ident: bytes, payload: bytes) -> None:
@@ -170,22 +201,28 @@ class Producer:
                 self._send(ident, self._handshake.on_hello(ident, msg))
                 return
             if msg_type is MsgType.AUTH:
-                self._handshake.on_auth(ident, msg)
-                self._welcome(ident)
+                self._welcome(ident, *self._handshake.on_auth(ident, msg))
                 return
         except hs.HandshakeRefused as e:
             self._refuse(ident, e.reason, e.detail)
             return
         if msg_type is MsgType.REFUSE:  # the consumer refused us (e.g. our proof failed)
             self._handshake.forget(ident)
-            logger.warning("KV producer %s was refused by a consumer (%s): %s", self.config.engine_id,
-                           msg["reason"][:40], msg["detail"][:200])
-            self.metrics.record_refused(msg["reason"][:40])
+            reason = hs.RefuseReason.parse(msg["reason"])
+            self._warn.warning("KV producer %s was refused by a consumer (%s): %s", self.config.engine_id,
+                               reason.value, quote(msg["detail"], 200))
+            self.metrics.record_refused(reason)
         elif msg_type in (MsgType.HEARTBEAT, MsgType.DONE):
-            with self._sessions_lock:
-                known = msg["session"] in self._sessions
-            if not known:
-                self._refuse(ident, hs.RefuseReason.SESSION, "heartbeat/done without a valid session")
+            try:
+                self.sessions.check_side(ident, msg_type, msg)
+            except SessionRefused as e:
+                reason = hs.RefuseReason.parse(e.reason)
+                if reason is hs.RefuseReason.SESSION:  # (a consumer whose session ended: it handshakes again)
+                    self._refuse(ident, reason, str(e))
+                else:  # a forged or captured frame: does nothing, counted, never answered
+                    self.metrics.record_refused(reason)
+                    self._warn.warning("KV producer %s dropped a side-channel message (%s): %s",
+                                       self.config.engine_id, reason.value, e)
                 return
             if msg_type is MsgType.HEARTBEAT:
                 self.leases.renew(msg["request_ids"])
@@ -195,18 +232,15 @@ class Producer:
         else:
             self.metrics.record_malformed()
 
-    def _welcome(self, ident: bytes) -> None:
-        token = hs.make_session_token()
-        with self._sessions_lock:
-            if len(self._sessions) >= _MAX_SESSIONS:
-                self._sessions.pop()
-            self._sessions.add(token)
-        self._send(ident, wire.encode(MsgType.WELCOME, session=token, data_port=self.data_port,
-                                      host_id=self.host_id, shm=self.config.offer_shm))
+    def _welcome(self, ident: bytes, key: bytes, peer_engine_id: str) -> None:
+        session = self.sessions.open(key, ident, peer_engine_id)
+        self._send(ident, wire.encode(MsgType.WELCOME, session=session.session_id,
+                                      mac=welcome_mac(key, session.session_id),
+                                      data_port=self.data_port, host_id=self.host_id, shm=self.config.offer_shm))
 
     def _refuse(self, ident: bytes, reason: hs.RefuseReason, detail: str) -> None:
-        logger.warning("KV producer %s refused a peer (%s): %s", self.config.engine_id, reason.value, detail)
-        self.metrics.record_refused(reason.value)
+        self._warn.warning("KV producer %s refused a peer (%s): %s", self.config.engine_id, reason.value, detail)
+        self.metrics.record_refused(reason)
         self._send(ident, wire.encode(MsgType.REFUSE, reason=reason.value, detail=detail))
 
     def _send(self, ident: bytes, payload: bytes) -> None:
@@ -216,47 +250,34 @@ class Producer:
             pass
 
     # ------------------------------------------------------------------ data streams
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    break
-                continue
-            if len(self._streams) >= self.config.max_streams:
-                framing.close_quietly(conn)
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._streams.add(conn)
-            threading.Thread(target=self._stream_loop, args=(conn,), name="kv-producer-stream", daemon=True).start()
-        framing.close_quietly(self._listener)
+    def _on_attached(self, conn: socket.socket, session: ProducerSession, attach: dict) -> None:
+        """The data listener's hand-off: an authenticated connection gets its own thread."""
+        if len(self._streams) >= self.config.max_streams:
+            self.metrics.record_refused(hs.RefuseReason.CAPACITY)
+            self._warn.warning("KV producer: %d data streams already; refusing another", len(self._streams))
+            framing.close_quietly(conn)
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._streams.add(conn)
+        threading.Thread(target=self._stream_loop, args=(conn, session, attach["mode"]), name="kv-producer-stream",
+                         daemon=True).start()
 
-    def _stream_loop(self, conn: socket.socket) -> None:
+    def _stream_loop(self, conn: socket.socket, session: ProducerSession, mode: str) -> None:
         seg: ShmSegment | None = None
         try:
-            conn.settimeout(self.config.handshake_timeout_s)
-            msg_type, msg = framing.recv_frame(conn, max_bytes=1024)  # an ATTACH is tiny: no big buffers for strangers
-            with self._sessions_lock:
-                known = msg_type is MsgType.ATTACH and msg["session"] in self._sessions
-            if not known:
-                self.metrics.record_refused(hs.RefuseReason.SESSION.value)
-                logger.warning("KV producer: data stream without a valid session token, closing it")
-                return
-            mapped = msg["mode"] == "map" and self.config.offer_shm and self.pool.shared_path is not None
+            conn.settimeout(self.config.io_timeout_s)
+            mapped = mode == "map" and self.config.offer_shm and self.pool.shared_path is not None
             if mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
                                                      shm_bytes=self.pool.nbytes, chunk_pages=0))
-            elif msg["mode"] == "shm" and self.config.offer_shm:
+            elif mode == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
             else:
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
             access = PageAccess(self.pool)
-            self._serve(conn, access, seg, mapped)
+            self._serve(conn, session, access, seg, mapped)
         except (ConnectionError, OSError, MalformedMessage) as e:
             if isinstance(e, MalformedMessage):
                 self.metrics.record_malformed()
@@ -269,7 +290,8 @@ class Producer:
             if seg is not None:
                 seg.close()
 
-    def _serve(self, conn: socket.socket, access: PageAccess, seg: ShmSegment | None, mapped: bool) -> None:
+    def _serve(self, conn: socket.socket, session: ProducerSession, access: PageAccess, seg: ShmSegment | None,
+               mapped: bool) -> None:
         # Kernel-side timeouts: a read or a send is one syscall. Idle reads wake every
         # _IDLE_S to notice shutdown; a frame, a send or a credit waits at most io_timeout_s.
         io_s = self.config.io_timeout_s
@@ -283,6 +305,10 @@ class Producer:
                 continue
             if msg_type is not MsgType.PULL:
                 raise MalformedMessage(f"expected pull, got {msg_type.value}")
+            if session.closed:  # expired or evicted: the connection belonged to it
+                logger.info("KV producer: session of %s ended; closing its data stream", session.peer_engine_id)
+                return
+            session.last_used = time.monotonic()
             xfer, block_ids = msg["xfer"], msg["block_ids"]
             try:
                 lease = self.leases.begin_pull(msg["request_id"], block_ids)

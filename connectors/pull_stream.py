@@ -29,6 +29,7 @@ from connectors.loads import PullPart
 from connectors.metrics import FailureCause
 from connectors.page_access import PageAccess, digest
 from connectors.pages import KVPages
+from connectors.session import ClientSession
 from connectors.shm import ShmSegment, map_pool
 from connectors.wire import MalformedMessage, MsgType
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 class PullStream:
     """Runs pulls on one data stream to one producer."""
 
-    def __init__(self, pool: KVPages, host: str, data_port: int, session: bytes, mode: str, io_timeout_s: float,
+    def __init__(self, pool: KVPages, host: str, data_port: int, session: ClientSession, mode: str, io_timeout_s: float,
                  spin_s: float = 0.0):
         self._pool = pool
         self._spin_s = spin_s
@@ -183,7 +184,10 @@ class PullStream:
         sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        framing.send_frame(sock, wire.encode(MsgType.ATTACH, session=self._session, mode=self.mode))
+        msg_type, msg = framing.recv_frame(sock, max_bytes=1024)  # the producer opens with this connection's nonce
+        if msg_type is not MsgType.NONCE:
+            raise MalformedMessage(f"expected nonce, got {msg_type.value}")
+        framing.send_frame(sock, self._session.attach_message(msg["nonce"], self.mode))
         msg_type, msg = framing.recv_frame(sock)
         if msg_type is not MsgType.ATTACHED:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: PULL and PAGES frames in a fixed shape (see pages_frame)
+PROTOCOL_VERSION = 3  # 2: PULL and PAGES frames in a fixed shape; 3: session keys and MACs (session.py)
 MAX_CONTROL_BYTES = 4 * 1024 * 1024  # a pull of ~200k block ids still fits
 MAX_LIST_LEN = 1 << 20
 _LEN = struct.Struct(">I")
@@ -44,6 +44,7 @@ class MsgType(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     DONE = "done"
     # data streams (sockets)
+    NONCE = "nonce"  # the producer's first frame on every data connection
     ATTACH = "attach"
     ATTACHED = "attached"
     PULL = "pull"
@@ -72,11 +73,12 @@ SCHEMA: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"engine_id": str, "expect_engine_id": str, "compat": str, "nonce": bytes},
     MsgType.CHALLENGE: {"engine_id": str, "nonce": bytes, "proof": bytes},
     MsgType.AUTH: {"proof": bytes},
-    MsgType.WELCOME: {"session": bytes, "data_port": int, "host_id": str, "shm": bool},
+    MsgType.WELCOME: {"session": bytes, "mac": bytes, "data_port": int, "host_id": str, "shm": bool},
     MsgType.REFUSE: {"reason": str, "detail": str},
-    MsgType.HEARTBEAT: {"session": bytes, "request_ids": STR_LIST},
-    MsgType.DONE: {"session": bytes, "request_ids": STR_LIST},
-    MsgType.ATTACH: {"session": bytes, "mode": str},
+    MsgType.HEARTBEAT: {"session": bytes, "seq": int, "mac": bytes, "request_ids": STR_LIST},
+    MsgType.DONE: {"session": bytes, "seq": int, "mac": bytes, "request_ids": STR_LIST},
+    MsgType.NONCE: {"nonce": bytes},
+    MsgType.ATTACH: {"session": bytes, "mode": str, "mac": bytes},
     MsgType.ATTACHED: {"shm_name": str, "shm_bytes": int, "chunk_pages": int},
     MsgType.PULL: {"xfer": int, "request_id": str, "block_ids": INT_LIST},
     MsgType.PAGES: {"xfer": int, "digests": INT_LIST, "page_bytes": int},

@@ -18,6 +18,7 @@ from pd.engine.page_pool import PagePool
 from connectors.producer import Producer, ProducerConfig
 from connectors.loads import PullPart
 from connectors.pull_stream import PullStream
+from connectors.session import ClientSession
 from connectors.wire import MalformedMessage, MsgType
 
 SECRET = b"stream-tests-secret-0123456789"
@@ -25,7 +26,7 @@ PAGE = 4096
 
 
 class FakeProducer:
-    """A data listener that accepts one tcp stream (ATTACH -> ATTACHED) and then does what a test says."""
+    """A data listener that accepts one tcp stream (NONCE, ATTACH -> ATTACHED) and then does what a test says."""
 
     def __init__(self):
         self.srv = socket.create_server(("127.0.0.1", 0))
@@ -38,6 +39,7 @@ class FakeProducer:
         self.srv.settimeout(10)
         conn, _ = self.srv.accept()
         conn.settimeout(10)
+        framing.send_frame(conn, wire.encode(MsgType.NONCE, nonce=b"n" * 16))
         msg_type, _ = framing.recv_frame(conn)
         assert msg_type is MsgType.ATTACH
         framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
@@ -51,7 +53,7 @@ class FakeProducer:
 
 
 def _open_stream(fake: FakeProducer, pool: PagePool) -> PullStream:
-    stream = PullStream(pool, "127.0.0.1", fake.port, b"s" * 32, "tcp", io_timeout_s=2.0)
+    stream = PullStream(pool, "127.0.0.1", fake.port, ClientSession(b"s" * 16, b"k" * 32), "tcp", io_timeout_s=2.0)
     assert fake.attached.wait(10)
     deadline = time.monotonic() + 5
     while not stream._ready and time.monotonic() < deadline:

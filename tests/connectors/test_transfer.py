@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kvpeer import BLOCK_SIZE, SECRET, PeerProc
-from connectors import wire
+from connectors import framing, wire
 from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
 from connectors.handshake import CompatInfo
 from pd.engine.page_pool import PagePool
@@ -232,10 +232,11 @@ def _send_garbage(producer) -> int:
     dealer.send_multipart([b"two", b"frames"])
     time.sleep(0.2)
     dealer.close()
-    for payload in (b"\xde\xad\xbe\xef" * 8, wire.encode(MsgType.ATTACH, session=b"x" * 32, mode="tcp")):
+    for payload in (b"\xde\xad\xbe\xef" * 8, wire.encode(MsgType.ATTACH, session=b"x" * 32, mode="tcp", mac=b"m" * 32)):
         s = socket.create_connection(("127.0.0.1", producer.data_port), timeout=5)
-        s.sendall(len(payload).to_bytes(4, "big") + payload if payload[0] != 0xDE else payload)
         s.settimeout(5)
+        assert framing.recv_frame(s)[0] is MsgType.NONCE  # the producer opens with a fresh nonce
+        s.sendall(len(payload).to_bytes(4, "big") + payload if payload[0] != 0xDE else payload)
         try:
             assert s.recv(16) == b""  # the producer closes the stream
         except ConnectionResetError:

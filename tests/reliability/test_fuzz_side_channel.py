@@ -84,8 +84,8 @@ def _fits(value, kind) -> bool:
 def side_frames_refused(rng: random.Random) -> bytes:
     """Well-formed messages the producer must refuse (forged sessions, AUTH without challenge)."""
     return rng.choice([
-        wire.encode(MsgType.HEARTBEAT, session=rng.randbytes(32), request_ids=["r"]),
-        wire.encode(MsgType.DONE, session=rng.randbytes(32), request_ids=["r1", "x"]),
+        wire.encode(MsgType.HEARTBEAT, session=rng.randbytes(16), seq=1, mac=rng.randbytes(32), request_ids=["r"]),
+        wire.encode(MsgType.DONE, session=rng.randbytes(16), seq=2, mac=rng.randbytes(32), request_ids=["r1", "x"]),
         wire.encode(MsgType.AUTH, proof=rng.randbytes(32)),
     ])
 
@@ -137,7 +137,7 @@ class Fuzzer(threading.Thread):
         self.num_data_conns += 1
         try:
             junk = rng.choice([rng.randbytes(64), (3).to_bytes(4, "big") + b"abc",
-                               wire.encode(MsgType.ATTACH, session=rng.randbytes(32), mode="tcp")])
+                               wire.encode(MsgType.ATTACH, session=rng.randbytes(16), mode="tcp", mac=rng.randbytes(32))])
             s.sendall(junk if junk[:1] != b"\x82" else len(junk).to_bytes(4, "big") + junk)
         except OSError:
             pass
