@@ -29,6 +29,8 @@ import ray
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
+from pd.deploy.samples import print_sample_answers
+from pd.engine.gguf import resolve_checkpoint
 from pd.router.server import Router
 
 logger = logging.getLogger(__name__)
@@ -178,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                  else f"colocated x{topo.num_colocated}")
         print(f"pdkv router ({shape}, model {config.model.name}) serving at {url}", flush=True)
         if args.run_load:
-            rc = _run_load(url, args, config.router.api_key)
+            rc = _run_load(url, args, config)
+            if config.model.path:
+                print_sample_answers(url, config)
             audits = deployment.pool_audits()
             leaks = {wid: a.get("detail") or a for wid, a in audits.items() if not a.get("all_free")}
             print(f"KV pools after the run: {'all free' if not leaks else 'NOT all free'} "
@@ -196,27 +200,37 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
 
-def _run_load(url: str, args: argparse.Namespace, api_key: str | None) -> int:
+def _run_load(url: str, args: argparse.Namespace, config: DeployConfig) -> int:
     """Runs `python -m pd.loadgen` against the deployment, in its own process.
 
     Not in this process: here the router's event loop would share the GIL with
     the load generator's, read the workers' token lines late and in batches, and
-    the client would see tokens arrive in bursts that the server never made."""
-    load_args = ["--base-url", url, "--dataset-name", "prefix_repetition", "--num-prompts", str(args.num_prompts),
-                 "--request-rate", args.request_rate, "--prefix-repetition-prefix-len", "32",
-                 "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
-                 "--prefix-repetition-output-len", "16", "--max-concurrency", "8", "--seed", "0",
-                 "--temperature", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-                 "--metric-percentiles", "50,90,99", "--disable-tqdm"]
+    the client would see tokens arrive in bursts that the server never made.
+
+    A real checkpoint gets a chat load (the questions of deploy/chat-prompts.jsonl,
+    greedy, through /v1/chat/completions); the random-weight test model gets
+    completions with shared prefixes and ignore_eos."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this launch's pdkv
+    common = ["--base-url", url, "--num-prompts", str(args.num_prompts), "--request-rate", args.request_rate,
+              "--max-concurrency", "8", "--seed", "0", "--temperature", "0",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm"]
+    if config.model.path:
+        load_args = common + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                              "--dataset-name", "custom", "--dataset-path",
+                              os.path.join(root, "deploy", "chat-prompts.jsonl"),
+                              "--tokenizer", str(resolve_checkpoint(config.model.path))]  # counts tokens as served
+    else:
+        load_args = common + ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "32",
+                              "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
+                              "--prefix-repetition-output-len", "16", "--ignore-eos"]
     if args.result_json:
         load_args += ["--save-result", "--save-detailed", "--result-filename", args.result_json]
     if args.plot:
         load_args += ["--plot", args.plot]
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this launch's pdkv
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if api_key:
-        env["OPENAI_API_KEY"] = api_key  # in the environment, not on a command line others can read
+    if config.router.api_key:
+        env["OPENAI_API_KEY"] = config.router.api_key  # in the environment, not on a command line others can read
     try:
         return subprocess.run([sys.executable, "-m", "pd.loadgen", *load_args], env=env,
                               timeout=LOAD_TIMEOUT_S).returncode

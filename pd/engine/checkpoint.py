@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pd.engine.config import ModelConfig
+from pd.engine.hf_config import model_config_from_hf
 from pd.engine.model import CausalLM, build_model
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def load_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfi
         hf = json.loads(config_file.read_text())
         if not isinstance(hf, dict):
             raise ValueError("expected a JSON object")
-        return ModelConfig.from_hf_dict(hf, dtype=dtype)
+        return model_config_from_hf(hf, dtype=dtype)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{config_file}: {exc}") from exc
 

@@ -117,13 +117,6 @@ class ModelConfig:
             out["use_sliding_window"] = SLIDING_ATTENTION in self.resolved_layer_types
         return out
 
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-        """Strict: see `pd.engine.hf_config` (unimplemented settings raise, naming the field)."""
-        from pd.engine.hf_config import model_config_from_hf  # it imports this module
-
-        return model_config_from_hf(hf, dtype=dtype)
-
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
