@@ -83,9 +83,7 @@ class KVCacheCoordinator:
             for i, g in enumerate(settings.kv_cache_config.groups))
         # managers that ever drop leading blocks (windows, Mamba): full attention
         # never does, so its groups skip that call on every allocation
-        self.skipping_managers = tuple(
-            m for m in self.single_type_managers
-            if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens)
+        self.skipping_managers = tuple(m for m in self.single_type_managers if m.skips)
         # caching stops at a multiple of this many tokens (1: at every group's block boundary)
         self.cache_alignment = 1
         # (group index, manager) pairs built once: zip() per call costs more than the loop body
@@ -249,6 +247,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
             type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate)
         self._req_to_blocks = m.req_to_blocks
         self.free = m.free  # bound once; shadows the per-group loop
+        self._find = m.find_longest_cache_hit
         self._num_blocks_to_allocate = m.get_num_blocks_to_allocate
         self._num_cached_block = m.num_cached_block
 
@@ -310,7 +309,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         """The manager's hit; a miss is reported as `no_blocks` (the shared marker)."""
-        hits = self.manager.find_longest_cache_hit(block_hashes, max_cache_hit_length, (0,), self.block_size)
+        hits = self._find(block_hashes, max_cache_hit_length, (0,), self.block_size)
         num_blocks = len(hits[0])
         if not num_blocks:
             return self.no_blocks, 0

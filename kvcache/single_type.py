@@ -34,6 +34,12 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
+        # subclass hooks that are the base no-ops are not called on hot paths
+        cls = type(self)
+        self.skips = cls.get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
+        self._masks = cls.reachable_block_mask is not SingleTypeKVCacheManager.reachable_block_mask
+        # the pool clears its maps in place, so this reference stays live
+        self._own_cached_map = block_pool.cached_map(kv_cache_group_id)
 
     # ---------------------------------------------------------------- sizing
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -58,15 +64,19 @@ class SingleTypeKVCacheManager:
             assert not new_computed_blocks, "prefix hits for a request that already holds blocks"
             num_new = num_required - num_req_blocks
             return num_new if num_new > 0 else 0
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_skipped_blocks = (self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+                              if self.skips else 0)
         num_local = len(new_computed_blocks) + num_req_blocks
-        num_new = max(num_required - max(num_skipped_blocks, num_local), 0)
-        skip_hits = max(0, num_skipped_blocks - num_req_blocks)
-        num_evictable = 0
-        for blk in islice(new_computed_blocks, skip_hits, None):
+        num_new = num_required - (num_skipped_blocks if num_skipped_blocks > num_local else num_local)
+        if num_new < 0:
+            num_new = 0
+        skip_hits = num_skipped_blocks - num_req_blocks
+        if skip_hits > 0:
+            new_computed_blocks = islice(new_computed_blocks, skip_hits, None)
+        for blk in new_computed_blocks:
             if blk.ref_cnt == 0 and not blk.is_null:
-                num_evictable += 1
-        return num_new + num_evictable
+                num_new += 1  # a free hit block: touching it takes it off the queue
+        return num_new
 
     # ---------------------------------------------------------------- allocation
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
@@ -75,7 +85,7 @@ class SingleTypeKVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         assert not req_blocks, f"request {request_id} already holds blocks"
         total = num_local_computed_tokens + num_external_computed_tokens
-        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
+        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size if self.skips else 0
         if num_skipped_blocks > 0:
             new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
         if self.enable_caching:
@@ -126,7 +136,7 @@ class SingleTypeKVCacheManager:
             return
         self.block_pool.cache_full_blocks(
             request, self.req_to_blocks[rid], num_cached, num_full, self.block_size,
-            self.kv_cache_group_id, self.reachable_block_mask(num_cached, num_full))
+            self.kv_cache_group_id, self.reachable_block_mask(num_cached, num_full) if self._masks else None)
         self.num_cached_block[rid] = num_full
 
     # ---------------------------------------------------------------- freeing
@@ -186,14 +196,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(self, block_hashes, max_length: int, group_ids: Sequence[int],
                                alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         bs = self.block_size
-        pool = self.block_pool
+        own = self.kv_cache_group_id
         limit = max_length // bs
         computed: list[list[KVCacheBlock]] = []
         # Group by group: each later group searches only as far as the previous
         # ones hit, so the final (shortest) length is the first block any group
         # misses -- exactly a block-by-block search over all groups at once.
         for gid in group_ids:
-            m = pool.cached_map(gid)
+            m = self._own_cached_map if gid == own else self.block_pool.cached_map(gid)
             hits: list[KVCacheBlock] = []
             append = hits.append
             for h in islice(block_hashes, limit):
@@ -210,7 +220,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             while len(computed[0]) * bs % alignment_tokens:
                 for lst in computed:
                     lst.pop()
-        return tuple(computed)
+        return (hits,) if len(computed) == 1 else tuple(computed)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         n_reqs = len(self.req_to_blocks)
