@@ -105,9 +105,10 @@ def test_legacy_rope_theta_and_rope_scaling_default(tmp_path):
 def test_the_callers_dtype_wins(tmp_path):
     _hf_model(transformers.LlamaConfig(**TINY, num_hidden_layers=1), dtype=torch.bfloat16).save_pretrained(tmp_path)
     assert load_config(tmp_path).dtype == "bfloat16"  # the file's, when the caller names none
-    engine = Engine(EngineConfig(model=ModelConfig(dtype="float32"), model_path=str(tmp_path), num_blocks=16))
+    engine = Engine(EngineConfig(dtype="float32", model_path=str(tmp_path), num_blocks=16))  # what model.dtype sets
     assert engine.runner.model.lm_head.weight.dtype == torch.float32
     assert engine.model_config.dtype == "float32"
+    engine.shutdown()
 
 
 REFUSED = {
