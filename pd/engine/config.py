@@ -201,6 +201,8 @@ class EngineConfig:
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
     hash_algorithm: str = "sha256"
+    hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
+    enable_kv_events: bool = False  # record prefix-cache events for `Engine.kv_event_sink`
     device: str = "cpu"
     attention_backend: str = "torch"  # "fused": C++ decode kernel (float32, CPU), built on first use
     engine_id: str = "engine-0"

@@ -158,6 +158,8 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 hit_blocks, num_local = self.mgr.get_computed_blocks(req)
                 self.stats.record_prefix_lookup(req.num_tokens, num_local)
+                if state.num_cached_tokens is None:
+                    state.num_cached_tokens = num_local
                 if self.connector is not None and not state.skip_connector_load:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     if num_external is None:  # the connector cannot tell yet: retry next step
@@ -246,7 +248,8 @@ class Scheduler:
                 outputs.append(RequestOutput(req.request_id, [token]))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
-            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params))
+            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
+                                         num_cached_tokens=state.num_cached_tokens or 0))
         return outputs
 
     def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:

@@ -74,17 +74,19 @@ class Dispatcher:
         """Runs `payload` on a `role` worker; retries once if the first worker is unreachable
         before producing anything."""
         for attempt in (1, 2):
-            load = self._acquire(role)
-            produced = False
+            load = self._acquire(role, payload)
+            produced, actual_hit = False, None
             try:
                 async with contextlib.aclosing(self._client.generate(load.endpoint.url, payload)) as stream:
                     async for event in stream:
                         if keep_params:
                             if event.get("finished"):
-                                produced = True
+                                produced, actual_hit = True, _num_cached(event)
                                 yield _checked_params(event.get("kv_transfer_params"), load), _num_cached(event)
                             continue
                         produced = True  # from here on the caller has seen output: no retry
+                        if event.get("finished"):
+                            actual_hit = _num_cached(event)
                         yield TokenEvent(tuple(event.get("token_ids") or ()),
                                          event.get("finish_reason") if event.get("finished") else None,
                                          _num_cached(event))
@@ -95,11 +97,11 @@ class Dispatcher:
                     raise _api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", payload["request_id"], role.value)
             finally:
-                self._pool.release(load)
+                self._pool.release(load, payload["request_id"], actual_hit)
 
-    def _acquire(self, role: Role) -> WorkerLoad:
+    def _acquire(self, role: Role, payload: dict) -> WorkerLoad:
         try:
-            return self._pool.acquire(role)
+            return self._pool.acquire(role, payload["prompt_token_ids"], payload["request_id"])
         except NoWorkerAvailable as exc:
             raise server_error(str(exc), status=503, code="no_worker_available") from None
 
