@@ -132,7 +132,10 @@ class WorkerPool:
     def healthy(self, role: Role) -> list[WorkerLoad]:
         return [w for w in self._loads.values() if w.healthy and w.endpoint.role.serves(role)]
 
-    def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> tuple[WorkerLoad, int | None]:
+    def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> WorkerLoad:
+        return self.pick_with_hit(role, prompt_token_ids)[0]
+
+    def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> tuple[WorkerLoad, int | None]:
         """(the chosen worker, its predicted prefix hit in tokens: None without an exact index entry)."""
         candidates = self.healthy(role)
         if not candidates:
@@ -154,7 +157,7 @@ class WorkerPool:
     def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "") -> WorkerLoad:
         """Picks a worker and counts one more request in flight on it (and its prompt tokens
         still to compute, when `prompt_token_ids` are given)."""
-        load, predicted = self.pick(role, prompt_token_ids)
+        load, predicted = self.pick_with_hit(role, prompt_token_ids)
         load.num_in_flight += 1
         queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
         load.num_queued_tokens += queued
