@@ -85,10 +85,16 @@ def decode_batch(key: bytes, frames: list[bytes]) -> EventBatch:
     if not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()):
         raise BatchError("bad_mac", "batch MAC does not verify")
     try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    except BatchError:
+        raise
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise BatchError("malformed", f"payload is not msgpack: {exc}") from None
     return EventBatch(*_checked_body(body))
+
+
+def _refuse_ext(code: int, data: bytes):
+    raise BatchError("malformed", f"msgpack extension type {code} is not allowed")
 
 
 def _checked_body(body) -> tuple:
