@@ -117,6 +117,8 @@ class WorkerPool:
         self._metrics = metrics
         self._leases: dict[tuple[str, str], tuple[int, int | None]] = {}  # (request, worker) -> (queued, predicted)
         self.last_predicted: dict[tuple[str, str], int | None] = {}  # (request, role) -> predicted hit, for tests
+        self._best_hit = 0
+        self.last_best_hit: dict[tuple[str, str], int] = {}  # (request, role) -> best hit of any candidate
 
     def add(self, endpoint: WorkerEndpoint) -> None:
         if endpoint.worker_id in self._loads:
@@ -145,6 +147,7 @@ class WorkerPool:
             hashes = self.index.prompt_hashes(prompt_token_ids)
             hits = self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
         load = self._policy.choose(candidates, hits)
+        self._best_hit = max((h for h in hits.values() if h is not None), default=0)
         predicted = hits.get(load.endpoint.worker_id)
         if self._metrics is not None and self.index is not None:
             if not isinstance(self._policy, PrefixAware):
@@ -163,8 +166,10 @@ class WorkerPool:
         load.num_queued_tokens += queued
         self._leases[(request_id, load.endpoint.worker_id)] = (queued, predicted)
         self.last_predicted[(request_id, role.value)] = predicted
-        if len(self.last_predicted) > 10_000:  # bounded: a test reads only recent ones
+        self.last_best_hit[(request_id, role.value)] = self._best_hit
+        if len(self.last_predicted) > 10_000:  # bounded: tests and benchmarks read only recent ones
             self.last_predicted.pop(next(iter(self.last_predicted)))
+            self.last_best_hit.pop(next(iter(self.last_best_hit)))
         return load
 
     def release(self, load: WorkerLoad, request_id: str = "", num_cached_tokens: int | None = None) -> None:
