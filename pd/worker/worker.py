@@ -191,6 +191,12 @@ class Worker:
         return bool(self._require_engine().kv_cache_manager.reset_prefix_cache())
 
     # -- observability ----------------------------------------------------
+    @property
+    def kv_events(self):
+        """The KV event publisher (`pd.worker.kv_events.KVEventPublisher`), None before start or
+        without prefix caching."""
+        return self._kv_events
+
     def kv_events_replay(self, after_seq: int | None) -> dict:
         """The KV event replay answer (`pd.worker.kv_events.replay_answer`)."""
         from pd.worker.kv_events import replay_answer

@@ -56,7 +56,7 @@ class KVDeployment(LocalDeployment):
         while True:
             lagging = {}
             for wid, worker in self.workers.items():
-                seq = worker._kv_events.seq
+                seq = worker.kv_events.seq
                 d = self.index.describe(wid)
                 if d is None or d["state"] != IndexState.EXACT.value or d["seq"] != seq:
                     lagging[wid] = (d, seq)

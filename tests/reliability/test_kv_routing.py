@@ -80,7 +80,7 @@ def test_index_matches_caches_and_predicted_hits_equal_actual():
         assert _counter(dep, "pdkv_prefix_hit_tokens_actual_total", role="decode") == \
             _counter(dep, "pdkv_prefix_hit_tokens_predicted_total", role="decode")
         assert _counter(dep, "pdkv_kv_event_batches_total", outcome="applied") > 0
-        assert any(any(ev[0] == "removed" for _, evs in w._kv_events._history for ev in evs)
+        assert any(any(ev[0] == "removed" for _, evs in w.kv_events._history for ev in evs)
                    for w in dep.workers.values()), "the run should evict under cache pressure"
         body = requests.get(dep.url + "/pd/workers", timeout=TIMEOUT_S).json()
         for wid, entry in body.items():
@@ -91,7 +91,7 @@ def test_index_matches_caches_and_predicted_hits_equal_actual():
 
 def test_lost_batch_is_detected_and_healed_by_replay():
     with KVDeployment(_config(), num_prefill=1, num_decode=1) as dep:
-        publisher = dep.workers["prefill-0"]._kv_events
+        publisher = dep.workers["prefill-0"].kv_events
         void = zmq.Context.instance().socket(zmq.PUB)  # bound nowhere: what it sends is lost
         with publisher._lock:
             publisher._sock, real = void, publisher._sock
@@ -142,7 +142,7 @@ def test_forged_and_garbage_batches_are_dropped_and_counted():
         _complete(dep, SYSTEM[0] + " seed the cache")
         _assert_index_is_cache(dep)
         before = dep.index.describe("prefill-0")
-        publisher = dep.workers["prefill-0"]._kv_events
+        publisher = dep.workers["prefill-0"].kv_events
         forged = EventBatch(publisher.engine_id, "prefill-0", publisher.seq + 1, [["cleared", -1, []]])
         bad_payload = msgpack.packb({"v": 1, "engine_id": publisher.engine_id, "worker_id": "prefill-0",
                                      "seq": "x", "events": 7})
