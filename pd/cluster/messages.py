@@ -78,8 +78,9 @@ class GenerateRequest(StrictModel):
 class TokenEvent(StrictModel):
     """What one engine step produced for one request, as the worker streams it.
 
-    `num_cached_tokens`: prompt tokens this worker did not compute itself (its
-    prefix cache hit plus the tokens pulled from a prefill worker); the same on
+    `num_cached_tokens`: prompt tokens this worker found in its own prefix cache
+    at the request's first admission (tokens pulled from a prefill worker do not
+    count: that is what the KV-aware router predicts and checks); the same on
     every event of a request once it is scheduled, 0 before.
     """
 

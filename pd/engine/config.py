@@ -168,6 +168,8 @@ class EngineConfig:
     kv_load_failure_policy: str = "recompute"
     hash_algorithm: str = "sha256"
     dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
+    hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
+    enable_kv_events: bool = False  # record prefix-cache events for `Engine.kv_event_sink`
     device: str = "cpu"
     attention_backend: str = "torch"  # see ATTENTION_BACKENDS; the C++ kernel is built on first use
     engine_id: str = "engine-0"

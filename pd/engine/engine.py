@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -65,11 +65,15 @@ class Engine:
         self._kv_specs = [group.spec for group in kv_config.groups]  # for check_fits, per request
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens)
+            watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_kv_cache_events=config.enable_kv_events)
         self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
                                   shareable=connector is not None and connector.shares_page_pool)
         self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend)
-        self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm)
+        self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm,
+                                        seed=config.hash_seed)
+        # called on the step thread with each step's prefix-cache events, under the step lock
+        self.kv_event_sink: Callable[[list], None] | None = None
         self.connector = connector
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector,
                                    eos_token_id=self.model_config.eos_token_id)
@@ -166,8 +170,23 @@ class Engine:
             self.last_timing = {"schedule_s": t1 - t0, "model_s": t2 - t1, "update_s": t3 - t2}
             for key, value in self.last_timing.items():
                 self.timing[key] += value
+            self._publish_kv_events()  # before the outputs: a router sees the blocks before the answer
             self._dispatch(outputs)
             return outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.kv_cache_manager.take_events()
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)
+
+    def kv_snapshot(self, snapshot_fn: Callable[[dict[int, list[bytes]]], Any]) -> Any:
+        """Calls `snapshot_fn({group: [cached hashes]})` between steps (under the step lock), so
+        the snapshot and the events published so far describe the same cache."""
+        with self._step_lock:
+            self._publish_kv_events()
+            pool = self.kv_cache_manager.block_pool
+            groups = range(len(self._kv_specs))
+            return snapshot_fn({g: list(pool.cached_map(g)) for g in groups})
 
     def _scrub_pages(self, block_ids: set[int]) -> None:
         # A failed load may leave arbitrary bytes (NaN/Inf as floats) in its pages. Attention masks

@@ -43,7 +43,7 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
     error_cause: FailureCause | None = None  # set when a KV load failure ended the request
-    num_cached_tokens: int = 0  # prompt tokens not computed here: prefix cache hit + tokens pulled from a producer
+    num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache (set on the final output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RequestState:
     num_external_tokens: int = 0  # tokens of the current async load
     awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
     awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent
-    num_cached_tokens: int = 0  # set when first admitted (local hit), plus an async load once it lands
+    num_cached_tokens: int | None = None  # local prefix-cache hit of the first admission
 
 
 @dataclasses.dataclass

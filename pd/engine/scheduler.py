@@ -158,6 +158,8 @@ class Scheduler:
             if looked_up:
                 hit_blocks, num_local = self.mgr.get_computed_blocks(req)
                 self.stats.record_prefix_lookup(req.num_tokens, num_local)
+                if state.num_cached_tokens is None:
+                    state.num_cached_tokens = num_local
                 if self.connector is not None and not state.skip_connector_load:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     if num_external is None:  # the connector cannot tell yet: retry next step
@@ -183,8 +185,6 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
             req.num_computed_tokens = num_computed
-            if looked_up and req.num_preemptions == 0 and not state.skip_connector_load:  # first admission
-                state.num_cached_tokens = num_local + (0 if load_async else num_external)
             if load_async:
                 state.num_external_tokens = num_external
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -222,7 +222,6 @@ class Scheduler:
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
                 self.stats.num_remote_tokens += state.num_external_tokens
-                state.num_cached_tokens += state.num_external_tokens
                 if req.num_computed_tokens >= req.num_tokens:
                     req.num_computed_tokens = req.num_tokens - 1  # recompute the last token for its logits
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
@@ -246,11 +245,11 @@ class Scheduler:
             req.append_output_token_ids(token)
             reason = self._stop_reason(state, token)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens))
+                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens or 0))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
             outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
-                                         num_cached_tokens=state.num_cached_tokens))
+                                         num_cached_tokens=state.num_cached_tokens or 0))
         return outputs
 
     def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:

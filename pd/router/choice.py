@@ -2,7 +2,10 @@
 
 `WorkerPool` is the router's view of its workers: who exists, who is healthy,
 and how loaded each one is. `RoutingPolicy` picks one healthy worker of a role;
-`LeastLoaded` is the default and `RoundRobin` a simple alternative.
+`LeastLoaded` is the default, `RoundRobin` a simple alternative and
+`PrefixAware` picks by cached prefix (from `pd.router.kv_index`) against load.
+With an index, the pool predicts each chosen worker's prefix hit whatever the
+policy, and counts it (`record_route`) with the actual hit the worker reports.
 
 Guarantees:
 - a worker marked dead never gets picked again (it leaves the rotation for
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from pd.cluster.roles import Role, WorkerEndpoint
@@ -39,10 +43,11 @@ class WorkerLoad:
     num_waiting: int = 0
     kv_usage: float = 0.0
     stats: dict = dataclasses.field(default_factory=dict)
+    num_queued_tokens: int = 0  # router-side: prompt tokens of its in-flight requests not predicted as hits
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad: ...
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad: ...
 
 
 class LeastLoaded:
@@ -52,7 +57,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._tiebreak = itertools.count()
 
-    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
         turn = next(self._tiebreak)
         n = len(candidates)
         return min(
@@ -65,17 +70,55 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
         return candidates[next(self._turn) % len(candidates)]
 
 
-POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+class PrefixAware:
+    """The `ttft_cost` formula: pick the candidate with the highest
+
+        score(w) = hit_tokens(w) - queue_weight * queued_tokens(w) - running_weight * num_in_flight(w)
+
+    where `hit_tokens` is the prompt's predicted prefix-cache hit on w (0 for a
+    DEGRADED worker, which is thus routed by load alone), `queued_tokens` the
+    prompt tokens of w's in-flight requests it still has to compute (router-side,
+    always fresh) and `num_in_flight` its requests in flight. With queue_weight=1
+    the first two terms are, up to a constant, minus the tokens w computes before
+    this prompt's first token: a hit is worth exactly the work it saves. The same
+    formula picks D (its hit is the part it need not pull). Ties go least-loaded.
+    """
+
+    def __init__(self, queue_weight: float = 1.0, running_weight: float = 16.0) -> None:
+        if queue_weight < 0 or running_weight < 0:
+            raise ValueError("queue_weight and running_weight must be >= 0")
+        self.queue_weight = queue_weight
+        self.running_weight = running_weight
+        self._tiebreak = LeastLoaded()
+
+    def score(self, load: WorkerLoad, hit_tokens: int | None) -> float:
+        return ((hit_tokens or 0) - self.queue_weight * load.num_queued_tokens
+                - self.running_weight * load.num_in_flight)
+
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
+        hits = hits or {}
+        scores = [self.score(w, hits.get(w.endpoint.worker_id)) for w in candidates]
+        best = max(scores)
+        return self._tiebreak.choose([w for w, s in zip(candidates, scores) if s == best])
+
+
+POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "prefix_aware": PrefixAware}
 
 
 class WorkerPool:
-    def __init__(self, policy: RoutingPolicy | None = None) -> None:
+    def __init__(self, policy: RoutingPolicy | None = None, index=None, metrics=None) -> None:
         self._policy = policy or LeastLoaded()
         self._loads: dict[str, WorkerLoad] = {}
+        self.index = index  # a pd.router.kv_index.KVIndex, or None
+        self._metrics = metrics
+        self._leases: dict[tuple[str, str], tuple[int, int | None]] = {}  # (request, worker) -> (queued, predicted)
+        self.last_predicted: dict[tuple[str, str], int | None] = {}  # (request, role) -> predicted hit, for tests
+        self._best_hit = 0
+        self.last_best_hit: dict[tuple[str, str], int] = {}  # (request, role) -> best hit of any candidate
 
     def add(self, endpoint: WorkerEndpoint) -> None:
         if endpoint.worker_id in self._loads:
@@ -91,20 +134,51 @@ class WorkerPool:
     def healthy(self, role: Role) -> list[WorkerLoad]:
         return [w for w in self._loads.values() if w.healthy and w.endpoint.role.serves(role)]
 
-    def pick(self, role: Role) -> WorkerLoad:
+    def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> WorkerLoad:
+        return self.pick_with_hit(role, prompt_token_ids)[0]
+
+    def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> tuple[WorkerLoad, int | None]:
+        """(the chosen worker, its predicted prefix hit in tokens: None without an exact index entry)."""
         candidates = self.healthy(role)
         if not candidates:
             raise NoWorkerAvailable(f"no healthy {role.value} worker is available")
-        return self._policy.choose(candidates)
+        hits: dict[str, int | None] = {}
+        if self.index is not None and prompt_token_ids:
+            hashes = self.index.prompt_hashes(prompt_token_ids)
+            hits = self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
+        load = self._policy.choose(candidates, hits)
+        self._best_hit = max((h for h in hits.values() if h is not None), default=0)
+        predicted = hits.get(load.endpoint.worker_id)
+        if self._metrics is not None and self.index is not None:
+            if not isinstance(self._policy, PrefixAware):
+                mode = type(self._policy).__name__.lower()
+            else:
+                mode = "exact" if predicted is not None else "degraded" if hits else "fallback"
+            self._metrics.record_route(role.value, mode, predicted)
+        return load, predicted
 
-    def acquire(self, role: Role) -> WorkerLoad:
-        """Picks a worker and counts one more request in flight on it."""
-        load = self.pick(role)
+    def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "") -> WorkerLoad:
+        """Picks a worker and counts one more request in flight on it (and its prompt tokens
+        still to compute, when `prompt_token_ids` are given)."""
+        load, predicted = self.pick_with_hit(role, prompt_token_ids)
         load.num_in_flight += 1
+        queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
+        load.num_queued_tokens += queued
+        self._leases[(request_id, load.endpoint.worker_id)] = (queued, predicted)
+        self.last_predicted[(request_id, role.value)] = predicted
+        self.last_best_hit[(request_id, role.value)] = self._best_hit
+        if len(self.last_predicted) > 10_000:  # bounded: tests and benchmarks read only recent ones
+            self.last_predicted.pop(next(iter(self.last_predicted)))
+            self.last_best_hit.pop(next(iter(self.last_best_hit)))
         return load
 
-    def release(self, load: WorkerLoad) -> None:
+    def release(self, load: WorkerLoad, request_id: str = "", num_cached_tokens: int | None = None) -> None:
+        """Undoes `acquire`; `num_cached_tokens` (the worker's actual hit, when it said) is counted."""
         load.num_in_flight = max(0, load.num_in_flight - 1)
+        queued, predicted = self._leases.pop((request_id, load.endpoint.worker_id), (0, None))
+        load.num_queued_tokens = max(0, load.num_queued_tokens - queued)
+        if self._metrics is not None and num_cached_tokens is not None and self.index is not None:
+            self._metrics.record_actual_hit(load.endpoint.role.value, num_cached_tokens, predicted)
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         load = self._loads.get(worker_id)

@@ -71,17 +71,19 @@ class Dispatcher:
         """Runs `request` on a `role` worker; retries once if the first worker is unreachable
         before producing anything."""
         for attempt in (1, 2):
-            load = self._acquire(role)
-            produced = False
+            load = self._acquire(role, request)
+            produced, actual_hit = False, None
             try:
                 async with contextlib.aclosing(self._client.generate(load.endpoint.url, request)) as stream:
                     async for event in stream:
                         if keep_params:
                             if event.finished:
-                                produced = True
+                                produced, actual_hit = True, event.num_cached_tokens
                                 yield _checked_params(event.kv_transfer_params, load), event.num_cached_tokens
                             continue
                         produced = True  # from here on the caller has seen output: no retry
+                        if event.finished:
+                            actual_hit = event.num_cached_tokens
                         if event.finish_reason is not None and not event.finished:
                             event = event.model_copy(update={"finish_reason": None})  # the reason ends a request
                         yield event
@@ -92,11 +94,11 @@ class Dispatcher:
                     raise _api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", request.request_id, role.value)
             finally:
-                self._pool.release(load)
+                self._pool.release(load, request.request_id, actual_hit)
 
-    def _acquire(self, role: Role) -> WorkerLoad:
+    def _acquire(self, role: Role, request: GenerateRequest) -> WorkerLoad:
         try:
-            return self._pool.acquire(role)
+            return self._pool.acquire(role, list(request.prompt_token_ids), request.request_id)
         except NoWorkerAvailable as exc:
             raise server_error(str(exc), status=503, code="no_worker_available") from None
 

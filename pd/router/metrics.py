@@ -76,6 +76,21 @@ class RouterMetrics:
                                      "Time from request arrival to its last token")
         self._prefill_hop = self._histograms(("pdkv_prefill_hop_seconds",),
                                              "Router-side time of the prefill hop (P worker)")
+        self._route_decisions = self._counter("pdkv_route_decisions", "Worker choices, by role and routing mode "
+                                              "(exact / degraded / fallback for prefix_aware, else the policy)",
+                                              "role", "mode")
+        self._hit_predicted = self._counter("pdkv_prefix_hit_tokens_predicted",
+                                            "Prompt tokens the KV index predicted as cached on the chosen worker",
+                                            "role")
+        self._hit_actual = self._counter("pdkv_prefix_hit_tokens_actual",
+                                         "Prompt tokens the chosen worker reported as served from its prefix cache",
+                                         "role")
+        self._hit_mispredicted = self._counter("pdkv_prefix_hit_mispredictions",
+                                               "Requests whose actual prefix hit differed from the prediction", "role")
+        self._kv_batches = self._counter("pdkv_kv_event_batches", "KV event batches received, by outcome "
+                                         "(applied, duplicate, buffered, gap, restart; dropped: bad_mac, malformed, "
+                                         "wrong_worker, unknown_worker)", "outcome")
+        self._kv_resyncs = self._counter("pdkv_kv_index_resyncs", "KV index resynchronisations, by kind", "kind")
         self.registry.register(WorkerStatsCollector(model_name, workers))
 
     # -- recording --------------------------------------------------------
@@ -107,6 +122,22 @@ class RouterMetrics:
 
     def record_worker_failure(self, worker_id: str, cause: str) -> None:
         self._worker_failures.labels(self.model_name, worker_id, cause).inc()
+
+    def record_route(self, role: str, mode: str, predicted_hit: int | None) -> None:
+        self._route_decisions.labels(self.model_name, role, mode).inc()
+        if predicted_hit:
+            self._hit_predicted.labels(self.model_name, role).inc(predicted_hit)
+
+    def record_actual_hit(self, role: str, actual_hit: int, predicted_hit: int | None) -> None:
+        self._hit_actual.labels(self.model_name, role).inc(actual_hit)
+        if predicted_hit is not None and predicted_hit != actual_hit:
+            self._hit_mispredicted.labels(self.model_name, role).inc()
+
+    def record_kv_batch(self, outcome: str) -> None:
+        self._kv_batches.labels(self.model_name, outcome).inc()
+
+    def record_kv_resync(self, kind: str) -> None:
+        self._kv_resyncs.labels(self.model_name, kind).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4, `CONTENT_TYPE`)."""

@@ -3,8 +3,8 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both in
 pd.router.completions), `GET /v1/models[/{id}]`, `GET /health`,
 `GET /metrics` (Prometheus text, from the last worker poll) and
-`GET /pd/workers` (each worker's last stats; `?refresh=1` polls now, pool
-audits included).
+`GET /pd/workers` (each worker's last stats and its KV index state, EXACT or
+DEGRADED, and size; `?refresh=1` polls now, pool audits included).
 
 Guarantees:
 - client input is validated before any worker is touched; errors are
@@ -38,6 +38,10 @@ from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
 from pd.engine.tokenizer import Tokenizer, load_tokenizer
 from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
+from kvcache.hashing import BlockHasher
+from pd.cluster.kv_wire import deployment_hash_seed
+from pd.router.kv_feed import KVFeed
+from pd.router.kv_index import DEFAULT_MAX_ENTRIES, KVIndex
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +52,25 @@ STATS_TIMEOUT_S = 10.0
 class Router:
     def __init__(self, config: DeployConfig, endpoints: list[WorkerEndpoint], secret: str,
                  tokenizer: Tokenizer | None = None, policy: str = "least_loaded",
-                 metrics_require_key: bool = False) -> None:
+                 metrics_require_key: bool = False, policy_options: dict | None = None,
+                 kv_index_max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
-        self.pool = WorkerPool(POLICIES[policy]())
-        for endpoint in endpoints:
-            self.pool.add(endpoint)
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r} is unknown; use one of {sorted(POLICIES)}")
+        self.metrics = RouterMetrics(config.model.name, self._worker_figures)
         rc = config.router
         self.client = WorkerClient(secret, ClientTimeouts(connect_s=rc.connect_timeout_s, stall_s=rc.request_timeout_s,
                                                           total_s=rc.request_timeout_s))
-        self.metrics = RouterMetrics(config.model.name, self._worker_figures)
+        self.kv_index: KVIndex | None = None
+        self.kv_feed: KVFeed | None = None
+        if config.cache.enable_prefix_caching:
+            hasher = BlockHasher(config.cache.block_size, config.cache.hash_algorithm, deployment_hash_seed(secret))
+            self.kv_index = KVIndex(hasher, max_entries=kv_index_max_entries)
+            self.kv_feed = KVFeed(self.kv_index, secret, self.client, self.metrics)
+        self.pool = WorkerPool(POLICIES[policy](**(policy_options or {})), self.kv_index, self.metrics)
+        for endpoint in endpoints:
+            self.pool.add(endpoint)
         self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated)
@@ -91,11 +104,28 @@ class Router:
         await site.start()
         bound = self._runner.addresses[-1][1]
         self.url = f"http://{host}:{bound}"
+        await self._subscribe_kv_events()
         await self.poll_workers()
         self._health_task = asyncio.create_task(self._health_loop())
         return self.url
 
+    async def _subscribe_kv_events(self) -> None:
+        """Subscribes the KV index to every worker's event stream; a worker that hashes prefixes
+        differently from the router refuses the start (HashingMismatch)."""
+        if self.kv_feed is None:
+            return
+        for load in self.pool.all():
+            try:
+                health = await self.client.get_json(load.endpoint.url, "/internal/health", timeout_s=STATS_TIMEOUT_S)
+            except WorkerCallError as exc:
+                logger.warning("worker %s: no health answer, KV index entries wait: %s", load.endpoint.worker_id, exc)
+                continue
+            if health.get("kv_events"):
+                self.kv_feed.connect(load.endpoint.worker_id, load.endpoint.url, health["kv_events"])
+
     async def stop(self) -> None:
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -128,6 +158,10 @@ class Router:
             self._failed_polls[worker_id] = self._failed_polls.get(worker_id, 0) + 1
             if self._failed_polls[worker_id] >= MAX_FAILED_POLLS:
                 self.pool.mark_dead(worker_id, f"{MAX_FAILED_POLLS} failed polls: {error}")
+        if self.kv_feed is not None:  # a dead worker holds nothing: its entries go
+            for load in self.pool.all():
+                if not load.healthy:
+                    self.kv_feed.drop(load.endpoint.worker_id)
 
     async def _poll_one(self, load, audit: bool) -> str | None:
         """None when the worker answered; else why not."""
@@ -136,6 +170,8 @@ class Router:
             path = "/internal/stats?audit=1" if audit else "/internal/stats"
             stats = await self.client.get_json(url, path, timeout_s=STATS_TIMEOUT_S)
             self.pool.update_stats(load.endpoint.worker_id, stats)
+            if self.kv_feed is not None:
+                self.kv_feed.observe(load.endpoint.worker_id, url, stats.get("kv_events"))
             return None
         except WorkerCallError as stats_error:
             try:
@@ -192,7 +228,9 @@ class Router:
         if request.query.get("refresh"):
             await self.poll_workers(audit=True)
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
-                                       "num_in_flight": w.num_in_flight, "stats": w.stats} for w in self.pool.all()}
+                                       "num_in_flight": w.num_in_flight, "num_queued_tokens": w.num_queued_tokens,
+                                       "kv_index": self.kv_index.describe(w.endpoint.worker_id) if self.kv_index else None,
+                                       "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)
 
 

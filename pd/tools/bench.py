@@ -8,6 +8,11 @@ Reports, at the documented model size (BENCH_MODEL unless overridden):
   Face transformers' `generate()` on the same weights (written with our
   checkpoint writer, loaded with LlamaForCausalLM.from_pretrained) and the same
   32 mixed-length prompts, side by side, and the ratio.
+
+`--vs-hf --model PATH` runs only that comparison, on a real checkpoint (PATH as
+`model.path` takes it: an HF directory, a .gguf, `package:NAME/FILE`) with 32
+chat-rendered questions; the engine is built as a serving worker builds it, and the
+report names the decode attention backend it ran (pd/tools/vs_hf.py).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pd.engine.config import EngineConfig, ModelConfig
 from pd.engine.engine import Engine
 from pd.engine.model import build_model
 from pd.engine.sampling import SamplingParams
+from pd.tools.vs_hf import bench_vs_hf_model, side_by_side, summarize
 
 # Documented benchmark model: 29.4M parameters (8 layers, hidden 512, 8 query / 4 KV heads of 64,
 # SwiGLU 1536, vocab 4096), Llama layout, float32, block size 16.
@@ -107,71 +113,41 @@ def bench_vs_hf(cfg: ModelConfig, num_requests: int, lo: int, hi: int, max_new: 
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(model, tmp)
         hf = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None  # like ignore_eos: every request makes max_new tokens
         eng = Engine(EngineConfig(model_path=tmp, block_size=16, kv_cache_bytes=1 << 30, attention_backend=ATTENTION,
                                   max_num_batched_tokens=4096, max_num_seqs=num_requests, enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    # warm-up both (first calls allocate and pick kernels)
-    eng.generate_sync({"warm": prompts["r0"][:16]}, SamplingParams(max_tokens=4, ignore_eos=True))
-    ids = list(prompts.values())
-    width = max(len(p) for p in ids)
-    pad = 0
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-    gen_kw = dict(do_sample=False, pad_token_id=pad)
-    with torch.inference_mode():
-        hf.generate(input_ids=input_ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=4, **gen_kw)
-    # Interleaved rounds, best of each: other processes on the machine slow either side at random.
-    # Wall time and process CPU time are both kept: with one torch thread the CPU time does not
-    # count the moments other processes held the core, so it is the steadier figure on a shared box.
-    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
-    best = {(c, k): float("inf") for c in clocks for k in ("ours_prefill", "ours_decode", "hf_first", "hf_total")}
-    for r in range(rounds):
-        ours: dict[str, list[int]] = {rid: [] for rid in prompts}
-        for rid, p in prompts.items():
-            eng.add_request(f"{rid}@{r}", p, params)
-        t0 = {c: f() for c, f in clocks.items()}
-        while any(not toks for toks in ours.values()):  # prefill phase: until every request has its first token
-            for o in eng.step():
-                ours[o.request_id.split("@")[0]].extend(o.new_token_ids)
-        t1 = {c: f() for c, f in clocks.items()}
-        while eng.has_unfinished_requests():  # decode phase
-            for o in eng.step():
-                ours[o.request_id.split("@")[0]].extend(o.new_token_ids)
-        t2 = {c: f() for c, f in clocks.items()}
-        with torch.inference_mode():
-            h0 = {c: f() for c, f in clocks.items()}
-            hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=1, **gen_kw)
-            h1 = {c: f() for c, f in clocks.items()}
-            out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, **gen_kw)
-            h2 = {c: f() for c, f in clocks.items()}
-        for c in clocks:
-            for key, value in (("ours_prefill", t1[c] - t0[c]), ("ours_decode", t2[c] - t1[c]),
-                               ("hf_first", h1[c] - h0[c]), ("hf_total", h2[c] - h1[c])):
-                best[(c, key)] = min(best[(c, key)], value)
-    eng.shutdown()
-    hf_tokens = out[:, width:].tolist()
-    same = sum(ours[rid] == hf_tokens[i] for i, rid in enumerate(prompts))
-    total = num_requests * max_new
-    decoded = num_requests * (max_new - 1)
-    result = {"num_requests": num_requests, "prompt_lens": f"{lo}-{hi}", "max_new_tokens": max_new,
-              "greedy_outputs_identical": f"{same}/{num_requests}", "rounds": rounds}
-    for c in clocks:
-        ours_e2e = best[(c, "ours_prefill")] + best[(c, "ours_decode")]
-        hf_decode_s = max(best[(c, "hf_total")] - best[(c, "hf_first")], 1e-9)  # generate(N) minus generate(1)
-        result[c] = {
-            "ours_decode_tokens_per_s": decoded / best[(c, "ours_decode")],
-            "hf_decode_tokens_per_s": decoded / hf_decode_s,
-            "decode_ratio": hf_decode_s / best[(c, "ours_decode")],
-            "ours_e2e_tokens_per_s": total / ours_e2e, "hf_e2e_tokens_per_s": total / best[(c, "hf_total")],
-            "e2e_ratio": best[(c, "hf_total")] / ours_e2e, "ours_s": ours_e2e, "hf_s": best[(c, "hf_total")],
-        }
-    return result
+    try:
+        run = side_by_side(eng, hf, prompts, pad_id=0, max_new=max_new, rounds=rounds)
+    finally:
+        eng.shutdown()
+    return summarize(run, num_requests, max_new, rounds, f"{lo}-{hi}")
+
+
+def _print_vs_hf(v: dict) -> None:
+    print(f"vs HF generate: {v['num_requests']} requests, prompts {v['prompt_lens']} tokens, "
+          f"{v['max_new_tokens']} new tokens each, greedy, same weights, best of {v['rounds']} interleaved rounds")
+    if "attention_backend" in v:
+        print(f"  model {v['model_path']} (HF loads {v['hf_dir']}); pdkv decode attention: "
+              f"{v['attention_backend']}; torch threads {v['torch_threads']}")
+    for c, label in (("wall", "wall clock"), ("cpu", "process CPU time")):
+        m = v[c]
+        print(f"  [{label}] decode: pdkv {m['ours_decode_tokens_per_s']:.0f} tok/s  HF "
+              f"{m['hf_decode_tokens_per_s']:.0f} tok/s  ratio {m['decode_ratio']:.2f}x | end-to-end: pdkv "
+              f"{m['ours_e2e_tokens_per_s']:.0f} tok/s ({m['ours_s']:.1f}s)  HF {m['hf_e2e_tokens_per_s']:.0f} tok/s "
+              f"({m['hf_s']:.1f}s)  ratio {m['e2e_ratio']:.2f}x")
+    print(f"  identical greedy outputs: {v['greedy_outputs_identical']}")
+    for d in v.get("divergences", []):
+        margin = d.get("hf_top1_top2_margin")
+        print(f"    {d['request']}: first divergence at new token {d['first_divergence']} "
+              f"(pdkv {d['pdkv_token']}, HF {d['hf_token']})"
+              + (f", HF top-1/top-2 logit margin there {margin:.2e}" if margin is not None else ""))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vs-hf", action="store_true", help="compare batched greedy decode with transformers generate()")
+    ap.add_argument("--model", metavar="PATH", help="with --vs-hf: a real checkpoint, spelled as model.path in a "
+                    "deploy YAML (HF directory, .gguf, package:NAME/FILE), with chat prompts; skips the other runs")
+    ap.add_argument("--num-requests", type=int, default=32, help="batch size in --vs-hf")
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request in --vs-hf")
@@ -179,8 +155,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
+    if args.model and not args.vs_hf:
+        ap.error("--model needs --vs-hf (it compares that checkpoint with transformers generate())")
+    for name in ("num_requests", "new_tokens", "rounds"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model:
+        v = bench_vs_hf_model(args.model, args.num_requests, args.new_tokens, args.rounds)
+        if args.json:
+            print(json.dumps({"vs_hf": v}, indent=2))
+        else:
+            _print_vs_hf(v)
+        return
     cfg = TINY_MODEL if args.quick else BENCH_MODEL
     results = {"model": {k: v for k, v in cfg.__dict__.items() if v is not None},
                "torch_threads": torch.get_num_threads()}
@@ -188,8 +176,8 @@ def main() -> None:
                                              decode_steps=16 if args.quick else 64)
     results["scheduler"] = bench_scheduler_overhead(256, steps=10 if args.quick else 50)
     if args.vs_hf:
-        results["vs_hf"] = bench_vs_hf(cfg, 32, 16, 128 if args.quick else args.max_prompt, 16 if args.quick else args.new_tokens,
-                                       rounds=args.rounds)
+        results["vs_hf"] = bench_vs_hf(cfg, args.num_requests, 16, 128 if args.quick else args.max_prompt,
+                                       16 if args.quick else args.new_tokens, rounds=args.rounds)
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -202,16 +190,8 @@ def main() -> None:
           f"(schedule {sc['schedule_us_per_step']:.0f} + update {sc['update_us_per_step']:.0f}); "
           f"model+runner {sc['model_us_per_step']:.0f} us/step (tiny model)")
     if args.vs_hf:
-        v = results["vs_hf"]
-        print(f"vs HF generate: {v['num_requests']} requests, prompts {v['prompt_lens']} tokens, "
-              f"{v['max_new_tokens']} new tokens each, greedy, same weights, best of {v['rounds']} interleaved rounds")
-        for c, label in (("wall", "wall clock"), ("cpu", "process CPU time")):
-            m = v[c]
-            print(f"  [{label}] decode: pdkv {m['ours_decode_tokens_per_s']:.0f} tok/s  HF "
-                  f"{m['hf_decode_tokens_per_s']:.0f} tok/s  ratio {m['decode_ratio']:.2f}x | end-to-end: pdkv "
-                  f"{m['ours_e2e_tokens_per_s']:.0f} tok/s ({m['ours_s']:.1f}s)  HF {m['hf_e2e_tokens_per_s']:.0f} tok/s "
-                  f"({m['hf_s']:.1f}s)  ratio {m['e2e_ratio']:.2f}x")
-        print(f"  identical greedy outputs: {v['greedy_outputs_identical']}")
+        _print_vs_hf(results["vs_hf"])
+
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,9 @@ Endpoints (all require `Authorization: Bearer <deployment secret>`):
   one `TokenEvent` per line, the last one with `finished: true`;
 - `GET /internal/health`: liveness and identity;
 - `GET /internal/stats`: engine, KV cache and transfer figures (`?audit=1`: with a pool audit);
-- `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references.
+- `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references;
+- `GET /internal/kv_events?after=N`: the KV event batches after seq N, or a snapshot of every
+  cached hash when the history no longer reaches back (or when `after` is absent).
 
 Guarantees:
 - a request whose client goes away (router closed the stream) is aborted in
@@ -46,6 +48,7 @@ class JobHandler(Protocol):
     def health(self) -> dict: ...
     def stats(self, audit: bool = False) -> dict: ...
     def reset_prefix_cache(self) -> bool: ...
+    def kv_events_replay(self, after_seq: int | None) -> dict: ...
 
 
 class WorkerHTTPServer:
@@ -73,6 +76,7 @@ class WorkerHTTPServer:
             web.get("/internal/health", self._health),
             web.get("/internal/stats", self._stats),
             web.post("/internal/reset_prefix_cache", self._reset_prefix_cache),
+            web.get("/internal/kv_events", self._kv_events),
         ])
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -95,6 +99,17 @@ class WorkerHTTPServer:
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.json_response({"reset": await asyncio.to_thread(self._worker.reset_prefix_cache)})
+
+    async def _kv_events(self, request: web.Request) -> web.Response:
+        raw = request.query.get("after")
+        try:
+            after = int(raw) if raw is not None else None
+        except ValueError:
+            return _error(400, "after must be an integer sequence number")
+        try:
+            return web.json_response(await asyncio.to_thread(self._worker.kv_events_replay, after))
+        except RuntimeError as exc:
+            return _error(404, str(exc))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = None

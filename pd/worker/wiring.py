@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pd.engine.config import EngineConfig, ModelConfig
+from pd.cluster.kv_wire import deployment_hash_seed, hashing_identity
 from pd.cluster.roles import Role
 
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
@@ -59,6 +60,8 @@ def engine_config_for(spec) -> EngineConfig:
         hash_algorithm=cfg.cache.hash_algorithm,
         device=cfg.topology.device,
         engine_id=f"{spec.worker_id}-{uuid.uuid4().hex[:8]}",
+        hash_seed=deployment_hash_seed(spec.secret),
+        enable_kv_events=cfg.cache.enable_prefix_caching,
     )
 
 
@@ -123,3 +126,10 @@ def _transfer_stats(connector: KVConnector | None) -> dict:
     stats["failures_total"] = sum(stats.get("failures", {}).values())
     return stats
 
+
+
+def kv_hashing_identity(engine: Engine) -> dict:
+    """The engine's prefix-cache hashing identity (see `pd.cluster.kv_wire.hashing_identity`)."""
+    groups = [{"kind": g.spec.kind, "block_size": g.spec.block_size, "sliding_window": g.spec.sliding_window_size}
+              for g in engine.kv_cache_manager.kv_cache_config.groups]
+    return hashing_identity(engine.block_hasher, groups)

@@ -78,6 +78,7 @@ class Worker:
         self._started_at = time.time()
         self._num_aborted = 0
         self._num_rejected = 0
+        self._kv_events = None  # KVEventPublisher once started with prefix caching
         self.url: str | None = None
         from pd.worker.faults import WorkerFaults, parse_worker_faults
 
@@ -91,6 +92,12 @@ class Worker:
         from pd.worker.wiring import build_engine  # torch-heavy: imported when a worker really starts
 
         self._engine, self._connector = build_engine(self.spec)
+        if self._engine.config.enable_kv_events:
+            from pd.worker.kv_events import KVEventPublisher
+
+            self._kv_events = KVEventPublisher(self.spec.worker_id, self._engine.config.engine_id,
+                                               self.spec.secret, self.spec.host)
+            self._engine.kv_event_sink = self._kv_events.publish
         self._engine.start()
         port = await self._http.start(self.spec.host, port)
         self.url = f"http://{self.spec.host}:{port}"
@@ -104,6 +111,8 @@ class Worker:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self._kv_events is not None:  # after the engine: nothing publishes any more
+            self._kv_events.close()
 
     # -- requests ---------------------------------------------------------
     def parse_job(self, body: Any) -> GenerateJob:
@@ -164,9 +173,32 @@ class Worker:
         return bool(self._require_engine().kv_cache_manager.reset_prefix_cache())
 
     # -- observability ----------------------------------------------------
+    @property
+    def kv_events(self):
+        """The KV event publisher (`pd.worker.kv_events.KVEventPublisher`), None before start or
+        without prefix caching."""
+        return self._kv_events
+
+    def kv_events_replay(self, after_seq: int | None) -> dict:
+        """The KV event replay answer (`pd.worker.kv_events.replay_answer`)."""
+        from pd.worker.kv_events import replay_answer
+
+        if self._kv_events is None:
+            raise RuntimeError(f"worker {self.spec.worker_id} publishes no KV events")
+        return replay_answer(self._kv_events, self._require_engine(), after_seq)
+
+    def _kv_events_info(self) -> dict | None:
+        if self._kv_events is None or self._engine is None:
+            return None
+        from pd.worker.wiring import kv_hashing_identity
+
+        return {**self._kv_events.info(), "hashing": kv_hashing_identity(self._engine),
+                "num_blocks": self._engine.page_pool.num_blocks}
+
     def health(self) -> dict:
         return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
-                "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3)}
+                "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3),
+                "kv_events": self._kv_events_info()}
 
     def stats(self, audit: bool = False) -> dict:
         """Engine, KV cache and transfer figures; with a pool audit (`audit`) only when asked,
@@ -180,6 +212,7 @@ class Worker:
             return out
         try:
             out.update(engine_stats(self._engine, self._connector, audit=audit))
+            out["kv_events"] = self._kv_events_info()
         except Exception as exc:  # stats must not take the worker down
             logger.exception("stats failed")
             out["error"] = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,6 @@
 """The router <-> worker messages (`pd.cluster.messages`) at the worker's HTTP edge: strict types,
 unknown keys refused naming the field, a prompt that can never run refused with 400 before the
-engine sees it, and `num_cached_tokens` reported on a prefix hit and on a P -> D pull."""
+engine sees it, and `num_cached_tokens` reported on a prefix hit, colocated and P/D."""
 from __future__ import annotations
 
 import contextlib

@@ -1,0 +1,156 @@
+"""Feeds the router's `KVIndex` from every worker's KV event stream.
+
+One ZMQ SUB socket per worker (its endpoint comes from the worker's health /
+stats answer, `kv_events`), read by one asyncio task. Each batch is verified
+(HMAC under the deployment secret, strict msgpack shape): one that fails is
+dropped and counted, and never touches the index. A gap, a restart (new engine
+id or a new endpoint in the worker's stats) or a worker whose published seq
+stays ahead of the index for two polls sends that worker to DEGRADED and
+starts a resync over the worker's replay endpoint (batches after our seq, else
+a snapshot). A worker that leaves the rotation loses its entries.
+
+Guarantees: every wait has a timeout; no exception in one worker's stream
+stops another's; `close()` cancels every task and closes every socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+
+import zmq
+import zmq.asyncio
+
+from pd.cluster.kv_wire import TOPIC, BatchError, decode_batch, event_key
+from pd.router.kv_index import IndexState, KVIndex
+from pd.router.worker_client import WorkerCallError, WorkerClient
+
+logger = logging.getLogger(__name__)
+
+RESYNC_TIMEOUT_S = 5.0
+RESYNC_RETRY_S = 0.2
+MAX_RESYNC_ATTEMPTS = 20
+
+
+@dataclasses.dataclass
+class _Stream:
+    worker_id: str
+    url: str
+    endpoint: str
+    socket: zmq.asyncio.Socket
+    reader: asyncio.Task
+    resync: asyncio.Task | None = None
+    lagging_seq: int | None = None  # the worker's seq seen ahead of ours at the last poll
+
+
+class KVFeed:
+    def __init__(self, index: KVIndex, secret: str, client: WorkerClient, metrics) -> None:
+        self.index = index
+        self._key = event_key(secret)
+        self._client = client
+        self._metrics = metrics
+        self._ctx = zmq.asyncio.Context.instance()
+        self._streams: dict[str, _Stream] = {}
+
+    def connect(self, worker_id: str, url: str, info: dict) -> None:
+        """Subscribes to a worker's stream (`info`: its `kv_events` answer); raises
+        HashingMismatch when it hashes prefixes differently from the router."""
+        self.index.check_identity(worker_id, info["hashing"])
+        self.index.add_worker(worker_id)
+        self._close_stream(worker_id)
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sock.connect(info["endpoint"])
+        stream = _Stream(worker_id, url, info["endpoint"], sock, asyncio.create_task(self._read(worker_id, sock)))
+        self._streams[worker_id] = stream
+        self.request_resync(worker_id, "subscribed")
+
+    def observe(self, worker_id: str, url: str, info: dict | None) -> None:
+        """Called with each poll's `kv_events`: notices restarts and lost trailing batches."""
+        if not info:
+            return
+        stream = self._streams.get(worker_id)
+        if stream is None or stream.endpoint != info.get("endpoint"):
+            self.index.mark_degraded(worker_id, "new event endpoint (restart)")
+            self.connect(worker_id, url, info)
+            return
+        described = self.index.describe(worker_id) or {}
+        if described.get("engine_id") not in (None, info.get("engine_id")):
+            self.request_resync(worker_id, "new engine id")
+            return
+        ours, theirs = described.get("seq", 0), int(info.get("seq", 0))
+        # the worker was at `lagging_seq` one poll ago and we still are not: its batches were lost
+        if theirs > ours and stream.lagging_seq is not None and ours < stream.lagging_seq:
+            self.request_resync(worker_id, f"index at seq {ours}, worker at {theirs}")
+        stream.lagging_seq = theirs if theirs > ours else None
+
+    def drop(self, worker_id: str) -> None:
+        self._close_stream(worker_id)
+        self.index.drop_worker(worker_id)
+
+    async def close(self) -> None:
+        for worker_id in list(self._streams):
+            self._close_stream(worker_id)
+
+    def request_resync(self, worker_id: str, reason: str) -> None:
+        stream = self._streams.get(worker_id)
+        if stream is None or (stream.resync is not None and not stream.resync.done()):
+            return
+        self.index.mark_degraded(worker_id, reason)
+        stream.resync = asyncio.create_task(self._resync(stream))
+
+    # -- internals ---------------------------------------------------------
+    def _close_stream(self, worker_id: str) -> None:
+        stream = self._streams.pop(worker_id, None)
+        if stream is None:
+            return
+        for task in (stream.reader, stream.resync):
+            if task is not None:
+                task.cancel()
+        stream.socket.close(linger=0)
+
+    async def _read(self, worker_id: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                batch = decode_batch(self._key, frames)
+            except BatchError as exc:
+                self._metrics.record_kv_batch(exc.reason)
+                logger.warning("kv events from %s: dropped a batch: %s", worker_id, exc)
+                continue
+            if batch.worker_id != worker_id:
+                self._metrics.record_kv_batch("wrong_worker")
+                continue
+            outcome = self.index.apply(batch)
+            self._metrics.record_kv_batch(outcome)
+            if outcome in ("gap", "restart"):
+                self.request_resync(worker_id, outcome)
+
+    async def _resync(self, stream: _Stream) -> None:
+        wid = stream.worker_id
+        for attempt in range(MAX_RESYNC_ATTEMPTS):
+            described = self.index.describe(wid)
+            if described is None:
+                return
+            after = described["seq"] if described["engine_id"] is not None and attempt == 0 else None
+            path = "/internal/kv_events" + (f"?after={after}" if after is not None else "")
+            try:
+                answer = await self._client.get_json(stream.url, path, timeout_s=RESYNC_TIMEOUT_S)
+                if self.index.resync(wid, answer):
+                    self._metrics.record_kv_resync("snapshot" if "snapshot" in answer else "replay")
+                    logger.info("kv index: worker %s EXACT again at seq %s", wid, self.index.describe(wid)["seq"])
+                    return
+            except (WorkerCallError, KeyError, TypeError, ValueError) as exc:
+                logger.warning("kv index: resync of %s failed: %s", wid, exc)
+            await asyncio.sleep(RESYNC_RETRY_S)
+        logger.warning("kv index: worker %s stays DEGRADED after %d resync attempts", wid, MAX_RESYNC_ATTEMPTS)
+
+    async def wait_exact(self, worker_ids, timeout_s: float = 10.0) -> bool:
+        """True once every worker in `worker_ids` is EXACT (for start-up and tests)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while any(self.index.state(w) is not IndexState.EXACT for w in worker_ids):
+                    await asyncio.sleep(0.02)
+        return all(self.index.state(w) is IndexState.EXACT for w in worker_ids)
