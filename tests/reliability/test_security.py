@@ -61,14 +61,14 @@ def test_no_pickle_or_eval_anywhere_in_the_packages(fault_record):
 
 
 def test_ray_actor_calls_carry_only_plain_values():
-    """Ray pickles call arguments: the worker actor's methods must take and return str/int only."""
+    """Ray pickles call arguments: the worker actor's methods must take str/int/bool and return str/int only."""
     tree = ast.parse((REPO / "pd" / "worker" / "actor.py").read_text())
     actor = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "WorkerActor")
     methods = [n for n in actor.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(methods) >= 3
     for method in methods:
         for arg in method.args.args[1:] + method.args.kwonlyargs:
-            assert arg.annotation is not None and ast.unparse(arg.annotation) in ("str", "int"), \
+            assert arg.annotation is not None and ast.unparse(arg.annotation) in ("str", "int", "bool"), \
                 (method.name, arg.arg)
         if method.name != "__init__":
             assert method.returns is not None and ast.unparse(method.returns) in ("str", "int", "None"), method.name
