@@ -184,6 +184,13 @@ class RouterSection(StrictModel):
     max_queued_requests: int = Field(64, ge=0)
     queue_timeout_s: Positive = 10.0
     retry_after_s: int = Field(1, ge=1)
+    metrics_auth: bool = Field(False, description="GET /metrics requires the api_key too")
+    # worker choice (pd.router.choice): prefix_aware scores each worker by the formula `ttft_cost`,
+    # hit_tokens - prefix_queue_weight * queued_tokens - prefix_running_weight * requests_in_flight
+    policy: Literal["least_loaded", "round_robin", "prefix_aware"] = "least_loaded"
+    prefix_queue_weight: float = Field(1.0, ge=0)
+    prefix_running_weight: float = Field(16.0, ge=0)
+    kv_index_max_entries: int = Field(1_000_000, ge=1, description="router's prefix index cap, about 100 B each")
 
 
 class FaultsSection(StrictModel):

@@ -41,7 +41,7 @@ from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClien
 from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import deployment_hash_seed
 from pd.router.kv_feed import KVFeed
-from pd.router.kv_index import DEFAULT_MAX_ENTRIES, KVIndex
+from pd.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +51,24 @@ STATS_TIMEOUT_S = 10.0
 
 class Router:
     def __init__(self, config: DeployConfig, endpoints: list[WorkerEndpoint], secret: str,
-                 tokenizer: Tokenizer | None = None, policy: str = "least_loaded",
-                 metrics_require_key: bool = False, policy_options: dict | None = None,
-                 kv_index_max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+                 tokenizer: Tokenizer | None = None, policy: str | None = None,
+                 metrics_require_key: bool | None = None, policy_options: dict | None = None,
+                 kv_index_max_entries: int | None = None) -> None:
+        """`policy`, `metrics_require_key`, `policy_options` and `kv_index_max_entries`
+        default to the config's router section (`policy`, `metrics_auth`, the
+        `prefix_*_weight`s, `kv_index_max_entries`)."""
         self.config = config
+        rc = config.router
+        policy = policy or rc.policy
+        if metrics_require_key is None:
+            metrics_require_key = rc.metrics_auth
+        if policy_options is None and policy == "prefix_aware":
+            policy_options = {"queue_weight": rc.prefix_queue_weight, "running_weight": rc.prefix_running_weight}
+        kv_index_max_entries = kv_index_max_entries or rc.kv_index_max_entries
         self.tokenizer = tokenizer or load_tokenizer(config.model.path)
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} is unknown; use one of {sorted(POLICIES)}")
         self.metrics = RouterMetrics(config.model.name, self._worker_figures)
-        rc = config.router
         self.client = WorkerClient(secret, ClientTimeouts(connect_s=rc.connect_timeout_s, stall_s=rc.request_timeout_s,
                                                           total_s=rc.request_timeout_s))
         self.kv_index: KVIndex | None = None
