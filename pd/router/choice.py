@@ -5,14 +5,19 @@ and how loaded each one is. `RoutingPolicy` picks one healthy worker of a role;
 `LeastLoaded` is the default and `RoundRobin` a simple alternative.
 
 Guarantees:
-- a worker marked dead never gets picked again (it leaves the rotation for
-  good: a restarted worker registers under a new id);
+- a worker marked dead is not picked until it is re-admitted: `record_probe`
+  counts its good probes in a row and re-admits it after
+  `num_readmit_probes` (a frozen worker that resumes, a GC pause); a bad
+  probe starts the count again;
+- marking a worker dead sets its `lost` event, so calls in flight on it can
+  stop waiting at once (re-admission gives it a fresh event);
 - `pick()` raises `NoWorkerAvailable` rather than returning a dead worker;
 - in-flight counts are kept by `acquire()` / `release()` pairs, so they return
   to zero when every request has finished, whatever its outcome.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -39,6 +44,8 @@ class WorkerLoad:
     num_waiting: int = 0
     kv_usage: float = 0.0
     stats: dict = dataclasses.field(default_factory=dict)
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when it leaves the rotation
+    num_good_probes: int = 0  # good probes in a row while out of the rotation
 
 
 class RoutingPolicy(Protocol):
@@ -72,9 +79,15 @@ class RoundRobin:
 POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
 
 
+NUM_READMIT_PROBES = 3
+
+
 class WorkerPool:
-    def __init__(self, policy: RoutingPolicy | None = None) -> None:
+    def __init__(self, policy: RoutingPolicy | None = None, num_readmit_probes: int = NUM_READMIT_PROBES) -> None:
+        if num_readmit_probes < 1:
+            raise ValueError(f"num_readmit_probes must be at least 1, got {num_readmit_probes}")
         self._policy = policy or LeastLoaded()
+        self._num_readmit_probes = num_readmit_probes
         self._loads: dict[str, WorkerLoad] = {}
 
     def add(self, endpoint: WorkerEndpoint) -> None:
@@ -110,7 +123,25 @@ class WorkerPool:
         load = self._loads.get(worker_id)
         if load is not None and load.healthy:
             load.healthy = False
+            load.num_good_probes = 0
+            load.lost.set()
             logger.warning("worker %s (%s) left the rotation: %s", worker_id, load.endpoint.url, reason)
+
+    def dead(self) -> list[WorkerLoad]:
+        return [w for w in self._loads.values() if not w.healthy]
+
+    def record_probe(self, worker_id: str, ok: bool) -> bool:
+        """Counts a probe of a worker out of the rotation; True when this probe re-admitted it."""
+        load = self._loads[worker_id]
+        if load.healthy:
+            return False
+        load.num_good_probes = load.num_good_probes + 1 if ok else 0
+        if load.num_good_probes < self._num_readmit_probes:
+            return False
+        load.healthy, load.num_good_probes, load.lost = True, 0, asyncio.Event()
+        logger.warning("worker %s (%s) is back in the rotation after %d good probes", worker_id,
+                       load.endpoint.url, self._num_readmit_probes)
+        return True
 
     def update_stats(self, worker_id: str, stats: dict) -> None:
         load = self._loads[worker_id]

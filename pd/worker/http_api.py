@@ -6,7 +6,9 @@ Endpoints (all require `Authorization: Bearer <deployment secret>`):
   "error"}` object per line, the last one with `finished: true`;
 - `GET /internal/health`: liveness and identity;
 - `GET /internal/stats`: engine, KV cache and transfer figures (`?audit=1`: with a pool audit);
-- `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references.
+- `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references;
+- `POST /internal/abort`: JSON `{request_id}`: aborts that request and ends any KV lease
+  kept for it (the router's call when its client left after the prefill hop started).
 
 Guarantees:
 - a request whose client goes away (router closed the stream) is aborted in
@@ -72,6 +74,7 @@ class WorkerHTTPServer:
             web.get("/internal/health", self._health),
             web.get("/internal/stats", self._stats),
             web.post("/internal/reset_prefix_cache", self._reset_prefix_cache),
+            web.post("/internal/abort", self._abort),
         ])
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -94,6 +97,17 @@ class WorkerHTTPServer:
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.json_response({"reset": await asyncio.to_thread(self._worker.reset_prefix_cache)})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return _error(400, "body must be JSON")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            return _error(400, "request_id must be a non-empty string of at most 256 characters")
+        self._worker.abort(request_id)
+        return web.json_response({"aborted": request_id})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = None
