@@ -57,10 +57,10 @@ class LeastLoaded:
     then the lowest KV usage; ties rotate so equal workers share the load."""
 
     def __init__(self) -> None:
-        self._tiebreak = itertools.count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
-        turn = next(self._tiebreak)
+        turn = self._turns.next(candidates)
         n = len(candidates)
         return min(
             enumerate(candidates),
@@ -70,10 +70,23 @@ class LeastLoaded:
 
 class RoundRobin:
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[WorkerLoad]) -> WorkerLoad:
-        return candidates[next(self._turn) % len(candidates)]
+        return candidates[self._turns.next(candidates) % len(candidates)]
+
+
+class _Turns:
+    """A turn counter per candidate set: picks for one role must not advance another's
+    rotation (with one P and two D, a shared counter moved by 2 per request and sent
+    every request to the same D)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[tuple[str, ...], itertools.count] = {}
+
+    def next(self, candidates: list[WorkerLoad]) -> int:
+        key = tuple(c.endpoint.worker_id for c in candidates)
+        return next(self._counters.setdefault(key, itertools.count()))
 
 
 POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}

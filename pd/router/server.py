@@ -117,13 +117,14 @@ class Router:
             except Exception:  # the loop must outlive any single bad poll
                 logger.exception("worker poll failed")
 
-    async def poll_workers(self, audit: bool = False) -> None:
+    async def poll_workers(self, audit: bool = False, readmit: bool = True) -> None:
         """Refreshes every healthy worker's stats (with a pool audit, taken under the
         engine's step lock, only when `audit`) and probes the others. Liveness is the health
         probe alone (a slow stats answer from a busy worker is not a death): a worker whose
         probe fails `max_failed_polls` times in a row leaves the rotation; one out of it is
-        re-admitted after `num_readmit_probes` good probes in a row."""
-        loads = self.pool.all()
+        re-admitted after `num_readmit_probes` good probes in a row, counted only when
+        `readmit` (the health loop's paced polls, not on-demand refreshes)."""
+        loads = [w for w in self.pool.all() if w.healthy or readmit]
         results = await asyncio.gather(*(self._poll_one(w, audit) if w.healthy else self._probe(w) for w in loads))
         for load, error in zip(loads, results):
             worker_id = load.endpoint.worker_id
@@ -210,7 +211,7 @@ class Router:
 
     async def _workers(self, request: web.Request) -> web.Response:
         if request.query.get("refresh"):
-            await self.poll_workers(audit=True)
+            await self.poll_workers(audit=True, readmit=False)
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
                                        "num_in_flight": w.num_in_flight, "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)

@@ -1,0 +1,83 @@
+"""Router-side recovery without Ray: the pool's re-admission after good probes, the
+per-role rotation, and a call stalled on a worker that the pool takes out stopping at
+once (real router, real 1P1D workers over real HTTP; the worker stalls by fault plan)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import requests
+
+from rel_deploy import LocalDeployment, local_config
+
+from pd.router.choice import LeastLoaded, Role, WorkerEndpoint, WorkerPool
+from pd.router.recovery import RecoverySettings, continuation
+
+BODY = {"prompt": "The quick brown fox jumps over the lazy dog. " * 2, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_a_dead_worker_is_readmitted_after_n_good_probes_in_a_row():
+    pool = WorkerPool(LeastLoaded(), num_readmit_probes=3)
+    pool.add(WorkerEndpoint("d0", Role.DECODE, "http://d0"))
+    lost = pool.get("d0").lost
+    pool.mark_dead("d0", "test")
+    assert lost.is_set() and pool.healthy(Role.DECODE) == []
+    assert [pool.record_probe("d0", ok) for ok in (True, True, False, True, True)] == [False] * 5  # a bad one resets
+    assert pool.record_probe("d0", True) is True
+    assert pool.healthy(Role.DECODE) and not pool.get("d0").lost.is_set()  # a fresh event for the new life
+    assert pool.record_probe("d0", True) is False  # healthy: probes count nothing
+    with pytest.raises(ValueError, match="num_readmit_probes"):
+        WorkerPool(num_readmit_probes=0)
+
+
+def test_rotation_is_kept_per_role():
+    # one P and two D: a counter shared by both roles moved by 2 per request and always picked the same D
+    pool = WorkerPool(LeastLoaded())
+    pool.add(WorkerEndpoint("p0", Role.PREFILL, "http://p0"))
+    for i in range(2):
+        pool.add(WorkerEndpoint(f"d{i}", Role.DECODE, f"http://d{i}"))
+    picked = []
+    for _ in range(4):
+        pool.release(pool.acquire(Role.PREFILL))
+        load = pool.acquire(Role.DECODE)
+        picked.append(load.endpoint.worker_id)
+        pool.release(load)
+    assert sorted(picked) == ["d0", "d0", "d1", "d1"]
+
+
+def test_recovery_settings_and_continuation():
+    assert RecoverySettings().migration_limit == 2
+    with pytest.raises(ValueError, match="migration_limit"):
+        RecoverySettings(migration_limit=-1)
+    with pytest.raises(ValueError, match="first_byte_timeout_s"):
+        RecoverySettings(first_byte_timeout_s=0)
+    payload = {"request_id": "r", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 10, "temperature": 0.0},
+               "kv_transfer_params": {"do_remote_prefill": True}}
+    nxt = continuation(payload, [7, 8, 9], 1)
+    assert nxt == {"request_id": "r-m1", "prompt_token_ids": [1, 2, 7, 8, 9],
+                   "sampling": {"max_tokens": 7, "temperature": 0.0}, "kv_transfer_params": None}
+
+
+def test_a_call_stalled_on_a_worker_taken_out_stops_at_once(fault_record):
+    # D stalls 8 s on the request; the pool takes D out after 1 s, as the health loop does for a frozen worker.
+    config = local_config(faults={"decode": "worker.request_received:stall:8"}, router__request_timeout_s=60.0)
+    with LocalDeployment(config) as dep:
+        async def take_out_later():
+            await asyncio.sleep(1.0)
+            dep.router.pool.mark_dead("decode-0", "test: health checks failed")
+
+        dep._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(take_out_later()))
+        t0 = time.monotonic()
+        r = requests.post(f"{dep.url}/v1/completions", json=BODY, timeout=30)
+        seconds = time.monotonic() - t0
+        assert r.status_code in (502, 503), r.text
+        assert seconds < 6, seconds  # not the 8 s stall, nor request_timeout_s
+        assert "decode" in r.json()["error"]["message"]
+        # the router closed the call (D's handler is cancelled) and aborted P's lease
+        dep.wait_all_free(timeout_s=10)
+        assert dep.stats("prefill-0")["transfer"]["leases_ended"] == {"aborted": 1}
+    fault_record(fault="D stalled on a request, then taken out of the rotation", where="router -> D worker",
+                 user_saw=f"HTTP {r.status_code} in {seconds:.1f}s (no other D to re-dispatch to)",
+                 pdkv_did="router stopped waiting when the pool took D out", pools="all free")
