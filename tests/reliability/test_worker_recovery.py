@@ -4,6 +4,7 @@ once (real router, real 1P1D workers over real HTTP; the worker stalls by fault 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -81,3 +82,65 @@ def test_a_call_stalled_on_a_worker_taken_out_stops_at_once(fault_record):
     fault_record(fault="D stalled on a request, then taken out of the rotation", where="router -> D worker",
                  user_saw=f"HTTP {r.status_code} in {seconds:.1f}s (no other D to re-dispatch to)",
                  pdkv_did="router stopped waiting when the pool took D out", pools="all free")
+
+
+def _stream(url: str, body: dict, on_token=None) -> tuple[list[int], list[dict]]:
+    """A streamed completion: its token ids and its error events; `on_token(n)` after each chunk."""
+    tokens, errors = [], []
+    with requests.post(f"{url}/v1/completions", json=dict(body, stream=True, return_token_ids=True),
+                       stream=True, timeout=60) as resp:
+        assert resp.status_code == 200, resp.text
+        for line in resp.iter_lines():
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                errors.extend([event["error"]] if "error" in event else [])
+                for choice in event.get("choices", []):
+                    tokens.extend(choice.get("token_ids") or [])
+                if on_token is not None:
+                    on_token(len(tokens))
+    return tokens, errors
+
+
+def _serving_decode(dep: LocalDeployment) -> str:
+    return next(w.endpoint.worker_id for w in dep.router.pool.all() if w.num_in_flight and w.healthy
+                and w.endpoint.role is Role.DECODE)
+
+
+@pytest.mark.parametrize("migration_limit", [2, 1])
+def test_a_stream_moves_to_another_decode_worker_until_the_limit(migration_limit, fault_record):
+    # 1P2D in-process; D's tokens are paced so the stream is long-lived. Taking the serving D out
+    # mid-stream makes the router continue on the other D; a second loss spends a limit of 1.
+    config = local_config(topology__num_decode=2, faults={"decode": "worker.decode_token:delay:0.03:times=all"})
+    body = dict(BODY, max_tokens=150)
+    with LocalDeployment(config, RecoverySettings(migration_limit=migration_limit)) as dep:
+        want, errors = _stream(dep.url, body)
+        assert len(want) == 150 and not errors
+        taken_out: list[str] = []
+
+        def take_out(num_tokens: int) -> None:
+            if num_tokens >= 10 * (len(taken_out) + 1) and len(taken_out) < 2:
+                deadline = time.monotonic() + 15
+                while taken_out and not dep.router.pool.get(taken_out[0]).healthy:  # probes re-admit it
+                    assert time.monotonic() < deadline, "not re-admitted"
+                    time.sleep(0.05)
+                worker_id = dep.run(_async(_serving_decode, dep))
+                taken_out.append(worker_id)
+                dep.run(_async(dep.router.pool.mark_dead, worker_id, "test: health checks failed"))
+
+        got, errors = _stream(dep.url, body, take_out)
+        assert len(taken_out) == 2 and taken_out[0] != taken_out[1]
+        if migration_limit == 2:
+            assert errors == [] and got == want  # one uninterrupted stream, identical tokens
+        else:
+            assert [e["code"] for e in errors] == ["migration_limit_reached"]
+            assert got == want[:len(got)] and 20 <= len(got) < 150  # a clean error, nothing wrong before it
+        dep.wait_all_free()
+    fault_record(fault=f"serving D taken out twice mid-stream (migration_limit={migration_limit})",
+                 where="router -> D workers", user_saw="identical tokens, no error" if not errors else
+                 f"{len(got)} correct tokens, then a migration_limit_reached error event",
+                 pdkv_did="router continued the stream on the other D from prompt + sent tokens",
+                 pools="all free")
+
+
+async def _async(fn, *args):
+    return fn(*args)
