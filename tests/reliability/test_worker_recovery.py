@@ -144,3 +144,48 @@ def test_a_stream_moves_to_another_decode_worker_until_the_limit(migration_limit
 
 async def _async(fn, *args):
     return fn(*args)
+
+
+def test_first_byte_timeout_fails_a_silent_worker_fast():
+    # A listener that accepts and never answers: what a frozen (SIGSTOPped) worker looks like.
+    import socket
+
+    from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+        async def call() -> tuple[str, float]:
+            client = WorkerClient("s" * 32, ClientTimeouts(stall_s=60.0, total_s=60.0))
+            await client.open()
+            t0 = time.monotonic()
+            try:
+                async for _ in client.generate(url, {"request_id": "r"}, first_byte_s=0.5):
+                    pass
+            except WorkerCallError as exc:
+                return exc.cause, time.monotonic() - t0
+            finally:
+                await client.close()
+            return "none", time.monotonic() - t0
+
+        cause, seconds = asyncio.run(call())
+    assert cause == "connect" and seconds < 5  # retried elsewhere as unreachable, long before stall_s
+
+
+def test_abort_endpoint_is_authenticated_and_checks_its_body():
+    from rel_deploy import SECRET
+
+    with LocalDeployment(local_config()) as dep:
+        url = dep.workers["prefill-0"].url + "/internal/abort"
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        assert requests.post(url, json={"request_id": "r1"}, timeout=10).status_code == 401
+        assert requests.post(url, json={"request_id": "r1"}, timeout=10,
+                             headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for bad in ({}, {"request_id": ""}, {"request_id": 5}, [1], {"request_id": "x" * 300}):
+            r = requests.post(url, json=bad, headers=auth, timeout=10)
+            assert r.status_code == 400 and "request_id" in r.json()["error"]["message"], bad
+        r = requests.post(url, json={"request_id": "never-seen"}, headers=auth, timeout=10)
+        assert r.status_code == 200 and r.json() == {"aborted": "never-seen"}  # harmless for an unknown id
+        dep.wait_all_free()
