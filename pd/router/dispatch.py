@@ -175,6 +175,8 @@ class Dispatcher:
                                          _num_cached(event))
                 return
             except WorkerCallError as exc:
+                if keep_params:  # an abandoned prefill may still finish there: its lease must not wait to expire
+                    self._abort_later(load.endpoint.url, payload["request_id"])
                 await self._on_failure(load, exc)
                 lost = exc.worker_unreachable and exc.cause != "timeout"
                 if produced and lost and migratable:
