@@ -191,6 +191,14 @@ class RouterSection(StrictModel):
     prefix_queue_weight: float = Field(1.0, ge=0)
     prefix_running_weight: float = Field(16.0, ge=0)
     kv_index_max_entries: int = Field(1_000_000, ge=1, description="router's prefix index cap, about 100 B each")
+    # recovery (pd.router.recovery): a stream whose worker dies after tokens were sent continues on another
+    # worker at most `migration_limit` times; a worker leaves the rotation after `max_failed_polls` failed
+    # health polls and comes back after `num_readmit_probes` good ones in a row
+    migration_limit: int = Field(2, ge=0)
+    first_byte_timeout_s: Positive = Field(10.0, description="a worker's answer headers, separate from request_timeout_s")
+    max_failed_polls: int = Field(2, ge=1)
+    num_readmit_probes: int = Field(3, ge=1)
+    stats_timeout_s: Positive = 10.0
 
 
 class FaultsSection(StrictModel):

@@ -209,6 +209,10 @@ class Engine:
                 out = self.scheduler.abort_request(arg)
                 if out is not None:
                     outputs.append(out)
+                elif self.connector is not None:
+                    # Finished already, maybe during the step that ran while this abort waited: a lease
+                    # kept for it exists only now, so ending it here closes that race.
+                    self.connector.abort_lease(arg)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> dict[str, int]:

@@ -8,14 +8,19 @@ With an index, the pool predicts each chosen worker's prefix hit whatever the
 policy, and counts it (`record_route`) with the actual hit the worker reports.
 
 Guarantees:
-- a worker marked dead never gets picked again (it leaves the rotation for
-  good: a restarted worker registers under a new id);
+- a worker marked dead is not picked until it is re-admitted: `record_probe`
+  counts its good probes in a row and re-admits it after
+  `num_readmit_probes` (a frozen worker that resumes, a GC pause); a bad
+  probe starts the count again;
+- marking a worker dead sets its `lost` event, so calls in flight on it can
+  stop waiting at once (re-admission gives it a fresh event);
 - `pick()` raises `NoWorkerAvailable` rather than returning a dead worker;
 - in-flight counts are kept by `acquire()` / `release()` pairs, so they return
   to zero when every request has finished, whatever its outcome.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -44,6 +49,8 @@ class WorkerLoad:
     kv_usage: float = 0.0
     stats: dict = dataclasses.field(default_factory=dict)
     num_queued_tokens: int = 0  # router-side: prompt tokens of its in-flight requests not predicted as hits
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when it leaves the rotation
+    num_good_probes: int = 0  # good probes in a row while out of the rotation
 
 
 class RoutingPolicy(Protocol):
@@ -55,10 +62,10 @@ class LeastLoaded:
     then the lowest KV usage; ties rotate so equal workers share the load."""
 
     def __init__(self) -> None:
-        self._tiebreak = itertools.count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
-        turn = next(self._tiebreak)
+        turn = self._turns.next(candidates)
         n = len(candidates)
         return min(
             enumerate(candidates),
@@ -68,10 +75,23 @@ class LeastLoaded:
 
 class RoundRobin:
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        self._turns = _Turns()
 
     def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
-        return candidates[next(self._turn) % len(candidates)]
+        return candidates[self._turns.next(candidates) % len(candidates)]
+
+
+class _Turns:
+    """A turn counter per candidate set: picks for one role must not advance another's
+    rotation (with one P and two D, a shared counter moved by 2 per request and sent
+    every request to the same D)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[tuple[str, ...], itertools.count] = {}
+
+    def next(self, candidates: list[WorkerLoad]) -> int:
+        key = tuple(c.endpoint.worker_id for c in candidates)
+        return next(self._counters.setdefault(key, itertools.count()))
 
 
 class PrefixAware:
@@ -109,9 +129,16 @@ class PrefixAware:
 POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "prefix_aware": PrefixAware}
 
 
+NUM_READMIT_PROBES = 3
+
+
 class WorkerPool:
-    def __init__(self, policy: RoutingPolicy | None = None, index=None, metrics=None) -> None:
+    def __init__(self, policy: RoutingPolicy | None = None, index=None, metrics=None,
+                 num_readmit_probes: int = NUM_READMIT_PROBES) -> None:
+        if num_readmit_probes < 1:
+            raise ValueError(f"num_readmit_probes must be at least 1, got {num_readmit_probes}")
         self._policy = policy or LeastLoaded()
+        self._num_readmit_probes = num_readmit_probes
         self._loads: dict[str, WorkerLoad] = {}
         self.index = index  # a pd.router.kv_index.KVIndex, or None
         self._metrics = metrics
@@ -184,7 +211,25 @@ class WorkerPool:
         load = self._loads.get(worker_id)
         if load is not None and load.healthy:
             load.healthy = False
+            load.num_good_probes = 0
+            load.lost.set()
             logger.warning("worker %s (%s) left the rotation: %s", worker_id, load.endpoint.url, reason)
+
+    def dead(self) -> list[WorkerLoad]:
+        return [w for w in self._loads.values() if not w.healthy]
+
+    def record_probe(self, worker_id: str, ok: bool) -> bool:
+        """Counts a probe of a worker out of the rotation; True when this probe re-admitted it."""
+        load = self._loads[worker_id]
+        if load.healthy:
+            return False
+        load.num_good_probes = load.num_good_probes + 1 if ok else 0
+        if load.num_good_probes < self._num_readmit_probes:
+            return False
+        load.healthy, load.num_good_probes, load.lost = True, 0, asyncio.Event()
+        logger.warning("worker %s (%s) is back in the rotation after %d good probes", worker_id,
+                       load.endpoint.url, self._num_readmit_probes)
+        return True
 
     def update_stats(self, worker_id: str, stats: dict) -> None:
         load = self._loads[worker_id]

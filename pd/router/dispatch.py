@@ -13,8 +13,19 @@ Guarantees:
 - `kv_transfer_params` only ever come from a P worker's answer (the router
   never forwards a client's);
 - a worker that fails to answer is probed; if the probe fails too it leaves
-  the rotation; a failure before any token was produced is retried once on
-  another worker, a failure after it raises `APIError` (no silent truncation);
+  the rotation; a call waiting on a worker the health loop takes out stops at
+  once; a failure before any token was produced is retried once on another
+  worker;
+- a failure after tokens were produced, where the worker is gone, continues
+  the request on another worker of the role (migration, see
+  pd.router.recovery): the caller sees one uninterrupted stream; after
+  `migration_limit` migrations, or with no worker left, it raises `APIError`
+  (no silent truncation);
+- P's lease never outlives the request: if the request ends in any way but a
+  finished decode before D produced its first token (client gone, error,
+  cancellation between P's answer and the call to D), an authenticated abort
+  goes to every P worker the request touched, in a task of its own so the
+  cancellation that ended the request cannot cancel it;
 - in-flight counts are released on every path;
 - `num_cached_tokens` (prompt tokens served from a prefix cache, as the
   worker reports it; 0 when it does not) comes from P in P/D, else from the
@@ -22,6 +33,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -31,6 +43,7 @@ from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling, Tok
 from pd.router.metrics import RouterMetrics
 from pd.router.openai_api import APIError, server_error
 from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
+from pd.router.recovery import RecoverySettings, continuation, watched_events
 from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -38,43 +51,115 @@ logger = logging.getLogger(__name__)
 _REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
 
 
+class _WorkerLostMidStream(Exception):
+    """The worker died after the caller saw output: the request may continue elsewhere."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+ABORT_TIMEOUT_S = 5.0
+
+
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, client: WorkerClient, metrics: RouterMetrics, colocated: bool) -> None:
+    def __init__(self, pool: WorkerPool, client: WorkerClient, metrics: RouterMetrics, colocated: bool,
+                 recovery: RecoverySettings | None = None) -> None:
         self._pool = pool
         self._client = client
         self._metrics = metrics
         self._colocated = colocated
+        self._recovery = recovery or RecoverySettings()
+        self._aborts: set[asyncio.Task] = set()  # lease aborts in flight (kept: a bare task may be collected)
 
     async def stream_tokens(self, request_id: str, prompt_token_ids: list[int],
                             sampling: Sampling) -> AsyncIterator[TokenEvent]:
         """The serving worker's events; `finish_reason` is set on the last one only."""
         request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
         if self._colocated:
-            async with contextlib.aclosing(self._run(Role.BOTH, request)) as events:
+            async with contextlib.aclosing(self._migrating(Role.BOTH, request)) as events:
                 async for event in events:
                     yield event
             return
         started = time.perf_counter()
         prefill = request.model_copy(update={"sampling": sampling.model_copy(update={"max_tokens": 1}),
                                              "kv_transfer_params": _REMOTE_DECODE})
-        params, num_cached = None, 0
-        async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True)) as answers:
-            async for params, num_cached in answers:  # the prefill's one answer: the kv_transfer_params for decode
-                pass
-        self._metrics.record_prefill_hop(time.perf_counter() - started)
-        decode = request.model_copy(update={"kv_transfer_params": params})
-        async with contextlib.aclosing(self._run(Role.DECODE, decode)) as events:
-            async for event in events:
-                yield event.model_copy(update={"num_cached_tokens": num_cached})  # P's cache hits, not D's pull
+        prefill_urls: list[str] = []  # every P this request was sent to
+        lease_resolved = False  # D finished, or produced a token (it has loaded or released P's blocks)
+        try:
+            params, num_cached = None, 0
+            async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True,
+                                                     touched=prefill_urls)) as answers:
+                async for params, num_cached in answers:  # the prefill's one answer: the kv_transfer_params
+                    pass
+            self._metrics.record_prefill_hop(time.perf_counter() - started)
+            decode = request.model_copy(update={"kv_transfer_params": params})
+            async with contextlib.aclosing(self._migrating(Role.DECODE, decode)) as events:
+                async for event in events:
+                    lease_resolved = lease_resolved or bool(event.token_ids) or event.finish_reason is not None
+                    yield event.model_copy(update={"num_cached_tokens": num_cached})  # P's cache hits, not D's pull
+        finally:
+            if not lease_resolved:
+                for url in dict.fromkeys(prefill_urls):
+                    self._abort_later(url, request_id)
 
-    async def _run(self, role: Role, request: GenerateRequest, keep_params: bool = False) -> AsyncIterator:
+    async def drain(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
+        """Waits (bounded) for the lease aborts in flight; for shutdown."""
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=timeout_s)
+
+    def _abort_later(self, url: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(url, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, url: str, request_id: str) -> None:
+        try:
+            await self._client.post_json(url, "/internal/abort", {"request_id": request_id}, timeout_s=ABORT_TIMEOUT_S)
+        except WorkerCallError as exc:  # the worker is gone or frozen: its lease expires on its own
+            logger.info("request %s: abort on %s failed: %s", request_id, url, exc)
+
+    async def _migrating(self, role: Role, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """`_run`, continued on another worker of `role` (up to `migration_limit` times) when
+        the worker dies after tokens were sent."""
+        sent: list[int] = []
+        num_cached: int | None = None  # the first worker's figure: a continuation's prompt holds our output
+        num_migrations = 0
+        current = request
+        while True:
+            try:
+                async with contextlib.aclosing(self._run(role, current, migratable=True)) as events:
+                    async for event in events:
+                        sent.extend(event.token_ids)
+                        num_cached = event.num_cached_tokens if num_cached is None else num_cached
+                        yield event.model_copy(update={"num_cached_tokens": num_cached})
+                return
+            except _WorkerLostMidStream as lost:
+                if num_migrations >= self._recovery.migration_limit:
+                    raise APIError(lost.error.status, f"{lost.error.message} (after {num_migrations} "
+                                   f"migrations, the limit)", code="migration_limit_reached") from None
+                remaining = request.sampling.max_tokens - len(sent)
+                if remaining <= 0:  # every token was sent, only the finish was lost
+                    yield TokenEvent(finished=True, finish_reason="length", num_cached_tokens=num_cached or 0)
+                    return
+                num_migrations += 1
+                logger.warning("request %s: %s; continuing on another %s worker after %d tokens (migration %d)",
+                               request.request_id, lost.error.message, role.value, len(sent), num_migrations)
+                current = continuation(request, sent, num_migrations)
+
+    async def _run(self, role: Role, request: GenerateRequest, keep_params: bool = False, migratable: bool = False,
+                   touched: list[str] | None = None) -> AsyncIterator:
         """Runs `request` on a `role` worker; retries once if the first worker is unreachable
-        before producing anything."""
+        before producing anything; raises `_WorkerLostMidStream` (when `migratable`) if it
+        is lost after that."""
         for attempt in (1, 2):
             load = self._acquire(role, request)
+            if touched is not None:
+                touched.append(load.endpoint.url)
             produced, actual_hit = False, None
             try:
-                async with contextlib.aclosing(self._client.generate(load.endpoint.url, request)) as stream:
+                events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s)
+                async with contextlib.aclosing(events) as stream:
                     async for event in stream:
                         if keep_params:
                             if event.finished:
@@ -89,8 +174,13 @@ class Dispatcher:
                         yield event
                 return
             except WorkerCallError as exc:
+                if keep_params:  # an abandoned prefill may still finish there: its lease must not wait to expire
+                    self._abort_later(load.endpoint.url, request.request_id)
                 await self._on_failure(load, exc)
-                if produced or attempt == 2 or not exc.worker_unreachable or exc.cause is CallCause.TIMEOUT:
+                lost = exc.worker_unreachable and exc.cause is not CallCause.TIMEOUT
+                if produced and lost and migratable:
+                    raise _WorkerLostMidStream(_api_error(load, exc)) from None
+                if produced or attempt == 2 or not lost:
                     raise _api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", request.request_id, role.value)
             finally:
@@ -105,7 +195,7 @@ class Dispatcher:
     async def _on_failure(self, load: WorkerLoad, exc: WorkerCallError) -> None:
         worker_id = load.endpoint.worker_id
         self._metrics.record_worker_failure(worker_id, exc.cause.value)
-        if not exc.worker_unreachable:
+        if not exc.worker_unreachable or not load.healthy:
             return
         try:
             await self._client.get_json(load.endpoint.url, "/internal/health")

@@ -14,8 +14,11 @@ Guarantees:
 - client-supplied `kv_transfer_params` are dropped (never forwarded);
 - a streamed request whose worker fails gets an error event and `[DONE]`,
   never a hang; a client that disconnects aborts its request on the worker;
-- a background health loop polls every worker's stats; two failed polls in a
-  row take the worker out of the rotation;
+- a background health loop polls every worker: a failed health probe
+  (`max_failed_polls` polls in a row) takes it out of the rotation, and calls
+  waiting on it stop at once; a worker out of the rotation keeps being probed
+  and comes back after `num_readmit_probes` good probes in a row (settings:
+  pd.router.recovery.RecoverySettings);
 - a `/metrics` scrape serves the figures of the last poll: it never calls a
   worker, so scrapers cost the workers nothing.
 """
@@ -35,6 +38,7 @@ from pd.router.openai_responses import model_card, models_response
 from pd.cluster.config import DeployConfig, Mode
 from pd.router.dispatch import Dispatcher
 from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
+from pd.router.recovery import RecoverySettings
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
 from pd.engine.tokenizer import Tokenizer, load_tokenizer
 from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
@@ -45,19 +49,18 @@ from pd.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILED_POLLS = 2
-STATS_TIMEOUT_S = 10.0
 
 
 class Router:
     def __init__(self, config: DeployConfig, endpoints: list[WorkerEndpoint], secret: str,
                  tokenizer: Tokenizer | None = None, policy: str | None = None,
                  metrics_require_key: bool | None = None, policy_options: dict | None = None,
-                 kv_index_max_entries: int | None = None) -> None:
-        """`policy`, `metrics_require_key`, `policy_options` and `kv_index_max_entries`
-        default to the config's router section (`policy`, `metrics_auth`, the
-        `prefix_*_weight`s, `kv_index_max_entries`)."""
+                 kv_index_max_entries: int | None = None, recovery: RecoverySettings | None = None) -> None:
+        """`policy`, `metrics_require_key`, `policy_options`, `kv_index_max_entries` and
+        `recovery` default to the config's router section (`policy`, `metrics_auth`, the
+        `prefix_*_weight`s, `kv_index_max_entries`, the recovery settings)."""
         self.config = config
+        self.recovery = recovery or RecoverySettings.from_router_config(config.router)
         rc = config.router
         policy = policy or rc.policy
         if metrics_require_key is None:
@@ -77,12 +80,13 @@ class Router:
             hasher = BlockHasher(config.cache.block_size, config.cache.hash_algorithm, deployment_hash_seed(secret))
             self.kv_index = KVIndex(hasher, max_entries=kv_index_max_entries)
             self.kv_feed = KVFeed(self.kv_index, secret, self.client, self.metrics)
-        self.pool = WorkerPool(POLICIES[policy](**(policy_options or {})), self.kv_index, self.metrics)
+        self.pool = WorkerPool(POLICIES[policy](**(policy_options or {})), self.kv_index, self.metrics,
+                               num_readmit_probes=self.recovery.num_readmit_probes)
         for endpoint in endpoints:
             self.pool.add(endpoint)
         self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
-        self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated)
+        self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery)
         self._failed_polls: dict[str, int] = {}
         serving = (Role.BOTH,) if self._colocated else (Role.DECODE,)
         self.gate = AdmissionGate(
@@ -125,7 +129,7 @@ class Router:
             return
         for load in self.pool.all():
             try:
-                health = await self.client.get_json(load.endpoint.url, "/internal/health", timeout_s=STATS_TIMEOUT_S)
+                health = await self.client.get_json(load.endpoint.url, "/internal/health", timeout_s=self.recovery.stats_timeout_s)
             except WorkerCallError as exc:
                 logger.warning("worker %s: no health answer, KV index entries wait: %s", load.endpoint.worker_id, exc)
                 continue
@@ -142,6 +146,7 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.dispatcher.drain()
         await self.client.close()
 
     async def _health_loop(self) -> None:
@@ -152,42 +157,60 @@ class Router:
             except Exception:  # the loop must outlive any single bad poll
                 logger.exception("worker poll failed")
 
-    async def poll_workers(self, audit: bool = False) -> None:
+    async def poll_workers(self, audit: bool = False, readmit: bool = True) -> None:
         """Refreshes every healthy worker's stats (with a pool audit, taken under the
-        engine's step lock, only when `audit`). A worker whose stats and health probe
-        both fail `MAX_FAILED_POLLS` times in a row leaves the rotation (a slow stats
-        answer from a busy worker is not a death)."""
-        loads = [w for w in self.pool.all() if w.healthy]
-        results = await asyncio.gather(*(self._poll_one(w, audit) for w in loads))
+        engine's step lock, only when `audit`) and probes the others. Liveness is the health
+        probe alone (a slow stats answer from a busy worker is not a death): a worker whose
+        probe fails `max_failed_polls` times in a row leaves the rotation; one out of it is
+        re-admitted after `num_readmit_probes` good probes in a row, counted only when
+        `readmit` (the health loop's paced polls, not on-demand refreshes)."""
+        loads = [w for w in self.pool.all() if w.healthy or readmit]
+        results = await asyncio.gather(*(self._poll_one(w, audit) if w.healthy else self._probe(w) for w in loads))
         for load, error in zip(loads, results):
             worker_id = load.endpoint.worker_id
+            if not load.healthy:
+                if self.pool.record_probe(worker_id, error is None):
+                    self._failed_polls[worker_id] = 0
+                continue
             if error is None:
                 self._failed_polls[worker_id] = 0
                 continue
             self._failed_polls[worker_id] = self._failed_polls.get(worker_id, 0) + 1
-            if self._failed_polls[worker_id] >= MAX_FAILED_POLLS:
-                self.pool.mark_dead(worker_id, f"{MAX_FAILED_POLLS} failed polls: {error}")
+            limit = self.recovery.max_failed_polls
+            if self._failed_polls[worker_id] >= limit:
+                self.pool.mark_dead(worker_id, f"{limit} failed polls: {error}")
         if self.kv_feed is not None:  # a dead worker holds nothing: its entries go
             for load in self.pool.all():
                 if not load.healthy:
                     self.kv_feed.drop(load.endpoint.worker_id)
 
-    async def _poll_one(self, load, audit: bool) -> str | None:
-        """None when the worker answered; else why not."""
-        url = load.endpoint.url
+    async def _probe(self, load) -> str | None:
+        """None when the worker's health probe answered; else why not."""
         try:
-            path = "/internal/stats?audit=1" if audit else "/internal/stats"
-            stats = await self.client.get_json(url, path, timeout_s=STATS_TIMEOUT_S)
-            self.pool.update_stats(load.endpoint.worker_id, stats)
-            if self.kv_feed is not None:
-                self.kv_feed.observe(load.endpoint.worker_id, url, stats.get("kv_events"))
+            await self.client.get_json(load.endpoint.url, "/internal/health")
             return None
-        except WorkerCallError as stats_error:
-            try:
-                await self.client.get_json(url, "/internal/health")
-                return None
-            except WorkerCallError as health_error:
-                return f"stats: {stats_error}; health: {health_error}"
+        except WorkerCallError as exc:
+            return str(exc)
+
+    async def _poll_one(self, load, audit: bool) -> str | None:
+        """The health probe (None when it answered, else why not), with the stats fetched beside it."""
+        path = "/internal/stats?audit=1" if audit else "/internal/stats"
+        stats = asyncio.ensure_future(self.client.get_json(load.endpoint.url, path,
+                                                           timeout_s=self.recovery.stats_timeout_s))
+        error = await self._probe(load)
+        if error is not None:
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, WorkerCallError):
+                await stats
+            return error
+        try:
+            stats_answer = await stats
+            self.pool.update_stats(load.endpoint.worker_id, stats_answer)
+            if self.kv_feed is not None:
+                self.kv_feed.observe(load.endpoint.worker_id, load.endpoint.url, stats_answer.get("kv_events"))
+        except WorkerCallError as exc:  # alive but slow or failing stats: keep the last figures
+            logger.info("stats of worker %s: %s", load.endpoint.worker_id, exc)
+        return None
 
     # -- middleware -------------------------------------------------------
     @web.middleware
@@ -235,7 +258,7 @@ class Router:
 
     async def _workers(self, request: web.Request) -> web.Response:
         if request.query.get("refresh"):
-            await self.poll_workers(audit=True)
+            await self.poll_workers(audit=True, readmit=False)
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
                                        "num_in_flight": w.num_in_flight, "num_queued_tokens": w.num_queued_tokens,
                                        "kv_index": self.kv_index.describe(w.endpoint.worker_id) if self.kv_index else None,

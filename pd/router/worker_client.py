@@ -80,15 +80,25 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Streams the worker's events for one request; the last has `finished`."""
+    async def generate(self, url: str, request: GenerateRequest,
+                       first_byte_s: float | None = None) -> AsyncIterator[TokenEvent]:
+        """Streams the worker's events for one request; the last has `finished`. A live worker
+        answers its headers at once, so `first_byte_s` (when given) bounds the wait for them: a
+        stalled worker fails as `connect` (nothing was started there) long before `stall_s`."""
         t = self._timeouts
         timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.stall_s)
         body = request.model_dump_json(exclude_none=True).encode()
         finished = False
         try:
-            async with self._session.post(f"{url}/internal/generate", data=body, timeout=timeout,
-                                          headers={"Content-Type": "application/json"}) as resp:
+            call = self._session.post(f"{url}/internal/generate", data=body, timeout=timeout,
+                                      headers={"Content-Type": "application/json"})
+            try:
+                response = await asyncio.wait_for(call, first_byte_s)
+            except asyncio.TimeoutError:
+                if first_byte_s is None:
+                    raise
+                raise WorkerCallError(CallCause.CONNECT, f"no response from {url} within {first_byte_s}s") from None
+            async with response as resp:
                 if resp.status != 200:
                     raise WorkerCallError.for_status(resp.status, await _error_text(resp))
                 while True:
@@ -115,9 +125,15 @@ class WorkerClient:
             raise WorkerCallError(CallCause.STREAM, f"stream from {url} ended before the request finished")
 
     async def get_json(self, url: str, path: str, timeout_s: float | None = None) -> dict:
+        return await self._call_json("GET", url, path, None, timeout_s)
+
+    async def post_json(self, url: str, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        return await self._call_json("POST", url, path, body, timeout_s)
+
+    async def _call_json(self, method: str, url: str, path: str, body: dict | None, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
         try:
-            async with self._session.get(f"{url}{path}", timeout=timeout) as resp:
+            async with self._session.request(method, f"{url}{path}", json=body, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise WorkerCallError.for_status(resp.status, await _error_text(resp))
                 return await resp.json()

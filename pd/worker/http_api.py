@@ -8,6 +8,8 @@ Endpoints (all require `Authorization: Bearer <deployment secret>`):
 - `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references;
 - `GET /internal/kv_events?after=N`: the KV event batches after seq N, or a snapshot of every
   cached hash when the history no longer reaches back (or when `after` is absent).
+- `POST /internal/abort`: JSON `{request_id}`: aborts that request and ends any KV lease
+  kept for it (the router's call when its client left after the prefill hop started).
 
 Guarantees:
 - a request whose client goes away (router closed the stream) is aborted in
@@ -77,6 +79,7 @@ class WorkerHTTPServer:
             web.get("/internal/stats", self._stats),
             web.post("/internal/reset_prefix_cache", self._reset_prefix_cache),
             web.get("/internal/kv_events", self._kv_events),
+            web.post("/internal/abort", self._abort),
         ])
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -110,6 +113,17 @@ class WorkerHTTPServer:
             return web.json_response(await asyncio.to_thread(self._worker.kv_events_replay, after))
         except RuntimeError as exc:
             return _error(404, str(exc))
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return _error(400, "body must be JSON")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            return _error(400, "request_id must be a non-empty string of at most 256 characters")
+        self._worker.abort(request_id)
+        return web.json_response({"aborted": request_id})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -162,7 +163,8 @@ class Worker:
                              error_cause=out.error_cause.value if out.error_cause is not None else None)
 
     def abort(self, request_id: str) -> None:
-        """Aborts a request whose consumer went away (counted in stats as `num_aborted`)."""
+        """Aborts a request whose consumer went away (counted in stats as `num_aborted`); harmless
+        for a request that already finished or never came: a lease kept for it still ends at once."""
         if self._engine is not None:
             self._num_aborted += 1
             self._engine.abort_request(request_id)
@@ -197,7 +199,7 @@ class Worker:
 
     def health(self) -> dict:
         return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
-                "role": self.spec.role.value, "uptime_s": round(time.time() - self._started_at, 3),
+                "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
                 "kv_events": self._kv_events_info()}
 
     def stats(self, audit: bool = False) -> dict:

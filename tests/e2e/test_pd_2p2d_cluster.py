@@ -136,14 +136,10 @@ def test_decode_worker_killed_mid_stream(deployment):
     assert not any(t.is_alive() for t in threads), "a stream hung after its decode worker died"
     assert time.monotonic() - started < 60
 
-    failed = [e for e in outcomes.values() if any(isinstance(x, dict) and "error" in x for x in e)]
-    finished = [e for e in outcomes.values() if e not in failed]
-    assert failed and finished, (len(failed), len(finished))
-    for events in failed:
-        assert events[-1] == "[DONE]"
-        error = next(x for x in events if isinstance(x, dict) and "error" in x)["error"]
-        assert "decode-0" in error["message"] and error["type"] == "server_error"
-    for events in finished:
+    # The streams on decode-0 migrate to decode-1 (pd.router.recovery): every stream completes, no error event.
+    assert len(outcomes) == 6
+    for events in outcomes.values():
+        assert not any(isinstance(x, dict) and "error" in x for x in events), events[-3:]
         assert events[-2]["usage"]["completion_tokens"] == 400 and events[-1] == "[DONE]"
 
     # The dead worker left the rotation; the others keep serving.

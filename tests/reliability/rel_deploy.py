@@ -12,6 +12,7 @@ import time
 import torch
 
 from pd.cluster.config import DeployConfig
+from pd.router.recovery import RecoverySettings
 from pd.router.server import Router
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.worker.worker import Worker, WorkerSpec
@@ -39,8 +40,9 @@ def local_config(mode: str = "disaggregated", **overrides) -> DeployConfig:
 class LocalDeployment:
     """Workers + router on a private loop thread; `url` once started. Use as a context manager."""
 
-    def __init__(self, config: DeployConfig):
+    def __init__(self, config: DeployConfig, recovery: RecoverySettings | None = None):
         self.config = config
+        self.recovery = recovery
         self.workers: dict[str, Worker] = {}
         self.router: Router | None = None
         self.url = ""
@@ -53,13 +55,14 @@ class LocalDeployment:
     def __enter__(self) -> LocalDeployment:
         self._thread.start()
         roles = ([("both-0", Role.BOTH)] if self.config.topology.mode.value == "colocated"
-                 else [("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)])
+                 else [("prefill-0", Role.PREFILL)]
+                 + [(f"decode-{i}", Role.DECODE) for i in range(self.config.topology.num_decode)])
         endpoints = []
         for wid, role in roles:
             worker = Worker(WorkerSpec(wid, role, self.config, SECRET))
             self.workers[wid] = worker
             endpoints.append(WorkerEndpoint(wid, role, self.run(worker.start())))
-        self.router = Router(self.config, endpoints, SECRET)
+        self.router = Router(self.config, endpoints, SECRET, recovery=self.recovery)
         self.url = self.run(self.router.start())
         return self
 

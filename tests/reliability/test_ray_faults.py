@@ -64,14 +64,15 @@ def test_decode_worker_killed_mid_transfer(ray_instance, fault_record):
         assert resp.status_code in (502, 503), resp.text
         assert "decode" in resp.json()["error"]["message"]
         assert seconds < BOUND_S
-        # P kept the blocks under a lease nobody renews: they are freed within lease_s (5 s here)
+        # D produced nothing: the router aborts P's lease at once (else it would expire after lease_s)
         t0 = time.monotonic()
         wait_all_free(dep.url, timeout_s=config.transfer.lease_s + 15)
         freed = time.monotonic() - t0
+        assert worker_reports(dep.url)["prefill-0"]["stats"]["transfer"]["leases_expired"] == 0
         assert worker_reports(dep.url)["decode-0"]["healthy"] is False
     fault_record(fault="D process killed mid-transfer (on its PULL)", where="D worker (Ray actor)",
                  user_saw=f"HTTP {resp.status_code} naming the decode worker in {seconds:.1f}s",
-                 pdkv_did="P's lease expired without heartbeats", pools=f"P all free ({freed:.1f}s, lease 5s)")
+                 pdkv_did="router aborted P's lease (none expired)", pools=f"P all free ({freed:.1f}s, lease 5s)")
 
 
 def test_decode_worker_killed_mid_stream(ray_instance, fault_record):

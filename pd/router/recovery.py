@@ -1,0 +1,97 @@
+"""How the router recovers from worker trouble: its settings, a worker call that stops
+waiting once its worker leaves the rotation, and the continuation of a stream whose
+worker died after tokens were sent (migration).
+
+Guarantees:
+- `watched_events` ends (as a `stream` `WorkerCallError`) as soon as the pool marks
+  its worker dead, rather than waiting out `request_timeout_s` on a frozen worker,
+  and closes the worker call on every exit;
+- `continuation` asks for exactly the tokens not yet sent: the prompt plus the sent
+  tokens as the new prompt, `max_tokens` reduced by what was sent, and no
+  `kv_transfer_params` (the new worker computes that prompt itself), so a greedy
+  stream continues with the tokens an undisturbed run would have produced.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pd.cluster.messages import GenerateRequest, TokenEvent
+from pd.router.choice import NUM_READMIT_PROBES, WorkerLoad
+from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
+
+MIGRATION_LIMIT = 2
+FIRST_BYTE_TIMEOUT_S = 10.0
+MAX_FAILED_POLLS = 2
+STATS_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoverySettings:
+    """`migration_limit`: how often one request may move to another worker after tokens were
+    sent; `first_byte_timeout_s`: how long a worker may take to answer a call's headers (a
+    live one does at once); a worker leaves the rotation after `max_failed_polls` failed
+    health polls in a row and comes back after `num_readmit_probes` good ones."""
+
+    migration_limit: int = MIGRATION_LIMIT
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
+    max_failed_polls: int = MAX_FAILED_POLLS
+    num_readmit_probes: int = NUM_READMIT_PROBES
+    stats_timeout_s: float = STATS_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        for name in ("max_failed_polls", "num_readmit_probes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("first_byte_timeout_s", "stats_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_router_config(cls, router_config: Any) -> RecoverySettings:
+        """The defaults, overridden by any field of the same name the router config has."""
+        given = {f.name: getattr(router_config, f.name, None) for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
+
+async def watched_events(client: WorkerClient, load: WorkerLoad, request: GenerateRequest,
+                         first_byte_s: float | None) -> AsyncIterator[TokenEvent]:
+    """The worker's events for `request`, cut short when `load` leaves the rotation."""
+    stream = client.generate(load.endpoint.url, request, first_byte_s=first_byte_s)
+    lost = asyncio.ensure_future(load.lost.wait())
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(stream.__anext__())
+            await asyncio.wait({pending, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                raise WorkerCallError(CallCause.STREAM, f"worker {load.endpoint.worker_id} left the rotation "
+                                                "(failed health checks) while this call waited on it")
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+    finally:
+        lost.cancel()
+        if pending is not None and not pending.done():
+            pending.cancel()
+            await asyncio.wait({pending})  # let the call close its connection before the generator is closed
+        if pending is not None and pending.done() and not pending.cancelled():
+            pending.exception()  # retrieved: it was raised above or is superseded by ours
+        with contextlib.suppress(RuntimeError):
+            await stream.aclose()
+
+
+def continuation(request: GenerateRequest, sent_token_ids: list[int], num_migrations: int) -> GenerateRequest:
+    """The request that continues `request` on another worker after `sent_token_ids` were sent."""
+    sampling = request.sampling.model_copy(update={"max_tokens": request.sampling.max_tokens - len(sent_token_ids)})
+    return GenerateRequest(request_id=f"{request.request_id}-m{num_migrations}",
+                           prompt_token_ids=list(request.prompt_token_ids) + list(sent_token_ids),
+                           sampling=sampling, kv_transfer_params=None)
