@@ -13,6 +13,7 @@ import requests
 from rel_deploy import LocalDeployment, local_config
 
 from pd.router.choice import LeastLoaded, Role, WorkerEndpoint, WorkerPool
+from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling
 from pd.router.recovery import RecoverySettings, continuation
 
 BODY = {"prompt": "The quick brown fox jumps over the lazy dog. " * 2, "max_tokens": 8, "temperature": 0,
@@ -54,11 +55,11 @@ def test_recovery_settings_and_continuation():
         RecoverySettings(migration_limit=-1)
     with pytest.raises(ValueError, match="first_byte_timeout_s"):
         RecoverySettings(first_byte_timeout_s=0)
-    payload = {"request_id": "r", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 10, "temperature": 0.0},
-               "kv_transfer_params": {"do_remote_prefill": True}}
-    nxt = continuation(payload, [7, 8, 9], 1)
-    assert nxt == {"request_id": "r-m1", "prompt_token_ids": [1, 2, 7, 8, 9],
-                   "sampling": {"max_tokens": 7, "temperature": 0.0}, "kv_transfer_params": None}
+    request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=Sampling(max_tokens=10, seed=5),
+                              kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    nxt = continuation(request, [7, 8, 9], 1)
+    assert nxt == GenerateRequest(request_id="r-m1", prompt_token_ids=[1, 2, 7, 8, 9],
+                                  sampling=Sampling(max_tokens=7, seed=5), kv_transfer_params=None)
 
 
 def test_a_call_stalled_on_a_worker_taken_out_stops_at_once(fault_record):
@@ -150,7 +151,7 @@ def test_first_byte_timeout_fails_a_silent_worker_fast():
     # A listener that accepts and never answers: what a frozen (SIGSTOPped) worker looks like.
     import socket
 
-    from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
+    from pd.router.worker_client import CallCause, ClientTimeouts, WorkerCallError, WorkerClient
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -162,7 +163,8 @@ def test_first_byte_timeout_fails_a_silent_worker_fast():
             await client.open()
             t0 = time.monotonic()
             try:
-                async for _ in client.generate(url, {"request_id": "r"}, first_byte_s=0.5):
+                request = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=Sampling(max_tokens=1))
+                async for _ in client.generate(url, request, first_byte_s=0.5):
                     pass
             except WorkerCallError as exc:
                 return exc.cause, time.monotonic() - t0
@@ -171,7 +173,7 @@ def test_first_byte_timeout_fails_a_silent_worker_fast():
             return "none", time.monotonic() - t0
 
         cause, seconds = asyncio.run(call())
-    assert cause == "connect" and seconds < 5  # retried elsewhere as unreachable, long before stall_s
+    assert cause is CallCause.CONNECT and seconds < 5  # retried elsewhere as unreachable, long before stall_s
 
 
 def test_abort_endpoint_is_authenticated_and_checks_its_body():
