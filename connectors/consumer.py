@@ -318,7 +318,8 @@ class Consumer:
                 self.metrics.record_malformed()
                 logger.debug("dropped malformed frame from %s: %s", session.remote, e)
             except hs.HandshakeRefused as e:
-                logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host, session.remote.port)
+                logger.error("%s (producer %s at %s:%d)", e, session.remote.engine_id, session.remote.host,
+                             session.remote.port)
                 self.metrics.record_refused(e.reason)
                 if not e.by_peer:  # tell the producer why, so both sides log it
                     self._send(session, wire.encode(MsgType.REFUSE, reason=e.reason.value, detail=e.detail))

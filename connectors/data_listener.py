@@ -23,7 +23,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from connectors import framing, wire
 from connectors.handshake import RefuseReason, make_nonce

@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -175,7 +175,7 @@ class FaultLink:
         while not self._stop.is_set():
             try:
                 down, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 break
@@ -232,7 +232,7 @@ class FaultLink:
                 raise ConnectionError("fault link closed")
             try:
                 r = sock.recv_into(view[got:], n - got)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             if r == 0:
                 raise ConnectionError("peer closed")

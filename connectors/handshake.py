@@ -134,7 +134,8 @@ def make_nonce() -> bytes:
 
 
 def transcript(nonce_c: bytes, nonce_p: bytes, compat: str, producer_id: str, consumer_id: str) -> bytes:
-    parts = [str(PROTOCOL_VERSION).encode(), nonce_c, nonce_p, compat.encode(), producer_id.encode(), consumer_id.encode()]
+    parts = [str(PROTOCOL_VERSION).encode(), nonce_c, nonce_p, compat.encode(), producer_id.encode(),
+             consumer_id.encode()]
     return b"\x00".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
@@ -177,7 +178,8 @@ class ConsumerHandshake:
     def on_challenge(self, msg: dict) -> bytes:
         """Checks the producer's identity and proof; returns the AUTH message."""
         if msg["engine_id"] != self._remote_engine_id:
-            raise HandshakeRefused(RefuseReason.ENGINE_ID, f"peer is {quote(msg['engine_id'])}, expected {self._remote_engine_id!r}")
+            raise HandshakeRefused(RefuseReason.ENGINE_ID,
+                                   f"peer is {quote(msg['engine_id'])}, expected {self._remote_engine_id!r}")
         t = transcript(self._nonce, msg["nonce"], self._compat, self._remote_engine_id, self._engine_id)
         if not check_proof(self._secret, "producer", t, msg["proof"]):
             raise HandshakeRefused(RefuseReason.AUTH, "the producer failed to prove the shared secret")

@@ -22,7 +22,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from connectors.metrics import LeaseEnd, TransferMetrics
 
@@ -100,7 +100,8 @@ class LeaseTable:
                 lease.state, lease.end = LeaseState.DRAINING, LeaseEnd.EXPIRED
                 self._maybe_release_locked(lease)
         for lease in expired:
-            logger.warning("KV lease for request %s expired without a heartbeat; releasing its blocks", lease.request_id)
+            logger.warning("KV lease for request %s expired without a heartbeat; releasing its blocks",
+                           lease.request_id)
         return [lz.request_id for lz in expired]
 
     def begin_pull(self, request_id: str, block_ids: list[int]) -> Lease:
@@ -129,7 +130,7 @@ class LeaseTable:
         for lease in todo:
             ids = sorted(lease.block_ids)
             try:
-                lease.digests = dict(zip(ids, compute(ids)))
+                lease.digests = dict(zip(ids, compute(ids), strict=True))
             finally:
                 self.end_pull(lease)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from connectors.metrics import FailureCause
 

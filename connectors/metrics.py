@@ -115,7 +115,7 @@ class TransferMetrics:
 def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[list[float]]:
     """[[upper bound, loads at or under it], ...] (Prometheus bucket form, +Inf left out)."""
     out, total = [], 0
-    for bound, count in zip(bounds, counts):
+    for bound, count in zip(bounds, counts, strict=False):
         total += count
         out.append([bound, total])
     return out

@@ -87,7 +87,8 @@ class PageAccess:
         return [memoryview(v).cast("B") for v in self.landing(block_ids)]
 
     def commit(self, block_ids: list[int]) -> None:
-        """Makes pages returned by `landing` visible in the pool (CUDA: batched H2D on the side stream, event-fenced)."""
+        """Makes pages returned by `landing` visible in the pool
+        (CUDA: batched H2D on the side stream, event-fenced)."""
         if self.on_host:
             return
         rows, self._landing_rows = self._landing_rows, None

@@ -273,7 +273,8 @@ class Producer:
             elif mode == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
-                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes, chunk_pages=chunk))
+                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes,
+                                                     chunk_pages=chunk))
             else:
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
             access = PageAccess(self.pool)

@@ -116,7 +116,7 @@ class PullStream:
             access = PageAccess(self._pool)
             with self._send_lock:
                 self._ready = True
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- the stream thread reports any failure to open as a dead stream
             logger.warning("KV data stream to %s:%d failed to open: %s", *self._addr, e)
             self.dead = True
         while True:
@@ -202,7 +202,8 @@ class PullStream:
         elif self.mode == "shm":
             if not msg["shm_name"]:
                 raise ConnectionError("producer declined shared memory")
-            self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"], self._pool.page_size_bytes)
+            self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"],
+                                        self._pool.page_size_bytes)
             self._receive = self._recv_chunks
 
     def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:
@@ -240,7 +241,7 @@ class PullStream:
         except _Refused as e:
             logger.warning("KV pull of %s refused by the producer: %s", part.remote_request_id, e)
             part.fail(FailureCause.PULL_REFUSED)
-        except (TimeoutError, socket.timeout, BlockingIOError):  # (BlockingIOError: a kernel timeout)
+        except (TimeoutError, BlockingIOError):  # (BlockingIOError: a kernel timeout)
             part.fail(self._abort_cause or FailureCause.TIMEOUT)
             self._break()
         except (ConnectionError, OSError, MalformedMessage) as e:
@@ -344,7 +345,7 @@ class PullStream:
         for _, off, n, rest in framing.recv_scatter(self._sock, views):
             digests = self._pages_header(part, head, off + n, views, rest)
         src = self._mapped
-        for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids))):
+        for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids), strict=True)):
             np.copyto(view, src[s])  # the one copy: producer's page -> our page
             if digest(view) != digests[j]:
                 part.bad_block_ids.append(part.dst_block_ids[j])

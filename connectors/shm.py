@@ -87,7 +87,8 @@ class ShmSegment:
 def map_pool(path: str, size: int, page_bytes: int) -> np.ndarray:
     """Maps a same-host producer's page pool read-only as (num_blocks, page_bytes)."""
     parts = path.split("/")
-    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd" or not (parts[2].isdigit() and parts[4].isdigit()):
+    if (len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd"
+            or not (parts[2].isdigit() and parts[4].isdigit())):
         raise ValueError(f"not a pool path: {path!r}")
     if size <= 0 or size % page_bytes:
         raise ValueError(f"pool of {size} bytes is not whole pages of {page_bytes}")

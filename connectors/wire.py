@@ -106,7 +106,7 @@ def decode(data: bytes | memoryview) -> tuple[MsgType, dict[str, Any]]:
         )
     except MalformedMessage:
         raise
-    except Exception as e:  # msgpack raises several unrelated types on garbage
+    except Exception as e:  # noqa: BLE001 -- msgpack raises several unrelated types on garbage
         raise MalformedMessage(f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise MalformedMessage(f"expected a map, got {type(obj).__name__}")

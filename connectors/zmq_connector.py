@@ -138,7 +138,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def _start_load(self, rid: str, order: dict) -> None:
         remote = RemoteAddr(order["remote_engine_id"], order["remote_host"], order["remote_port"])
         if order["invalid"] or self.consumer is None:
-            why = "this engine is not a KV consumer" if self.consumer is None else "the producer did not send every needed block"
+            why = ("this engine is not a KV consumer" if self.consumer is None
+                   else "the producer did not send every needed block")
             logger.warning("KV load for %s cannot run: %s", rid, why)
             self._finish_locally(rid, order["dst"] + order["invalid"])
             if self.consumer is not None:
@@ -156,7 +157,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
 
     def _finish_locally(self, rid: str, bad: list[int]) -> None:
         with self._lock:
-            self._local_results.append(LoadResult(rid, not bad, bad, FailureCause.PULL_REFUSED if bad else None, 0, 0.0))
+            self._local_results.append(
+                LoadResult(rid, not bad, bad, FailureCause.PULL_REFUSED if bad else None, 0, 0.0))
 
     def wait_for_save(self) -> None:
         # Nothing waits here: on a CUDA pool this only records an event after the forward that

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
 from connectors.loads import RemoteAddr
@@ -103,7 +104,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             "remote_request_id": rp.request_id, "src": src, "dst": dst, "invalid": invalid,
         }
 
-    def plan(self, rp: RemotePrefill, dst_groups, num_local: int, num_total: int) -> tuple[list[int], list[int], list[int]]:
+    def plan(self, rp: RemotePrefill, dst_groups, num_local: int,
+             num_total: int) -> tuple[list[int], list[int], list[int]]:
         """(src, dst, uncovered) block ids for tokens [num_local, num_total).
 
         Positions are aligned per group: the producer's list ends at its last
@@ -199,7 +201,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         """Per group: the blocks of the first `num_tokens` tokens, without null blocks,
         and for sliding-window groups only those still in the window."""
         out = []
-        for layout, ids in zip(self.groups, block_ids):
+        for layout, ids in zip(self.groups, block_ids, strict=True):
             ids = list(ids[: -(-num_tokens // layout.block_size)])
             while ids and ids[0] == 0:  # out-of-window blocks the KV cache already let go
                 ids.pop(0)

@@ -296,7 +296,7 @@ def vs_vllm(args) -> dict:
         "vllm_median": statistics.median(v_ops),
         "pdkv_median": statistics.median(p_ops),
         "ratio_median": round(statistics.median(p_ops) / statistics.median(v_ops), 2),
-        "ratio_per_round": [round(p / v, 2) for p, v in zip(p_ops, v_ops)],
+        "ratio_per_round": [round(p / v, 2) for p, v in zip(p_ops, v_ops, strict=True)],
         "prefix_hit_rate": {"vllm": vllm_runs[0]["prefix_hit_rate"],
                             "pdkv": pdkv_runs[0]["prefix_hit_rate"]},
         "free_blocks_end": {"vllm": vllm_runs[0]["free_blocks_end"],

@@ -16,7 +16,7 @@ Guarantees:
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvcache.blocks import FreeKVCacheBlockQueue, KVCacheBlock
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd, lcm
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvcache.specs import KVCacheSpec
 

@@ -18,7 +18,8 @@ group caches (the KV event order vLLM emits).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool
 from kvcache.blocks import KVCacheBlock
@@ -367,7 +368,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 hits = manager.find_longest_cache_hit(
                     hashes_at_block_size(block_hashes, hbs, bs), curr, group_ids, sbs)
                 curr = len(hits[0]) * bs
-                for gid, blocks in zip(group_ids, hits):
+                for gid, blocks in zip(group_ids, hits, strict=True):
                     hits_by_group[gid] = blocks
                 if curr > longest:
                     longest = curr

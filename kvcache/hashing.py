@@ -19,7 +19,8 @@ import os
 import struct
 import sys
 from array import array
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 if TYPE_CHECKING:
     from kvcache.request import Request
@@ -71,7 +72,7 @@ def encode_extra_keys(lora_name: str | None, cache_salt: str | None) -> bytes:
     return out
 
 
-def extra_keys_for_block(request: "Request", start_token_idx: int) -> tuple | None:
+def extra_keys_for_block(request: Request, start_token_idx: int) -> tuple | None:
     """Extra keys of the block starting at `start_token_idx`: (lora, salt) or None."""
     keys: list[str] = []
     if request.lora_name:
@@ -109,7 +110,7 @@ class BlockHasher:
         return self._fn((parent_hash or self.none_hash) + pack_token_ids(token_ids)
                         + encode_extra_keys(lora_name, cache_salt))
 
-    def __call__(self, request: "Request") -> list[bytes]:
+    def __call__(self, request: Request) -> list[bytes]:
         """Hashes of the full blocks of `request` not hashed yet (in order)."""
         bs = self.block_size
         hashes = request.block_hashes

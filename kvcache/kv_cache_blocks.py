@@ -6,7 +6,7 @@ the lists; the manager hands out one shared empty instance for "no blocks".
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.blocks import KVCacheBlock
 
@@ -19,14 +19,14 @@ class KVCacheBlocks:
     def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
         self.blocks = blocks
 
-    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
-        return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True)))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KVCacheBlocks):
             return NotImplemented
         return len(self.blocks) == len(other.blocks) and all(
-            [b.block_id for b in x] == [b.block_id for b in y] for x, y in zip(self.blocks, other.blocks))
+            [b.block_id for b in x] == [b.block_id for b in y] for x, y in zip(self.blocks, other.blocks, strict=True))
 
     __hash__ = None  # mutable contents
 
@@ -48,5 +48,5 @@ class KVCacheBlocks:
         """Per group, ids of real blocks not in the prefix cache (where remote KV lands)."""
         return [[b.block_id for b in g if b.block_hash is None and not b.is_null] for g in self.blocks]
 
-    def new_empty(self) -> "KVCacheBlocks":
+    def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))

@@ -12,7 +12,7 @@ reported as impossible to allocate until `new_step_starts()`.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.blocks import KVCacheBlock
 from kvcache.single_type import SingleTypeKVCacheManager
@@ -74,7 +74,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 continue
             if bs != alignment_tokens and (i + 1) * bs % alignment_tokens:
                 continue
-            for lst, blk in zip(computed, found):
+            for lst, blk in zip(computed, found, strict=True):
                 lst.extend([pool.null_block] * i)
                 lst.append(blk)
             break  # only the latest state is needed

@@ -21,7 +21,7 @@ implementation, in the coordinator and the single-type managers below it.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.blocks import KVCacheBlock
 from kvcache.config import KVCacheConfig

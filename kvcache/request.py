@@ -8,7 +8,8 @@ built without a hasher has no hashes and never hits the prefix cache.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 
 class RequestStatus(enum.IntEnum):
@@ -25,11 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> str | None:
+    def get_finished_reason(status: RequestStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 
@@ -58,7 +59,7 @@ class Request:
         request_id: str,
         prompt_token_ids: Sequence[int],
         *,
-        block_hasher: Callable[["Request"], list[bytes]] | None = None,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
         max_tokens: int = 16,
         cache_salt: str | None = None,
         lora_name: str | None = None,

@@ -13,7 +13,7 @@ worth caching (`reachable_block_mask`).
 from __future__ import annotations
 
 from itertools import islice
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool
 from kvcache.blocks import KVCacheBlock
@@ -271,7 +271,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 continue
             if run == 0 and not aligned and (i + 1) * bs % alignment_tokens:
                 continue  # a run must end on an alignment boundary
-            for lst, blk in zip(computed, found):
+            for lst, blk in zip(computed, found, strict=True):
                 lst[i] = blk
             run += 1
             if run >= need:

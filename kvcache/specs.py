@@ -171,7 +171,7 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return sum(prod(s) * dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+        return sum(prod(s) * dtype_size(d) for s, d in zip(self.shapes, self.dtypes, strict=True))
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         if self.mamba_cache_mode == "all":

@@ -5,7 +5,7 @@ the same in every process.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.config import KVCacheConfig, KVCacheGroupSpec
 from kvcache.hashing import BlockHasher

@@ -57,7 +57,8 @@ def resource_shortfall(config: DeployConfig, cluster_resources: dict) -> str | N
     for key, per_worker in worker_bundle(config).items():
         have = float(cluster_resources.get(key, 0.0))
         if have + 1e-9 < per_worker * n:
-            hint = " (device: cuda asks one GPU per worker; use device: cpu on a machine without GPUs)" if key == "GPU" else ""
+            hint = (" (device: cuda asks one GPU per worker; use device: cpu on a machine without GPUs)"
+                    if key == "GPU" else "")
             return (f"the topology needs {per_worker * n:g} {key} ({n} workers x {per_worker:g}), "
                     f"the Ray cluster has {have:g}{hint}")
     return None
@@ -120,7 +121,7 @@ def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TI
         stop_workers(actors)
         raise
     started = []
-    for (wid, role), actor, answer in zip(roles, actors, answers):
+    for (wid, role), actor, answer in zip(roles, actors, answers, strict=True):
         info = json.loads(answer)
         started.append(StartedWorker(WorkerEndpoint(wid, role, info["url"], info["node_id"]), actor))
         logger.info("worker %s (%s) on node %s at %s", wid, role.value, info["node_id"][:8], info["url"])

@@ -128,10 +128,11 @@ def save_checkpoint(model: CausalLM, path: str | os.PathLike, max_shard_bytes: i
         names = ["model.safetensors"]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map = {t: fname for fname, shard in zip(names, shards) for t in shard}
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        weight_map = {t: fname for fname, shard in zip(names, shards, strict=True) for t in shard}
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     written = []
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=True):
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         written.append(out / fname)
     return written

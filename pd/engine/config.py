@@ -90,7 +90,8 @@ class ModelConfig:
         """A `config.json` dict that transformers' Llama/Qwen2/Mistral classes accept."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
+            "model_type": {"Qwen2ForCausalLM": "qwen2",
+                           "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

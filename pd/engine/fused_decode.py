@@ -47,7 +47,7 @@ def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     except (OSError, AttributeError) as exc:  # not Linux: plain pages
         logger.debug("madvise unavailable: %s", exc)
     out, offset = [], start
-    for t, size in zip(tensors, sizes):
+    for t, size in zip(tensors, sizes, strict=True):
         out.append(raw[offset:offset + t.numel()].view(t.shape).copy_(t))
         offset += size
     return out
@@ -104,12 +104,13 @@ class FusedDecoder:
             attn.o_proj.weight.data = o
             mlp.down_proj.weight.data = down
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            for proj, part in zip(projections, qkv.split([p.weight.shape[0] for p in projections])):
+            for proj, part in zip(projections, qkv.split([p.weight.shape[0] for p in projections]), strict=True):
                 proj.weight.data = part
             if bias.numel():
-                for proj, part in zip(projections, bias.split([p.bias.shape[0] for p in projections])):
+                for proj, part in zip(projections, bias.split([p.bias.shape[0] for p in projections]), strict=True):
                     proj.bias.data = part
-            for proj, part in zip((mlp.gate_proj, mlp.up_proj), gate_up.split(mlp.gate_proj.weight.shape[0])):
+            gate_up_parts = gate_up.split(mlp.gate_proj.weight.shape[0])
+            for proj, part in zip((mlp.gate_proj, mlp.up_proj), gate_up_parts, strict=True):
                 proj.weight.data = part
 
     @staticmethod
@@ -125,7 +126,7 @@ class FusedDecoder:
         for g, grp in enumerate(self.layout.groups):
             rows = [c.block_ids[g] for c in chunks]
             width = max(len(r) for r in rows)
-            blocks = [r[p // bs] if p // bs < len(r) else 0 for r, p in zip(rows, positions)]
+            blocks = [r[p // bs] if p // bs < len(r) else 0 for r, p in zip(rows, positions, strict=True)]
             if 0 in blocks:
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
             slot_blocks.append(torch.tensor(blocks, dtype=torch.long))

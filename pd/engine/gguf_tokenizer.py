@@ -131,8 +131,10 @@ def _build(tokens: list[str], merges: list[str], types: list[int], pre: str, ids
             special_tokens=specials)
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, k in zip(tokens, types, strict=True) if k == CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED]
     tokenizer.add_special_tokens(control)
     tokenizer.add_tokens(user)
     if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):

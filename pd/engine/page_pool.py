@@ -29,7 +29,8 @@ import torch
 
 
 class PagePool:
-    def __init__(self, num_blocks: int, page_size_bytes: int, device: str | torch.device = "cpu", pin_memory: bool = False,
+    def __init__(self, num_blocks: int, page_size_bytes: int, device: str | torch.device = "cpu",
+                 pin_memory: bool = False,
                  shareable: bool = True):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
@@ -82,7 +83,8 @@ class PagePool:
             need *= d
         if need > self.page_size_bytes:
             raise ValueError(f"layout {shape} of {dtype} needs {need} bytes > page size {self.page_size_bytes}")
-        typed = self.buffer[:, :need].view(dtype) if need == self.page_size_bytes else self.buffer.view(dtype)[:, : need // elem]
+        typed = (self.buffer[:, :need].view(dtype) if need == self.page_size_bytes
+                 else self.buffer.view(dtype)[:, : need // elem])
         return typed.reshape((self.num_blocks, *shape))
 
     @property

@@ -104,7 +104,8 @@ class PagedAttention:
         self.num_tokens = sum(counts)
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
         first_token = torch.tensor([0] + counts[:-1]).cumsum(0)
-        self.positions = torch.tensor(starts)[seq_of_token] + (torch.arange(self.num_tokens) - first_token[seq_of_token])
+        self.positions = (torch.tensor(starts)[seq_of_token]
+                          + (torch.arange(self.num_tokens) - first_token[seq_of_token]))
         # Per group: the request's block table as a padded matrix, and the slot of every new token.
         self.slot_blocks: list[torch.Tensor] = []
         self.slot_offsets = self.positions % bs

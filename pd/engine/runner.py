@@ -72,7 +72,8 @@ class ModelRunner:
         if self.fused_decoder is not None and FusedDecoder.applies(chunks):
             return self.fused_decoder.execute(chunks)
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
-        backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace, self.fused_decode)
+        backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace,
+                                 self.fused_decode)
         flat: list[int] = []
         logit_rows: list[int] = []
         for c in chunks:

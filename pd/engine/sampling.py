@@ -71,7 +71,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits` (R, vocab); greedy rows in one argmax."""
     tokens = torch.argmax(logits, dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators)):
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
         probs = torch.softmax(filter_logits(logits[row].float().cpu(), p), dim=-1)  # generators live on the CPU

@@ -79,7 +79,8 @@ class Scheduler:
             return None
         req = state.request
         # An async load may still be writing into the blocks: keep them until the connector says done.
-        state.awaiting_recv = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and request_id not in self.finished_recving
+        state.awaiting_recv = (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                               and request_id not in self.finished_recving)
         self._finish(state, RequestStatus.FINISHED_ABORTED)
         return RequestOutput(request_id, [], True, FinishReason.ABORT)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 
 class Overloaded(Exception):

@@ -138,7 +138,7 @@ class CompletionEndpoints:
     async def _respond(self, job: Job, arrived: float) -> web.Response:
         tallies = [_Tally() for _ in job.prompts]
         tasks = [asyncio.create_task(self._collect(job, f"{job.output.id}-{i}", ids, arrived, tally))
-                 for i, (ids, tally) in enumerate(zip(job.prompts, tallies))]
+                 for i, (ids, tally) in enumerate(zip(job.prompts, tallies, strict=True))]
         try:
             outputs = await asyncio.gather(*tasks)
         except oa.APIError as exc:

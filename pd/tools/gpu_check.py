@@ -62,7 +62,8 @@ def run_gpu_tests(timeout_s: float = TEST_TIMEOUT_S) -> dict:
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s + 30)
     except subprocess.TimeoutExpired:
-        return {"ok": False, "summary": f"pytest did not finish within {timeout_s + 30:.0f} s", "seconds": timeout_s + 30}
+        return {"ok": False, "summary": f"pytest did not finish within {timeout_s + 30:.0f} s",
+                "seconds": timeout_s + 30}
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     summary = lines[-1].strip("= ") if lines else "no output"
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
@@ -104,7 +105,8 @@ def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
     staging = CudaStaging(pool)
     n = staging.rows_per_half
     out = {"pages_per_copy": n}
-    for name, ids in (("contiguous", list(range(1, n + 1))), ("scattered", random.Random(0).sample(range(1, num_blocks), n))):
+    scattered = random.Random(0).sample(range(1, num_blocks), n)
+    for name, ids in (("contiguous", list(range(1, n + 1))), ("scattered", scattered)):
         staging.copy_to_host(ids)
         times = []
         for _ in range(reps):
@@ -202,7 +204,9 @@ def render_markdown(report: dict) -> str:
              f"- gpu tests: **{'PASSED' if tests.get('ok') else 'FAILED'}** - {tests.get('summary', 'not run')}"]
     lines += [f"  - {f}" for f in tests.get("failed", [])]
     tr, base, gather = report.get("transfer", {}), report.get("baseline", {}), report.get("staging", {})
-    lines += ["", f"## KV transfer, CUDA pool -> CUDA pool ({PAGES_PER_LOAD} pages of {PAGE_BYTES // 1024} KiB per load)", "",
+    lines += ["",
+              f"## KV transfer, CUDA pool -> CUDA pool ({PAGES_PER_LOAD} pages of {PAGE_BYTES // 1024} KiB per load)",
+              "",
               "| path | GB/s | byte-exact |", "|---|---|---|"]
     for path, r in tr.items():
         lines.append(f"| connector {path} | {r.get('gbps')} | {r.get('byte_exact')} |" if "error" not in r
@@ -217,7 +221,8 @@ def render_markdown(report: dict) -> str:
               f"- model: {eng.get('model', '?')} ({eng.get('params', '?')} parameters)",
               f"- {eng.get('num_requests')} requests x {eng.get('prompt_len')} prompt tokens, "
               f"{eng.get('decode_steps')} decode steps",
-              f"- prefill: **{eng.get('prefill_tokens_per_s')} tokens/s**, decode: **{eng.get('decode_tokens_per_s')} tokens/s**"]
+              f"- prefill: **{eng.get('prefill_tokens_per_s')} tokens/s**, "
+              f"decode: **{eng.get('decode_tokens_per_s')} tokens/s**"]
     if "error" in eng:
         lines.append(f"- error: {eng['error']}")
     for key in ("baseline", "staging"):

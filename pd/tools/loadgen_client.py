@@ -56,7 +56,8 @@ def _chunk_text(backend: str, choice: dict) -> str | None:
     if backend != "openai-chat":
         return choice.get("text") or ""
     delta = choice.get("delta") or {}
-    if "content" not in delta or (delta.get("role") and not delta.get("content") and choice.get("finish_reason") is None):
+    if "content" not in delta or (delta.get("role") and not delta.get("content")
+                                  and choice.get("finish_reason") is None):
         return None
     return delta.get("content") or ""
 

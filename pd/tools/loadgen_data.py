@@ -76,7 +76,7 @@ class HFLengths:
             enc = self._tok.encode(text)
             if len(enc.ids) <= num_tokens:
                 return text
-            ends = [end for (_, end), special in zip(enc.offsets, enc.special_tokens_mask) if not special]
+            ends = [end for (_, end), special in zip(enc.offsets, enc.special_tokens_mask, strict=True) if not special]
             excess = len(enc.ids) - num_tokens
             if excess >= len(ends):
                 return ""
@@ -126,12 +126,14 @@ def _random(args, rng: random.Random, tok: LengthTokenizer) -> list[SampleReques
     for _ in range(args.num_prompts):
         body = _text(rng, tok, _lengths(rng, args.random_input_len, args.random_range_ratio) + 1)
         prompt = f"{prefix} {body}" if prefix else body
-        out.append(SampleRequest(prompt, tok.count(prompt), _lengths(rng, args.random_output_len, args.random_range_ratio)))
+        out.append(SampleRequest(prompt, tok.count(prompt),
+                                 _lengths(rng, args.random_output_len, args.random_range_ratio)))
     return out
 
 
 def _prefix_repetition(args, rng: random.Random, tok: LengthTokenizer) -> list[SampleRequest]:
-    prefixes = [_text(rng, tok, args.prefix_repetition_prefix_len + 1) for _ in range(args.prefix_repetition_num_prefixes)]
+    prefixes = [_text(rng, tok, args.prefix_repetition_prefix_len + 1)
+                for _ in range(args.prefix_repetition_num_prefixes)]
     out = []
     for i in range(args.num_prompts):
         suffix = _text(rng, tok, args.prefix_repetition_suffix_len + 1)

@@ -242,7 +242,8 @@ def format_report(result: dict, percentile_metrics: tuple[str, ...], percentiles
             row(f"P{key[1:]} {short} (ms):", result[f"{key}_{name}_ms"], ".2f")
     lines.append("{:-^60}".format(" Token delivery (pdkv) "))
     row("Inter-token gaps:", result["num_itl_gaps"])
-    row("Gaps under 1 ms (bursts):", f"{result['itl_gaps_under_1ms']} ({100 * result['itl_gaps_under_1ms_share']:.1f}%)")
+    row("Gaps under 1 ms (bursts):",
+        f"{result['itl_gaps_under_1ms']} ({100 * result['itl_gaps_under_1ms_share']:.1f}%)")
     row("Mean tokens per chunk:", result["mean_tokens_per_chunk"], ".2f")
     workers = {k.removeprefix("pdkv_kv_"): v for k, v in result.items() if k.startswith("pdkv_kv_")}
     if workers:

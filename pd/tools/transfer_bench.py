@@ -129,7 +129,7 @@ def _measure(path: str, args, ports, pool) -> dict:
     # bytes must be exact: compare the landed pages with the producer's fill
     g = torch.Generator().manual_seed(1)
     ref = torch.randint(0, 256, (args.blocks + 1, page), dtype=torch.uint8, generator=g)
-    if not all(torch.equal(pool.buffer[d], ref[s]) for s, d in zip(src, dst)):
+    if not all(torch.equal(pool.buffer[d], ref[s]) for s, d in zip(src, dst, strict=True)):
         raise RuntimeError(f"{path}: landed pages differ from the source")
     cons.shutdown()
     raw.sock.close()
@@ -181,7 +181,8 @@ def main(argv=None) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     stop = ctx.Event()
-    proc = ctx.Process(target=_producer_main, args=(args.blocks, args.page_kib * 1024, args.shm_chunk_kib * 1024, child, stop),
+    proc = ctx.Process(target=_producer_main,
+                       args=(args.blocks, args.page_kib * 1024, args.shm_chunk_kib * 1024, child, stop),
                        daemon=True)
     proc.start()
     try:
@@ -198,7 +199,8 @@ def main(argv=None) -> None:
             if args.json:
                 print(json.dumps(r), flush=True)
             else:
-                print(f"{path:4s} {r['gbps']:6.2f} GB/s  raw socket {r['raw_gbps']:6.2f} GB/s  ratio {r['ratio']:.2f}   "
+                print(f"{path:4s} {r['gbps']:6.2f} GB/s  raw socket {r['raw_gbps']:6.2f} GB/s  "
+                      f"ratio {r['ratio']:.2f}   "
                       f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us "
                       f"(x{r['latency_ratio']:.2f}, median of {r['runs']} runs)", flush=True)
     finally:
