@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import queue
 import secrets
@@ -85,7 +86,7 @@ class _Session:
     def __init__(self, remote: RemoteAddr, sock: zmq.Socket, deadline: float):
         self.remote = remote
         self.sock = sock
-        self.state = _HS.HANDSHAKING
+        self.state: _HS | None = _HS.HANDSHAKING  # None once closed
         self.deadline = deadline
         self.handshake: hs.ConsumerHandshake | None = None
         self.client: ClientSession | None = None  # after WELCOME: signs what this session sends
@@ -101,7 +102,7 @@ class Consumer:
         self.pool = pool
         self.metrics = metrics or TransferMetrics()
         self.host_id = hs.local_host_id()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sessions: dict[RemoteAddr, _Session] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,7 +146,7 @@ class Consumer:
         with self._lock:
             session = self._sessions.get(remote)
             ready = session is not None and session.state is _HS.READY
-            if ready:
+            if session is not None and ready:
                 self._dispatch_locked(session, job)
             self._active[id(job)] = job
         if not ready:
@@ -182,7 +183,7 @@ class Consumer:
             stream = live[session.next_stream % len(live)]
             session.next_stream += 1
             src, dst = (job.src, job.dst) if k == 1 else (job.src[a:b], job.dst[a:b])
-            stream.submit(PullPart(job.remote_request_id, src, dst, lambda p, j=job: self._on_part(j, p)))
+            stream.submit(PullPart(job.remote_request_id, src, dst, functools.partial(self._on_part, job)))
             job.streams.append(stream)  # (after the PULL went out: off the latency path)
 
     def _on_part(self, job: LoadHandle, part: PullPart) -> None:
@@ -332,12 +333,15 @@ class Consumer:
         if msg_type is MsgType.REFUSE:
             raise hs.HandshakeRefused.from_message(msg)
         shaking = session.state is _HS.HANDSHAKING
-        if msg_type is MsgType.CHALLENGE and shaking and not session.handshake.authed:
-            self._send(session, session.handshake.on_challenge(msg))
-        elif msg_type is MsgType.WELCOME and shaking and session.handshake.authed:
+        handshake = session.handshake
+        assert handshake is not None  # (set before the HELLO went out)
+        if msg_type is MsgType.CHALLENGE and shaking and not handshake.authed:
+            self._send(session, handshake.on_challenge(msg))
+        elif msg_type is MsgType.WELCOME and shaking and handshake.authed:
             self._open_streams(session, msg)
         else:
-            raise MalformedMessage(f"unexpected {msg_type.value} in state {session.state.name}")
+            state = session.state.name if session.state else None
+            raise MalformedMessage(f"unexpected {msg_type.value} in state {state}")
 
     def _open_streams(self, session: _Session, msg: dict) -> None:
         cfg = self.config
@@ -350,6 +354,7 @@ class Consumer:
         map_pool = cfg.data_path is not DataPath.SHM_STAGED and self.pool.device.type == "cpu"
         mode = ("map" if map_pool else "shm") if use_shm else "tcp"
         count = cfg.num_shm_streams if use_shm else cfg.num_tcp_streams
+        assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
         session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, mode,
                                       cfg.io_timeout_s, cfg.spin_us / 1e6)
@@ -364,6 +369,7 @@ class Consumer:
     def _flush_done(self, session: _Session) -> None:
         if session.pending_done:
             ids, session.pending_done = session.pending_done, []
+            assert session.client is not None  # (flushed once READY)
             self._send(session, session.client.side_message(MsgType.DONE, ids))
 
     def _send_heartbeats(self, poller) -> None:
@@ -373,6 +379,7 @@ class Consumer:
             self._session_for(remote, poller)
         for remote, session in list(self._sessions.items()):  # an empty heartbeat keeps an idle session alive
             if session.state is _HS.READY:
+                assert session.client is not None  # (set before READY)
                 self._send(session, session.client.side_message(MsgType.HEARTBEAT, beats.get(remote, [])))
 
     def _check_deadlines(self, now: float, poller) -> None:

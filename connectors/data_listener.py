@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from connectors import framing, wire
 from connectors.handshake import RefuseReason, make_nonce
@@ -83,7 +84,7 @@ class DataListener:
                     if key.data is None:
                         self._accept_ready()
                     else:
-                        self._read(key.fileobj)
+                        self._read(cast(socket.socket, key.fileobj))  # (only sockets are registered)
                 self._housekeeping()
         except Exception:  # the listener must not die silently
             logger.exception("KV producer data listener crashed")
@@ -126,7 +127,7 @@ class DataListener:
         if self._waiting:
             self._evict(next(iter(self._waiting)))
         self._warn.warning("KV producer data port: accept failed (%s); pausing it for %.2f s",
-                           errno.errorcode.get(error.errno, error.errno), self._backoff_s)
+                           errno.errorcode.get(error.errno or 0, error.errno), self._backoff_s)
 
     def _admit(self, conn: socket.socket) -> None:
         if len(self._waiting) >= self._limits.max_preauth:

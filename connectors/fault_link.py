@@ -51,7 +51,7 @@ class FaultLink:
         self._target = (target_host, target_port)
         self._host = host
         self._on_kill = on_kill
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._stop = threading.Event()
         self._stall_until = 0.0
         self._data_target: tuple[str, int] | None = None

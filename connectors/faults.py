@@ -133,7 +133,8 @@ def _parse_rule(text: str, known_points) -> FaultRule:
     except ValueError:
         raise FaultSpecError(f"fault rule {text!r}: unknown action {action_name!r}; "
                              f"known: {[a.value for a in FaultAction]}") from None
-    seconds, after, times = 0.0, 0, 1
+    seconds, after = 0.0, 0
+    times: int | None = 1
     seen: set[str] = set()
     for item in rest:
         key, eq, value = item.partition("=")

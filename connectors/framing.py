@@ -69,7 +69,7 @@ class FrameReader:
                     raise MalformedMessage(f"frame length {length} out of range")
                 need = 4 + length
                 if avail >= need:
-                    body = self._view[start + 4 : start + need]
+                    body: bytes | memoryview = self._view[start + 4 : start + need]
                     self._start = start + need
                     if self._start == self._end:
                         self._start = self._end = 0

@@ -58,7 +58,7 @@ class PageAccess:
         """`gather` as byte memoryviews (what `sendmsg` takes; on CPU a slice per page, no numpy)."""
         if self.on_host:
             return self._host_views(block_ids)
-        return [memoryview(v).cast("B") for v in self.gather(block_ids)]
+        return [v.data.cast("B") for v in self.gather(block_ids)]
 
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
         """dst[i] = page(block_ids[i]) for a host tensor `dst` (shared-memory staging)."""
@@ -84,7 +84,7 @@ class PageAccess:
         """`landing` as byte memoryviews (what `recvmsg_into` fills)."""
         if self.on_host:
             return self._host_views(block_ids)
-        return [memoryview(v).cast("B") for v in self.landing(block_ids)]
+        return [v.data.cast("B") for v in self.landing(block_ids)]
 
     def commit(self, block_ids: list[int]) -> None:
         """Makes pages returned by `landing` visible in the pool

@@ -21,3 +21,6 @@ class KVPages(Protocol):
 
     @property
     def shared_path(self) -> str | None: ...
+
+    @property
+    def nbytes(self) -> int: ...

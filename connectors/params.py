@@ -33,11 +33,11 @@ class RemotePrefill:
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_prefill") is True
+    return params is not None and params.get("do_remote_prefill") is True
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_decode") is True
+    return params is not None and params.get("do_remote_decode") is True
 
 
 def parse_remote_prefill(params: dict[str, Any], num_groups: int) -> RemotePrefill:

@@ -91,7 +91,7 @@ class Producer:
         self.metrics = metrics or TransferMetrics()
         self.leases = LeaseTable(config.lease_s, self.metrics)
         self.host_id = hs.local_host_id()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._stop = threading.Event()
         self.sessions = SessionTable(config.max_sessions, config.session_idle_s)
         self._warn = WarnLimiter(logger)  # what strangers can trigger is rate-limited
@@ -324,7 +324,7 @@ class Producer:
                     framing.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
                     self._await_credit(reader, [True, False])
                 elif seg is None and access.on_host:  # header and pages in one sendmsg, from the pool
-                    bufs = access.gather_views(block_ids)
+                    bufs: list[bytes | memoryview] = list(access.gather_views(block_ids))
                     bufs.insert(0, wire.pages_frame(xfer, digests, page_bytes))
                     framing.sendmsg_all(conn, bufs)
                 elif seg is None:

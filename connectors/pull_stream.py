@@ -108,6 +108,12 @@ class PullStream:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    @property
+    def _conn(self) -> socket.socket:
+        """The data socket, for the steps that run only after `_connect`."""
+        assert self._sock is not None
+        return self._sock
+
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         access = None
@@ -127,7 +133,7 @@ class PullStream:
                     break
                 self._idle_wait()
                 continue
-            if self.dead or self._abort_cause is not None:
+            if self.dead or self._abort_cause is not None or access is None:  # (no access: it failed to open)
                 part.fail(self._abort_cause or FailureCause.PEER_GONE)
                 self.dead = True
             else:
@@ -153,6 +159,7 @@ class PullStream:
                 self._idle_readable()
 
     def _idle_readable(self) -> None:
+        data: bytes | OSError
         """Readable with no part queued, so no PULL outstanding: the producer closed (or died) or
         sent what nobody asked for. The stream is over; left alone, poll would report it forever."""
         with self._send_lock:  # a part submitted since the check above sent its PULL under this lock
@@ -214,10 +221,10 @@ class PullStream:
         part.xfer = self._xfer
         frame = wire.pull_frame(self._xfer, part.remote_request_id, part.src_block_ids)
         if blocking:
-            framing.send_frame_bytes(self._sock, frame)
+            framing.send_frame_bytes(self._conn, frame)
         else:
             try:
-                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                sent = self._conn.send(frame, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 sent = 0
             if sent != len(frame):
@@ -233,7 +240,7 @@ class PullStream:
                 with self._send_lock:
                     self._send_pull(part)
             elif part.unsent:
-                framing.send_frame_bytes(self._sock, part.unsent)
+                framing.send_frame_bytes(self._conn, part.unsent)
                 part.unsent = b""
             if self._spin_s and self._receive is not self._recv_pages:  # (tcp spins in its reads)
                 self._spin_until_readable()
@@ -263,7 +270,7 @@ class PullStream:
             pass
 
     def _expect(self, want: MsgType, xfer: int) -> dict:
-        msg_type, msg = framing.recv_frame(self._sock)
+        msg_type, msg = framing.recv_frame(self._conn)
         if msg_type is MsgType.ERROR and msg["xfer"] == xfer:
             raise _Refused(msg["reason"])
         if msg_type is not want or msg["xfer"] != xfer:
@@ -273,7 +280,7 @@ class PullStream:
     def _recv_pages(self, part: PullPart, access: PageAccess) -> None:
         """tcp: the PAGES frame (its size follows from the page count) and the pages, straight into
         their memory, in one scatter read when all is there; each page is checked as its bytes come."""
-        sock, dst, bad = self._sock, part.dst_block_ids, part.bad_block_ids
+        sock, dst, bad = self._conn, part.dst_block_ids, part.bad_block_ids
         head = bytearray(wire.pages_frame_size(len(dst)))
         size, step, hasher = self._pool.page_size_bytes, access.staging_pages, self._hasher
         digests = None
@@ -289,6 +296,7 @@ class PullStream:
                     digests = self._pages_header(part, head, off + n, views, rest)
                     continue
                 i -= k
+                assert digests is not None  # (the header came before any page)
                 if n == size:  # the whole page in one read
                     if digest(views[i + k]) != digests[a + i]:
                         bad.append(ids[i])
@@ -333,7 +341,7 @@ class PullStream:
         if len(frame) > length:  # more than that frame came: out of sync
             raise MalformedMessage("bytes after a frame")
         more = bytearray(length - len(frame))
-        framing.recv_exact(self._sock, memoryview(more))
+        framing.recv_exact(self._conn, memoryview(more))
         msg_type, msg = wire.decode(frame + more)
         if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer:
             raise _Refused(msg["reason"])
@@ -342,9 +350,10 @@ class PullStream:
     def _copy_mapped(self, part: PullPart, access: PageAccess) -> None:
         head = bytearray(wire.pages_frame_size(len(part.dst_block_ids)))
         views = [memoryview(head)]
-        for _, off, n, rest in framing.recv_scatter(self._sock, views):
+        for _, off, n, rest in framing.recv_scatter(self._conn, views):
             digests = self._pages_header(part, head, off + n, views, rest)
         src = self._mapped
+        assert src is not None and digests is not None  # (attached in map mode; the header came first)
         for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids), strict=True)):
             np.copyto(view, src[s])  # the one copy: producer's page -> our page
             if digest(view) != digests[j]:
@@ -355,6 +364,7 @@ class PullStream:
 
     def _recv_chunks(self, part: PullPart, access: PageAccess) -> None:
         seg = self._seg
+        assert seg is not None  # (attached in shm mode)
         dst = part.dst_block_ids
         done = 0
         while done < len(dst):
@@ -368,7 +378,7 @@ class PullStream:
             rows = seg.half(half)
             access.copy_in(rows, ids)
             if access.on_host and not last:  # the half is copied out: let the producer refill it now
-                framing.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
+                framing.send_frame(self._conn, wire.encode(MsgType.CREDIT, half=half))
             check = access.landing(ids) if access.on_host else [rows[j].numpy() for j in range(len(ids))]
             for j, view in enumerate(check):
                 if digest(view) != digests[j]:
@@ -376,7 +386,7 @@ class PullStream:
             if last:  # sent once the part is reported (off the latency path), see _run
                 self._final_credit = wire.encode(MsgType.CREDIT, half=half)
             elif not access.on_host:
-                framing.send_frame(self._sock, wire.encode(MsgType.CREDIT, half=half))
+                framing.send_frame(self._conn, wire.encode(MsgType.CREDIT, half=half))
         if part.bad_block_ids:
             part.cause = FailureCause.CHECKSUM
 
@@ -385,8 +395,9 @@ class PullStream:
         # and `submit` takes the same lock.
         with self._send_lock:
             credit, self._final_credit = self._final_credit, None
+            assert credit is not None  # (the caller saw it set; only this thread clears it)
             try:
-                framing.send_frame(self._sock, credit)
+                framing.send_frame(self._conn, credit)
             except OSError:
                 self._break()
 

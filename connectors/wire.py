@@ -94,7 +94,7 @@ def encode(msg_type: MsgType, **fields: Any) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg_type.value, **fields}, use_bin_type=True)
 
 
-def decode(data: bytes | memoryview) -> tuple[MsgType, dict[str, Any]]:
+def decode(data: bytes | bytearray | memoryview) -> tuple[MsgType, dict[str, Any]]:
     """Decodes one control message or raises `MalformedMessage`."""
     if len(data) > MAX_CONTROL_BYTES:
         raise MalformedMessage(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")

@@ -74,15 +74,18 @@ class Deployment:
 
     def run_coro(self, coro, timeout_s: float):
         """Runs a coroutine on the router's loop from any other thread."""
+        assert self._loop is not None, "the router is not started"
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def pool_audits(self, timeout_s: float = 15.0) -> dict[str, dict]:
         """Each live worker's pool audit, polled until every pool is all free or `timeout_s`
         passes (P workers free their blocks a moment after D reports its pull done)."""
         deadline = time.monotonic() + timeout_s
+        router = self.router
+        assert router is not None, "the router is not started"
         while True:
-            self.run_coro(self.router.poll_workers(audit=True), timeout_s + 10.0)
-            audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in self.router.pool.all() if w.healthy}
+            self.run_coro(router.poll_workers(audit=True), timeout_s + 10.0)
+            audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in router.pool.all() if w.healthy}
             if all(a.get("all_free") for a in audits.values()) or time.monotonic() > deadline:
                 return audits
             time.sleep(0.2)
@@ -96,7 +99,8 @@ class Deployment:
             self.router = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10.0)
+            if self._thread is not None:
+                self._thread.join(timeout=10.0)
             self._loop.close()
             self._loop = None
         if self.workers:

@@ -99,7 +99,7 @@ def release_placement(pg: PlacementGroup | None) -> None:
 def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle_index: int = 0) -> dict:
     """Ray options of worker `bundle_index`: its resources, inside its bundle when `pg` is given."""
     num_gpus = 1 if config.topology.device == "cuda" else 0
-    options = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus}
+    options: dict[str, object] = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus}
     if pg is None:
         options["scheduling_strategy"] = "SPREAD"
     else:
@@ -113,7 +113,9 @@ def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TI
     """Starts every worker of the topology as an actor (worker i in bundle i of `pg`) and waits for their URLs."""
     config_json = config.to_json()
     roles = worker_roles(config)
-    actors = [WorkerActor.options(**actor_options(config, pg, i)).remote(wid, role.value, config_json, secret)
+    # (ray.remote made WorkerActor an actor class; mypy sees the plain class)
+    actors = [WorkerActor.options(**actor_options(config, pg, i)).remote(  # type: ignore[attr-defined]
+                  wid, role.value, config_json, secret)
               for i, (wid, role) in enumerate(roles)]
     try:
         answers = ray.get([a.start.remote() for a in actors], timeout=timeout_s)

@@ -123,9 +123,10 @@ def _build(tokens: list[str], merges: list[str], types: list[int], pre: str, ids
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     if add_bos or add_eos:
-        bos = f"{tokens[ids['bos']]}:0 " if add_bos else ""
-        eos = f" {tokens[ids['eos']]}:0" if add_eos else ""
-        specials = [(tokens[ids[n]], ids[n]) for n, on in (("bos", add_bos), ("eos", add_eos)) if on]
+        on_ids = {n: tid for n, on in (("bos", add_bos), ("eos", add_eos)) if on and (tid := ids[n]) is not None}
+        bos = f"{tokens[on_ids['bos']]}:0 " if add_bos else ""
+        eos = f" {tokens[on_ids['eos']]}:0" if add_eos else ""
+        specials = [(tokens[i], i) for i in on_ids.values()]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}",
             special_tokens=specials)

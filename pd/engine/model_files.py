@@ -9,6 +9,7 @@ every machine where that package is installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 PACKAGE_PREFIX = "package:"
@@ -18,7 +19,7 @@ class ModelFileError(FileNotFoundError):
     """`model.path` names a package or file that is not there; the message says which."""
 
 
-def locate_model(path: str | Path) -> Path:
+def locate_model(path: str | os.PathLike) -> Path:
     """The local path of `path` (see the module docstring); raises ModelFileError."""
     text = str(path)
     if not text.startswith(PACKAGE_PREFIX):

@@ -62,7 +62,7 @@ class ByteTokenizer:
         self.vocab_size = self.NUM_BYTES + len(self.special_tokens)
         self.bos_token_id = self.special_ids.get("<bos>")
         self.eos_token_id = self.special_ids.get("<eos>")
-        self.eos_token_ids = () if self.eos_token_id is None else (self.eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = () if self.eos_token_id is None else (self.eos_token_id,)
         self.chat_template = ChatTemplate(BYTE_CHAT_TEMPLATE, {}, origin="ByteTokenizer")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -116,13 +116,13 @@ class HFTokenizer:
         self.origin = origin
         added = backend.get_added_tokens_decoder()
         self.vocab_size = max([backend.get_vocab_size(with_added_tokens=True)] + [i + 1 for i in added])
-        self.special_tokens = {field: _token_text(config.get(field), field) for field in _SPECIAL_TOKEN_FIELDS}
-        self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
+        texts = {field: _token_text(config.get(field), field) for field in _SPECIAL_TOKEN_FIELDS}
+        self.special_tokens = {k: v for k, v in texts.items() if v is not None}
         named = {field: self._token_id(text, field) for field, text in self.special_tokens.items()}
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
         if isinstance(extra, dict):
             extra = list(extra.values())
-        extra_ids = {self._token_id(_token_text(t, "additional_special_tokens"), "additional_special_tokens")
+        extra_ids = {self._token_id(_token_text(t, "additional_special_tokens") or "", "additional_special_tokens")
                      for t in extra}
         self.special_token_ids = frozenset({i for i, t in added.items() if t.special} | set(named.values())
                                            | extra_ids)

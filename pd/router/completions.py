@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from pd.cluster.config import DeployConfig
+from pd.cluster.messages import Sampling
 from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, Overloaded
 from pd.router.dispatch import Dispatcher
@@ -45,7 +46,7 @@ class Job:
     """One validated request, ready to run: its prompts as token ids and how to shape the output."""
 
     prompts: list[list[int]]
-    sampling: dict
+    sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
     output: CompletionFormat | ChatFormat

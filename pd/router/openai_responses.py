@@ -14,6 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, model_serializer
@@ -130,7 +131,7 @@ class Piece:
     """One step of one choice's output: new text, new token ids, and the finish reason on the last."""
 
     text: str
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     finish_reason: str | None = None
 
 

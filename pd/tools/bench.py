@@ -22,6 +22,7 @@ import random
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> dict[str, l
 
 
 def _engine(cfg: ModelConfig, **kw) -> Engine:
-    defaults = dict(model=cfg, block_size=16, kv_cache_bytes=1 << 30, max_num_batched_tokens=4096,
+    defaults: dict[str, Any] = dict(model=cfg, block_size=16, kv_cache_bytes=1 << 30, max_num_batched_tokens=4096,
                     max_num_seqs=256, enable_prefix_caching=False, attention_backend=ATTENTION)
     defaults.update(kw)
     return Engine(EngineConfig(**defaults))

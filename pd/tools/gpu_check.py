@@ -119,7 +119,7 @@ def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
 
 def measure_connector(path: str, reps: int = 3) -> dict:
     """GB/s of whole loads (PAGES_PER_LOAD pages) CUDA pool -> CUDA pool through the connector."""
-    from connectors.consumer import Consumer, ConsumerConfig
+    from connectors.consumer import Consumer, ConsumerConfig, DataPath
     from connectors.loads import RemoteAddr
     from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
@@ -132,8 +132,8 @@ def measure_connector(path: str, reps: int = 3) -> dict:
     torch.cuda.synchronize()
     prod = Producer(ProducerConfig(engine_id="check-P", secret=secret, compat_hash="gpu-check"), src_pool)
     prod.start()
-    cons = Consumer(ConsumerConfig(engine_id="check-D", secret=secret, compat_hash="gpu-check", data_path=path,
-                                   transfer_timeout_s=60.0), dst_pool)
+    cons = Consumer(ConsumerConfig(engine_id="check-D", secret=secret, compat_hash="gpu-check",
+                                   data_path=DataPath(path), transfer_timeout_s=60.0), dst_pool)
     cons.start()
     ids = list(range(1, num_blocks))
     dst_ids = list(reversed(ids))  # every page lands somewhere else: no accidental identity copy
@@ -144,7 +144,7 @@ def measure_connector(path: str, reps: int = 3) -> dict:
             prod.add_lease(rid, ids)
             t0 = time.perf_counter()
             job = cons.load(rid, RemoteAddr("check-P", "127.0.0.1", prod.port), rid, ids, dst_ids)
-            if not job.done.wait(120) or not job.result.ok:
+            if not job.done.wait(120) or job.result is None or not job.result.ok:
                 ok = False
                 break
             if rep:
@@ -241,7 +241,7 @@ def _guarded(fn, *args) -> dict:
 def run_check(skip_tests: bool = False) -> dict:
     t0 = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
-    report = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    report: dict[str, object] = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "device": {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                          "torch": torch.__version__, "cuda": torch.version.cuda, "count": torch.cuda.device_count()}}
     report["tests"] = {"ok": True, "summary": "skipped (--skip-tests)"} if skip_tests else run_gpu_tests()

@@ -119,7 +119,7 @@ def _peaks(done: list[RequestRecord]) -> dict:
             buckets[int(t)] = buckets.get(int(t), 0.0) + per_chunk
     if not buckets:
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
-    peak = max(buckets, key=buckets.get)
+    peak = max(buckets, key=lambda second: buckets[second])
     in_flight = sum(1 for r in done if r.start_time < peak + 1 and r.start_time + r.latency_s >= peak)
     return {"max_output_tokens_per_s": buckets[peak], "max_concurrent_requests": in_flight}
 

@@ -94,11 +94,11 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     import torch
 
-    from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+    from connectors.consumer import Consumer, ConsumerConfig, DataPath, RemoteAddr
 
     page = args.page_kib * 1024
-    cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT, data_path=path,
-                                   num_tcp_streams=args.streams, notify_done=False,
+    cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,
+                                   data_path=DataPath(path), num_tcp_streams=args.streams, notify_done=False,
                                    **({} if args.spin_us is None else {"spin_us": args.spin_us})), pool)
     cons.start()
     remote = RemoteAddr("bench-P", "127.0.0.1", ports[0])
@@ -111,7 +111,7 @@ def _measure(path: str, args, ports, pool) -> dict:
         # Timed from `load()` to the moment the stream thread verified the last page
         # (LoadResult.seconds): what the engine, which polls get_finished, waits for.
         job = cons.load("bench", remote, "bench", s, d)
-        if not job.done.wait(30) or not job.result.ok:
+        if not job.done.wait(30) or job.result is None or not job.result.ok:
             raise RuntimeError(f"{path} load failed: {job.result}")
         cons.take_finished()
         return job.result.seconds
