@@ -158,10 +158,10 @@ class BlockPool:
                 dups.setdefault((kv_cache_group_id, h), {})[blk.block_id] = blk
             blk.block_hash = h
             blk.hash_group_id = kv_cache_group_id
-            if events:
+            if stored is not None:  # (events on)
                 stored.append(h)
                 extra.append(extra_keys_for_block(request, i * block_size))
-        if events:
+        if stored is not None:
             parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self.kv_event_queue.append(BlockStored(
                 block_hashes=stored,

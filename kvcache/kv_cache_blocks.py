@@ -28,7 +28,7 @@ class KVCacheBlocks:
         return len(self.blocks) == len(other.blocks) and all(
             [b.block_id for b in x] == [b.block_id for b in y] for x, y in zip(self.blocks, other.blocks, strict=True))
 
-    __hash__ = None  # mutable contents
+    __hash__ = None  # type: ignore[assignment]  # mutable contents: unhashable, as the data model spells it
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks({self.get_block_ids()})"

@@ -95,7 +95,9 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.get_blocks(request_id).get_block_ids()
+        block_ids = self.get_blocks(request_id).get_block_ids()
+        assert block_ids is not None  # (None only with allow_none)
+        return block_ids
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
@@ -127,7 +129,7 @@ class KVCacheManager:
                              f"this KV cache needs {self.hash_block_size}")
         blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         result = self.empty_kv_cache_blocks if blocks is self._no_blocks else self.create_kv_cache_blocks(blocks)
-        if self.log_stats:
+        if self.prefix_cache_stats is not None:  # (log_stats)
             self.prefix_cache_stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
         return result, num_hit
 
@@ -181,7 +183,7 @@ class KVCacheManager:
         """Forget every cached prefix; False (and nothing changed) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        if self.log_stats:
+        if self.prefix_cache_stats is not None:  # (log_stats)
             self.prefix_cache_stats.reset = True
         return True
 

@@ -263,7 +263,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         for i in range(max_blocks - 1, -1, -1):
             if single_map is not None:
                 blk = single_map.get(block_hashes[i])
-                found = None if blk is None else (blk,)
+                found: Sequence[KVCacheBlock] | None = None if blk is None else (blk,)
             else:
                 found = pool.get_cached_block(block_hashes[i], group_ids)
             if found is None:

@@ -94,7 +94,8 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v) * dtype_size(self.dtype)
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v  # (set by __post_init__)
+        return self.block_size * self.num_kv_heads * (self.head_size + head_size_v) * dtype_size(self.dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,7 @@ class SlidingWindowSpec(AttentionSpec):
     def sliding_window_size(self) -> int | None:
         return self.sliding_window
 
-    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int | None:
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         # A chunk holds the last window-1 computed tokens plus the new ones;
         # +1 because the window rarely starts on a block boundary.
         num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)

@@ -22,11 +22,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
 from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.messages import FinishReason as WireFinishReason
 from pd.cluster.messages import GenerateRequest, KVTransferParams, TokenEvent
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
@@ -226,5 +227,6 @@ class Worker:
         return self._engine
 
 
-def _reason_name(reason: FinishReason | None) -> str | None:
-    return None if reason is None else FinishReason(reason).value
+def _reason_name(reason: FinishReason | None) -> WireFinishReason | None:
+    # (the engine's reasons are the wire Literal's values; TokenEvent validates it)
+    return None if reason is None else cast("WireFinishReason", FinishReason(reason).value)
