@@ -34,6 +34,7 @@ from kvcache.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWind
 def make_single_type_manager(spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                              group_id: int, scheduler_block_size: int, max_model_len: int,
                              max_num_batched_tokens: int) -> SingleTypeKVCacheManager:
+    cls: type[SingleTypeKVCacheManager]
     if isinstance(spec, FullAttentionSpec):
         cls = FullAttentionManager
     elif isinstance(spec, SlidingWindowSpec):
@@ -247,7 +248,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         self.sizing_is_plain = not self.skips and (
             type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate)
         self._req_to_blocks = m.req_to_blocks
-        self.free = m.free  # bound once; shadows the per-group loop
+        self.free = m.free  # type: ignore[method-assign]  # bound once; shadows the per-group loop
         self._find = m.find_longest_cache_hit
         self._num_blocks_to_allocate = m.get_num_blocks_to_allocate
         self._num_cached_block = m.num_cached_block
@@ -263,7 +264,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         max_len = self.max_model_len
         # as in the generic path: an explicit hit result (even empty) or external tokens settle the prefix
         if new_computed_blocks is None or new_computed_blocks is self.no_blocks:
-            hits = ()
+            hits: Sequence[KVCacheBlock] = ()
             settle = num_external_computed_tokens > 0
         else:
             hits = new_computed_blocks[0]

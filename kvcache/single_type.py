@@ -13,7 +13,7 @@ worth caching (`reachable_block_mask`).
 from __future__ import annotations
 
 from itertools import islice
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvcache.block_pool import BlockPool
 from kvcache.blocks import KVCacheBlock
@@ -71,9 +71,10 @@ class SingleTypeKVCacheManager:
         if num_new < 0:
             num_new = 0
         skip_hits = num_skipped_blocks - num_req_blocks
+        hits: Iterable[KVCacheBlock] = new_computed_blocks
         if skip_hits > 0:
-            new_computed_blocks = islice(new_computed_blocks, skip_hits, None)
-        for blk in new_computed_blocks:
+            hits = islice(new_computed_blocks, skip_hits, None)
+        for blk in hits:
             if blk.ref_cnt == 0 and not blk.is_null:
                 num_new += 1  # a free hit block: touching it takes it off the queue
         return num_new

@@ -195,7 +195,8 @@ class RouterSection(StrictModel):
     # worker at most `migration_limit` times; a worker leaves the rotation after `max_failed_polls` failed
     # health polls and comes back after `num_readmit_probes` good ones in a row
     migration_limit: int = Field(2, ge=0)
-    first_byte_timeout_s: Positive = Field(10.0, description="a worker's answer headers, separate from request_timeout_s")
+    first_byte_timeout_s: Positive = Field(10.0,
+                                           description="a worker's answer headers, separate from request_timeout_s")
     max_failed_polls: int = Field(2, ge=1)
     num_readmit_probes: int = Field(3, ge=1)
     stats_timeout_s: Positive = 10.0

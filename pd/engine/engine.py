@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -224,7 +225,7 @@ class Engine:
             return {}
         states = [self.scheduler.requests[rid] for rid in ids]
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
-        return dict(zip(ids, tokens))
+        return dict(zip(ids, tokens, strict=True))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from pd.cluster.roles import Role, WorkerEndpoint
@@ -123,10 +123,11 @@ class PrefixAware:
         hits = hits or {}
         scores = [self.score(w, hits.get(w.endpoint.worker_id)) for w in candidates]
         best = max(scores)
-        return self._tiebreak.choose([w for w, s in zip(candidates, scores) if s == best])
+        return self._tiebreak.choose([w for w, s in zip(candidates, scores, strict=True) if s == best])
 
 
-POLICIES = {"least_loaded": LeastLoaded, "round_robin": RoundRobin, "prefix_aware": PrefixAware}
+POLICIES: dict[str, Callable[..., RoutingPolicy]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin,
+                                                    "prefix_aware": PrefixAware}
 
 
 NUM_READMIT_PROBES = 3

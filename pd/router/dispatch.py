@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling, TokenEvent
 from pd.router.metrics import RouterMetrics
@@ -73,7 +73,7 @@ class Dispatcher:
         self._aborts: set[asyncio.Task] = set()  # lease aborts in flight (kept: a bare task may be collected)
 
     async def stream_tokens(self, request_id: str, prompt_token_ids: list[int],
-                            sampling: Sampling) -> AsyncIterator[TokenEvent]:
+                            sampling: Sampling) -> AsyncGenerator[TokenEvent, None]:
         """The serving worker's events; `finish_reason` is set on the last one only."""
         request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
         if self._colocated:
@@ -90,7 +90,7 @@ class Dispatcher:
             params, num_cached = None, 0
             async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True,
                                                      touched=prefill_urls)) as answers:
-                async for params, num_cached in answers:  # the prefill's one answer: the kv_transfer_params
+                async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
                     pass
             self._metrics.record_prefill_hop(time.perf_counter() - started)
             decode = request.model_copy(update={"kv_transfer_params": params})
@@ -119,7 +119,7 @@ class Dispatcher:
         except WorkerCallError as exc:  # the worker is gone or frozen: its lease expires on its own
             logger.info("request %s: abort on %s failed: %s", request_id, url, exc)
 
-    async def _migrating(self, role: Role, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def _migrating(self, role: Role, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """`_run`, continued on another worker of `role` (up to `migration_limit` times) when
         the worker dies after tokens were sent."""
         sent: list[int] = []
@@ -148,7 +148,7 @@ class Dispatcher:
                 current = continuation(request, sent, num_migrations)
 
     async def _run(self, role: Role, request: GenerateRequest, keep_params: bool = False, migratable: bool = False,
-                   touched: list[str] | None = None) -> AsyncIterator:
+                   touched: list[str] | None = None) -> AsyncGenerator:
         """Runs `request` on a `role` worker; retries once if the first worker is unreachable
         before producing anything; raises `_WorkerLostMidStream` (when `migratable`) if it
         is lost after that."""

@@ -140,7 +140,9 @@ class KVFeed:
                 answer = await self._client.get_json(stream.url, path, timeout_s=RESYNC_TIMEOUT_S)
                 if self.index.resync(wid, answer):
                     self._metrics.record_kv_resync("snapshot" if "snapshot" in answer else "replay")
-                    logger.info("kv index: worker %s EXACT again at seq %s", wid, self.index.describe(wid)["seq"])
+                    now = self.index.describe(wid)
+                    logger.info("kv index: worker %s EXACT again at seq %s", wid,
+                                now["seq"] if now is not None else None)
                     return
             except (WorkerCallError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("kv index: resync of %s failed: %s", wid, exc)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from pd.cluster.messages import GenerateRequest, TokenEvent
@@ -60,7 +60,7 @@ class RecoverySettings:
 
 
 async def watched_events(client: WorkerClient, load: WorkerLoad, request: GenerateRequest,
-                         first_byte_s: float | None) -> AsyncIterator[TokenEvent]:
+                         first_byte_s: float | None) -> AsyncGenerator[TokenEvent, None]:
     """The worker's events for `request`, cut short when `load` leaves the rotation."""
     stream = client.generate(load.endpoint.url, request, first_byte_s=first_byte_s)
     lost = asyncio.ensure_future(load.lost.wait())

@@ -129,7 +129,8 @@ class Router:
             return
         for load in self.pool.all():
             try:
-                health = await self.client.get_json(load.endpoint.url, "/internal/health", timeout_s=self.recovery.stats_timeout_s)
+                health = await self.client.get_json(load.endpoint.url, "/internal/health",
+                                                    timeout_s=self.recovery.stats_timeout_s)
             except WorkerCallError as exc:
                 logger.warning("worker %s: no health answer, KV index entries wait: %s", load.endpoint.worker_id, exc)
                 continue
@@ -166,7 +167,7 @@ class Router:
         `readmit` (the health loop's paced polls, not on-demand refreshes)."""
         loads = [w for w in self.pool.all() if w.healthy or readmit]
         results = await asyncio.gather(*(self._poll_one(w, audit) if w.healthy else self._probe(w) for w in loads))
-        for load, error in zip(loads, results):
+        for load, error in zip(loads, results, strict=True):
             worker_id = load.endpoint.worker_id
             if not load.healthy:
                 if self.pool.record_probe(worker_id, error is None):
@@ -261,7 +262,8 @@ class Router:
             await self.poll_workers(audit=True, readmit=False)
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
                                        "num_in_flight": w.num_in_flight, "num_queued_tokens": w.num_queued_tokens,
-                                       "kv_index": self.kv_index.describe(w.endpoint.worker_id) if self.kv_index else None,
+                                       "kv_index": (self.kv_index.describe(w.endpoint.worker_id)
+                                                    if self.kv_index else None),
                                        "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)
 

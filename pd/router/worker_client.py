@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import aiohttp
 from pydantic import ValidationError
@@ -81,7 +81,7 @@ class WorkerClient:
             self._session = None
 
     async def generate(self, url: str, request: GenerateRequest,
-                       first_byte_s: float | None = None) -> AsyncIterator[TokenEvent]:
+                       first_byte_s: float | None = None) -> AsyncGenerator[TokenEvent, None]:
         """Streams the worker's events for one request; the last has `finished`. A live worker
         answers its headers at once, so `first_byte_s` (when given) bounds the wait for them: a
         stalled worker fails as `connect` (nothing was started there) long before `stall_s`."""
@@ -89,6 +89,7 @@ class WorkerClient:
         timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.stall_s)
         body = request.model_dump_json(exclude_none=True).encode()
         finished = False
+        assert self._session is not None, "WorkerClient used before start()"
         try:
             call = self._session.post(f"{url}/internal/generate", data=body, timeout=timeout,
                                       headers={"Content-Type": "application/json"})
@@ -132,6 +133,7 @@ class WorkerClient:
 
     async def _call_json(self, method: str, url: str, path: str, body: dict | None, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self._timeouts.probe_s)
+        assert self._session is not None, "WorkerClient used before start()"
         try:
             async with self._session.request(method, f"{url}{path}", json=body, timeout=timeout) as resp:
                 if resp.status != 200:

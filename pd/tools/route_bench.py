@@ -114,12 +114,14 @@ class _Deployment:
             worker = Worker(WorkerSpec(wid, role, self.config, SECRET))
             self.workers.append(worker)
             endpoints.append(WorkerEndpoint(wid, role, self.run(worker.start())))
-        self.router = Router(self.config, endpoints, SECRET, policy=self.policy, policy_options=self.options)
-        self.url = self.run(self.router.start())
-        self.run(self.router.kv_feed.wait_exact([w.spec.worker_id for w in self.workers]))
+        router = self.router = Router(self.config, endpoints, SECRET, policy=self.policy, policy_options=self.options)
+        self.url = self.run(router.start())
+        assert router.kv_feed is not None  # (the config turns prefix caching on)
+        self.run(router.kv_feed.wait_exact([w.spec.worker_id for w in self.workers]))
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self.router is not None  # (set by __enter__)
         self.run(self.router.stop())
         for worker in self.workers:
             self.run(worker.stop())
@@ -149,6 +151,8 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 usage = chunk["usage"]
+    if usage is None:
+        raise RuntimeError(f"{url}: the stream ended without a usage chunk")
     best = pool.last_best_hit.get((f"{rid}-0", "prefill"), 0)
     return Record(ttft or (time.perf_counter() - t0), usage["prompt_tokens"],
                   usage["prompt_tokens_details"]["cached_tokens"], best, usage["completion_tokens"])
@@ -185,12 +189,13 @@ def unbounded_bound(work: Workload, block_size: int = 16) -> float:
     return hit / total
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def run_policy(policy: str, work: Workload, kv_memory_mb: float, options: dict) -> dict:
     with _Deployment(_config(kv_memory_mb), policy, options if policy == "prefix_aware" else {}) as dep:
+        assert dep.router is not None  # (set by __enter__)
         records, seconds = asyncio.run(_drive(dep.url, work, dep.router.pool))
         blocks = dep.blocks_recv()
     prompt = sum(r.prompt_tokens for r in records)

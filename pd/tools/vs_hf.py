@@ -99,7 +99,7 @@ def side_by_side(eng: Engine, hf, prompts: dict[str, list[int]], pad_id: int, ma
             for key, value in (("ours_prefill", t1[c] - t0[c]), ("ours_decode", t2[c] - t1[c]),
                                ("hf_first", h1[c] - h0[c]), ("hf_total", h2[c] - h1[c])):
                 best[(c, key)] = min(best[(c, key)], value)
-    hf_tokens = dict(zip(prompts, out[:, width:].tolist()))
+    hf_tokens = dict(zip(prompts, out[:, width:].tolist(), strict=True))
     return {"best": best, "ours": ours, "hf": hf_tokens}
 
 
@@ -128,10 +128,10 @@ def divergences(hf, prompts: dict[str, list[int]], ours: dict[str, list[int]], t
                 limit: int = 8) -> list[dict]:
     """For each request whose greedy tokens differ (at most `limit`): the first differing position
     and HF's top-1 minus top-2 logit there (a margin near 0 is a float32 near-tie, not a bug)."""
-    found = []
+    found: list[dict] = []
     for rid, mine in ours.items():
         other = theirs[rid]
-        pos = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
+        pos = next((i for i, (a, b) in enumerate(zip(mine, other, strict=False)) if a != b), None)
         if pos is None:
             continue
         entry = {"request": rid, "first_divergence": pos, "pdkv_token": mine[pos], "hf_token": other[pos]}

@@ -54,7 +54,7 @@ class KVEventPublisher:
         self._history: collections.deque[tuple[int, list]] = collections.deque(maxlen=history_batches)
         self.seq = 0
         self.num_events = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -38,6 +38,7 @@ from pd.worker.http_api import WorkerHTTPServer
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
     from pd.engine.engine import Engine
+    from pd.worker.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Worker:
         self._started_at = time.time()
         self._num_aborted = 0
         self._num_rejected = 0
-        self._kv_events = None  # KVEventPublisher once started with prefix caching
+        self._kv_events: KVEventPublisher | None = None  # once started with prefix caching
         self.url: str | None = None
         from pd.worker.faults import WorkerFaults, parse_worker_faults
 
