@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict:
                                                                        first.expected_output_len))
                                           for _ in range(args.num_warmups)))
             print(f"warm-up: {sum(r.success for r in warm)}/{len(warm)} requests completed", file=sys.stderr)
-        before = await scrape_metrics(session, base_url)
+        before = await scrape_metrics(session, base_url, args.api_key)
         delays = arrival_delays(len(dataset), args.request_rate, args.burstiness, args.seed)
         conversations = _Conversations()
         bar = tqdm(total=len(dataset), desc="requests", disable=args.disable_tqdm, file=sys.stderr)
@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace) -> dict:
         records = await asyncio.gather(*(one(i) for i in range(len(dataset))))
         duration = time.perf_counter() - start
         bar.close()
-        after = await scrape_metrics(session, base_url)
+        after = await scrape_metrics(session, base_url, args.api_key)
     metrics = compute_metrics(records, duration, args.goodput, args.percentile_metrics, args.metric_percentiles)
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
               "backend": args.backend, "label": args.label, "model_id": model, "tokenizer_id": tok.name,

@@ -130,21 +130,22 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, api_key: st
     return data[0]["id"]
 
 
-async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> str:
+async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, api_key: str | None = None) -> str:
     """The server's Prometheus text ('' when it has none).
 
     A pdkv router serves worker figures from its last poll of the workers; asking it to poll
     now (`/pd/workers?refresh=1`) makes the scrape current. Other servers answer that with a
     404, which is fine: their /metrics is live.
     """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with session.get(f"{base_url}/pd/workers", params={"refresh": "1"},
+        async with session.get(f"{base_url}/pd/workers", params={"refresh": "1"}, headers=headers,
                                timeout=aiohttp.ClientTimeout(total=10)) as resp:
             await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError):
         pass
     try:
-        async with session.get(f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with session.get(f"{base_url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
             return await resp.text() if resp.status == 200 else ""
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return ""

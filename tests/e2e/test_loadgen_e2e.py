@@ -60,9 +60,10 @@ def test_loadgen_with_api_key_flag_and_env(keyed, tmp_path):
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "HTTP 401" in refused.stdout  # every request refused, and the report says why
 
-    for name, args, env_key in (("flag", ["--api-key", API_KEY], None), ("env", [], API_KEY)):
+    # each run its own prompts (seed): a repeat would be served from D's prefix cache, with nothing to pull
+    for seed, (name, args, env_key) in enumerate((("flag", ["--api-key", API_KEY], None), ("env", [], API_KEY))):
         out = tmp_path / f"{name}.json"
-        run = _loadgen(_small(url, str(out), "--num-warmups", "1", *args), env_key=env_key)
+        run = _loadgen(_small(url, str(out), "--num-warmups", "1", "--seed", str(100 + seed), *args), env_key=env_key)
         assert run.returncode == 0, run.stdout + run.stderr
         result = json.loads(out.read_text())
         assert result["completed"] == 6 and result["failed"] == 0
