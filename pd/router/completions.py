@@ -168,10 +168,13 @@ class CompletionEndpoints:
         await response.prepare(request)
         output, tally, error = job.output, _Tally(), None
         try:
+            # The opening chunk (chat: the role delta) goes out with the first token, not before the
+            # prefill: clients such as `vllm bench serve` take the first chunk's arrival as the TTFT.
             first = output.first_chunk()
-            if first is not None:
-                await response.write(first)
             async for piece in self._pieces(job, f"{output.id}-0", job.prompts[0], arrived, tally):
+                if first is not None:
+                    await response.write(first)
+                    first = None
                 for chunk in output.chunks(piece):
                     await response.write(chunk)
             usage = output.usage_chunk(Usage.of(len(job.prompts[0]), tally.num_tokens, tally.num_cached_tokens))
