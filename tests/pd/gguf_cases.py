@@ -4,6 +4,9 @@
 tokenizer and writes a GGUF file: llama.cpp's tensor names, its Q/K row
 permutation for the llama architecture (`llama_cpp_permute`, the converter's
 documented layout), Q8_0 FFN weights, and the `tokenizer.ggml.*` metadata.
+`train_sentencepiece` makes a Llama-style SentencePiece vocabulary (pieces,
+scores, piece types, as llama.cpp's converter reads them) for the "llama"
+tokenizer kind; its `SentencePieceProcessor` is the reference encoder.
 """
 from __future__ import annotations
 
@@ -45,6 +48,61 @@ def train_tokenizer(vocab_size: int = 330) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
+def hf_model(kind: str, vocab_size: int):
+    """A tiny transformers Llama (tied embeddings) or Qwen2 model with deterministic, well-scaled weights."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=True)
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            scale = 1.0 if "embed" in name else (0.1 if param.ndim == 1 else param.shape[1] ** -0.5)
+            offset = 1.0 if name.endswith("norm.weight") else 0.0
+            param.copy_(torch.randn(param.shape, generator=gen) * scale + offset)
+    return model.eval()
+
+
+SPM_CONTROL = ["<|user|>", "<|assistant|>"]  # extra control pieces, as chat vocabularies have
+
+
+def train_sentencepiece(vocab_size: int = 420):
+    """(processor, tokens, scores, token types) of a SentencePiece BPE trained like Llama's: byte
+    fallback, identity normalisation, whitespace kept, a dummy prefix; ids 0/1/2 are <unk>/<s>/</s>."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=True, split_digits=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, control_symbols=SPM_CONTROL, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
+
+    def kind(i: int) -> int:  # gguf.TokenType, as llama.cpp's converter maps SentencePiece's piece types
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i):
+            return 3
+        if sp.is_byte(i):
+            return 6
+        return 5 if sp.is_unused(i) else 1
+
+    return sp, tokens, scores, [kind(i) for i in range(len(tokens))]
+
+
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter: per head, rows (i, i + D/2) of the rotate-half layout become (2i, 2i + 1)."""
     head_dim = weight.shape[0] // num_heads
@@ -54,7 +112,8 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(path: Path, hf_model, tokens: list[str], merges: list[str], arch: str = "llama",
                extra_kv=None, extra_tensors: dict[str, np.ndarray] | None = None,
-               tokenizer_model: str = "gpt2", pre: str = "smollm") -> Path:
+               tokenizer_model: str = "gpt2", pre: str | None = "smollm", scores: list[float] | None = None,
+               token_types: list[int] | None = None, add_bos: bool = False) -> Path:
     import gguf
 
     cfg = hf_model.config
@@ -74,15 +133,19 @@ def write_gguf(path: Path, hf_model, tokens: list[str], merges: list[str], arch:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    writer.add_token_merges(merges)
+    writer.add_token_types(token_types or [3 if t in SPECIALS else 1 for t in tokens])
+    if scores is not None:
+        writer.add_token_scores(scores)
+    if merges:
+        writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra_kv or {}).items():
         writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)

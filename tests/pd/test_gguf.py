@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the r
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files")
 pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate")
 
-from gguf_cases import CORPUS, llama_cpp_permute, train_tokenizer, write_gguf
+from gguf_cases import CORPUS, hf_model, llama_cpp_permute, train_tokenizer, write_gguf
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -39,28 +39,10 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def _hf_model(kind: str, vocab_size: int):
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                  rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=True)
-    else:
-        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            scale = 1.0 if "embed" in name else (0.1 if param.ndim == 1 else param.shape[1] ** -0.5)
-            param.copy_(torch.randn(param.shape, generator=gen) * scale + (1.0 if name.endswith("norm.weight") else 0.0))
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_gguf_equals_transformers_gguf_loader(tmp_path, cache_dir, tokenizer_parts, kind):
     tokens, merges = tokenizer_parts
-    source = _hf_model(kind, len(tokens))
+    source = hf_model(kind, len(tokens))
     path = write_gguf(tmp_path / f"tiny-{kind}.gguf", source, tokens, merges, arch=kind)
     directory = resolve_checkpoint(path)
     assert directory.parent == cache_dir / "gguf"
@@ -88,7 +70,7 @@ def test_gguf_equals_transformers_gguf_loader(tmp_path, cache_dir, tokenizer_par
 
 def test_tokenizer_files_equal_transformers_gguf_tokenizer(tmp_path, cache_dir, tokenizer_parts):
     tokens, merges = tokenizer_parts
-    path = write_gguf(tmp_path / "tiny.gguf", _hf_model("llama", len(tokens)), tokens, merges)
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     directory = resolve_checkpoint(path)
     mine = Tokenizer.from_file(str(directory / "tokenizer.json"))
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -114,7 +96,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_conversion_is_cached_and_redone_when_the_file_changes(tmp_path, cache_dir, tokenizer_parts):
     tokens, merges = tokenizer_parts
-    path = write_gguf(tmp_path / "tiny.gguf", _hf_model("llama", len(tokens)), tokens, merges)
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     first = resolve_checkpoint(path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_checkpoint(path) == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
@@ -126,7 +108,7 @@ def test_conversion_is_cached_and_redone_when_the_file_changes(tmp_path, cache_d
 
 def test_concurrent_workers_share_one_conversion(tmp_path, cache_dir, tokenizer_parts):
     tokens, merges = tokenizer_parts
-    path = write_gguf(tmp_path / "tiny.gguf", _hf_model("llama", len(tokens)), tokens, merges)
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PDKV_CACHE_DIR=str(cache_dir))
     code = "import sys; from pd.engine.gguf import resolve_checkpoint; print(resolve_checkpoint(sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], env=env, stdout=subprocess.PIPE, text=True)
@@ -140,7 +122,7 @@ def test_concurrent_workers_share_one_conversion(tmp_path, cache_dir, tokenizer_
 
 def test_cli_converts_into_a_directory(tmp_path, tokenizer_parts):
     tokens, merges = tokenizer_parts
-    path = write_gguf(tmp_path / "tiny.gguf", _hf_model("llama", len(tokens)), tokens, merges)
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "pd.engine.gguf", str(path), str(out)], env=env,
@@ -157,7 +139,7 @@ REFUSED = {
     "architecture": (dict(arch="gemma"), r"general\.architecture: 'gemma'"),
     "rope-scaling": (dict(extra_kv={"llama.rope.scaling.type": "linear"}), r"llama\.rope\.scaling\.type: 'linear'"),
     "rope-freqs": (dict(extra_tensors={"rope_freqs.weight": np.ones(8, dtype=np.float32)}), r"rope_freqs\.weight"),
-    "tokenizer-model": (dict(tokenizer_model="llama"), r"tokenizer\.ggml\.model: 'llama'"),
+    "tokenizer-model": (dict(tokenizer_model="t5"), r"tokenizer\.ggml\.model: 't5'"),
     "pre-tokenizer": (dict(pre="deepseek-llm"), r"tokenizer\.ggml\.pre: 'deepseek-llm'"),
 }
 
@@ -166,7 +148,7 @@ REFUSED = {
 def test_unsupported_gguf_is_refused_naming_the_key(tmp_path, cache_dir, tokenizer_parts, case):
     tokens, merges = tokenizer_parts
     kwargs, message = REFUSED[case]
-    path = write_gguf(tmp_path / "bad.gguf", _hf_model("llama", len(tokens)), tokens, merges, **kwargs)
+    path = write_gguf(tmp_path / "bad.gguf", hf_model("llama", len(tokens)), tokens, merges, **kwargs)
     with pytest.raises(GGUFError, match=message):
         Engine(EngineConfig(model_path=str(path), num_blocks=16))
     assert not any(p.is_dir() for p in (cache_dir / "gguf").iterdir())  # nothing half-converted left behind
