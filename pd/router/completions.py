@@ -97,7 +97,7 @@ class CompletionEndpoints:
         if max_tokens is None:  # as OpenAI: up to the context length
             max_tokens = max(1, self._config.scheduler.max_model_len - len(ids))
         return Job([self._checked_prompt(ids, max_tokens)], req.sampling(max_tokens), req.stop_strings, req.stream,
-                   ChatFormat(self._config.model.name, req.include_usage))
+                   ChatFormat(self._config.model.name, req.include_usage, ids if req.return_token_ids else None))
 
     def _checked_prompt(self, ids: list[int], max_tokens: int) -> list[int]:
         limit = self._config.scheduler.max_model_len

@@ -135,6 +135,9 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # extension (as in vLLM): the output also carries the token ids (completions: each choice's generated
+    # ids; chat: the prompt's ids and each choice's generated ids)
+    return_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -194,7 +197,6 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: tuple[str | tuple[int, ...], ...]
     max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS)
-    return_token_ids: bool = False  # extension (as in vLLM): choices also carry the generated token ids
 
     @classmethod
     def _unsupported_fields(cls) -> dict[str, Callable[[Any], bool]]:

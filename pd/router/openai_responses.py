@@ -6,7 +6,11 @@ endpoint, so the generation flow (pd.router.completions) is written once.
 Guarantees: a stream carries a usage chunk (`choices: []`) only when the
 client asked for it (`stream_options.include_usage`); every chunk's JSON has
 the fields the `openai` client reads; `usage.prompt_tokens_details.cached_tokens`
-is always present (0 when nothing was cached).
+is always present (0 when nothing was cached). With `return_token_ids` (vLLM's
+extension) the token ids come along, and are absent otherwise: completions'
+choices carry `token_ids`; chat responses carry `prompt_token_ids` (a stream: on
+its first chunk) and each choice `token_ids`; a chat stream's chunks, joined,
+carry every generated id once, in order, as the non-streamed response does.
 """
 from __future__ import annotations
 
@@ -41,19 +45,24 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
-class CompletionChoice(BaseModel):
+class _OptionalIds(BaseModel):
+    """A body whose token-id fields (an extension) are left out of the JSON when not asked for."""
+
+    @model_serializer(mode="wrap")
+    def _without_absent_ids(self, handler):
+        out = handler(self)
+        for name in ("token_ids", "prompt_token_ids"):
+            if name in out and out[name] is None:
+                del out[name]
+        return out
+
+
+class CompletionChoice(_OptionalIds):
     index: int
     text: str
     logprobs: None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # extension: only with `return_token_ids`
-
-    @model_serializer(mode="wrap")
-    def _without_absent_ids(self, handler):
-        out = handler(self)
-        if out.get("token_ids") is None:
-            out.pop("token_ids", None)
-        return out
 
 
 class Completion(BaseModel):
@@ -70,20 +79,22 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OptionalIds):
     index: int = 0
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # extension: only with `return_token_ids`
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_OptionalIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # extension: only with `return_token_ids`
 
 
 class ChatDelta(BaseModel):
@@ -97,20 +108,22 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OptionalIds):
     index: int = 0
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # extension: this chunk's new ids, only with `return_token_ids`
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OptionalIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # extension: on the first chunk, only with `return_token_ids`
 
 
 class ModelCard(BaseModel):
@@ -176,22 +189,36 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """`/v1/chat/completions` output: a role delta first, content deltas, then the finish reason."""
+    """`/v1/chat/completions` output: a role delta first, content deltas, then the finish reason.
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    `prompt_token_ids` is None unless the client asked for the token ids (`return_token_ids`).
+    """
+
+    def __init__(self, model: str, include_usage: bool, prompt_token_ids: list[int] | None = None) -> None:
         self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
         self._include_usage = include_usage
+        self._prompt_token_ids = prompt_token_ids
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> bytes:
-        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+    @property
+    def _with_ids(self) -> bool:
+        return self._prompt_token_ids is not None
+
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None, token_ids: Sequence[int] = (),
+               prompt_token_ids: list[int] | None = None) -> bytes:
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                 token_ids=list(token_ids) if self._with_ids else None)
+        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                   prompt_token_ids=prompt_token_ids)
         return sse(body, with_usage=self._include_usage)
 
     def first_chunk(self) -> bytes | None:
-        return self._chunk(ChatDelta(role="assistant", content=""))
+        return self._chunk(ChatDelta(role="assistant", content=""), prompt_token_ids=self._prompt_token_ids)
 
     def chunks(self, piece: Piece) -> list[bytes]:
-        out = [self._chunk(ChatDelta(content=piece.text))] if piece.text else []
+        # With token ids asked for, a step whose text is held back (a stop string may start there)
+        # still sends its ids, so the chunks carry every id once.
+        has_content = bool(piece.text) or (self._with_ids and bool(piece.token_ids))
+        out = [self._chunk(ChatDelta(content=piece.text), token_ids=piece.token_ids)] if has_content else []
         if piece.finish_reason is not None:
             out.append(self._chunk(ChatDelta(), piece.finish_reason))
         return out
@@ -202,10 +229,11 @@ class ChatFormat:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
 
     def response(self, outputs: list[tuple[str, str | None, list[int]]], usage: Usage) -> dict:
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason)
-                   for i, (text, reason, _) in enumerate(outputs)]
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
-                              usage=usage).model_dump(mode="json")
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason,
+                              token_ids=ids if self._with_ids else None)
+                   for i, (text, reason, ids) in enumerate(outputs)]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+                              prompt_token_ids=self._prompt_token_ids).model_dump(mode="json")
 
 
 def model_card(model: str, max_model_len: int) -> dict:

@@ -1,6 +1,7 @@
 """The unmodified `openai` client against a real router and real workers on Ray:
 `/v1/chat/completions` streamed and not, colocated and 1P1D, usage chunks only
-on request, `/v1/models/{id}`, and the fields and types pdkv refuses by name.
+on request, `return_token_ids` (vLLM's extension), `/v1/models/{id}`, and the
+fields and types pdkv refuses by name.
 """
 from __future__ import annotations
 
@@ -114,6 +115,75 @@ def test_max_completion_tokens_seed_and_stop(urls):
     assert streamed == cut.message.content
 
 
+def chat_events(url: str, body: dict) -> list:
+    """The SSE `data:` payloads of a streamed chat completion ("[DONE]" last)."""
+    events = []
+    with requests.post(f"{url}/v1/chat/completions", json=dict(body, stream=True), stream=True, timeout=60) as resp:
+        assert resp.status_code == 200, resp.text
+        for line in resp.iter_lines():
+            if line.startswith(b"data: "):
+                events.append("[DONE]" if line == b"data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+WITH_IDS = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def test_chat_return_token_ids(url):
+    tokenizer = load_tokenizer(None)
+    prompt_ids = tokenizer.encode_chat(MESSAGES, add_generation_prompt=True)
+    resp = post(url, "chat/completions", WITH_IDS)
+    assert resp.status_code == 200, resp.text
+    whole = resp.json()
+    choice = whole["choices"][0]
+    assert whole["prompt_token_ids"] == prompt_ids and len(prompt_ids) == whole["usage"]["prompt_tokens"]
+    assert len(choice["token_ids"]) == 16 == whole["usage"]["completion_tokens"]
+    assert tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    # the same prompt ids through /v1/completions generate the same ids (greedy)
+    completion = post(url, "completions", {"prompt": prompt_ids, "max_tokens": 16, "temperature": 0,
+                                           "ignore_eos": True, "return_token_ids": True}).json()
+    assert completion["choices"][0]["token_ids"] == choice["token_ids"]
+
+    events = chat_events(url, dict(WITH_IDS, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and "prompt_token_ids" not in usage
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert all(isinstance(c["choices"][0]["token_ids"], list) for c in chunks)
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == choice["message"]["content"]
+
+    # the unmodified openai client passes the field through and keeps the extra response fields
+    result = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert result.model_extra["prompt_token_ids"] == prompt_ids
+    assert result.choices[0].model_extra["token_ids"] == choice["token_ids"]
+
+
+def test_chat_token_ids_absent_unless_asked(urls):
+    body = dict(WITH_IDS, return_token_ids=False)
+    whole = post(urls["pd"], "chat/completions", body).json()
+    assert "prompt_token_ids" not in whole and "token_ids" not in whole["choices"][0]
+    for event in chat_events(urls["pd"], body)[:-1]:
+        assert "prompt_token_ids" not in event and all("token_ids" not in c for c in event["choices"])
+
+
+def test_chat_streamed_ids_equal_non_streamed_with_a_stop_string(urls):
+    """A stop string's first characters are held back, but their token ids still go out, once."""
+    full = post(urls["pd"], "chat/completions", WITH_IDS).json()["choices"][0]["message"]["content"]
+    starts = [i for i in range(1, len(full) - 1) if "\ufffd" not in full[i:i + 2]]
+    if not starts:
+        pytest.skip("random model produced no printable text to stop on")
+    body = dict(WITH_IDS, stop=[full[starts[0]:starts[0] + 2]])
+    whole = post(urls["pd"], "chat/completions", body).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and len(whole["token_ids"]) < 16
+    chunks = [e for e in chat_events(urls["pd"], body)[:-1] if e["choices"]]
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole["message"]["content"]
+
+
 def test_models_by_id(urls):
     c = client(urls["pd"])
     model = c.models.retrieve(MODEL)
@@ -180,6 +250,7 @@ STRICT = [
     ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
     ({"stop_token_ids": [260]}, "stop_token_ids[0]"),  # the byte tokenizer's vocabulary is 260
     ({"max_tokens": True}, "max_tokens"),
+    ({"return_token_ids": "yes"}, "return_token_ids"),
     ({"temperature": "0.5"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"surprise": 1}, "surprise"),
