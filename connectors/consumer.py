@@ -146,6 +146,7 @@ class Consumer:
         with self._lock:
             session = self._sessions.get(remote)
             ready = session is not None and session.state is _HS.READY
+            job.warm = ready
             if session is not None and ready:
                 self._dispatch_locked(session, job)
             self._active[id(job)] = job
@@ -203,9 +204,9 @@ class Consumer:
         job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)
         self._finished.append(job.result)
         if ok:
-            self.metrics.record_load(len(job.dst), nbytes, seconds)
+            self.metrics.record_load(len(job.dst), nbytes, seconds, peer=job.remote.engine_id, warm=job.warm)
         else:
-            self.metrics.record_failure(job.cause or FailureCause.CHECKSUM)
+            self.metrics.record_failure(job.cause or FailureCause.CHECKSUM, peer=job.remote.engine_id)
             logger.warning("KV load of %s from %s failed (%s): %d invalid blocks", job.request_id,
                            job.remote.engine_id, (job.cause or FailureCause.CHECKSUM).value, len(job.bad))
         if self.config.notify_done:

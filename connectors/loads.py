@@ -63,7 +63,7 @@ class LoadHandle:
     """One load in flight; `done` is set once `result` is final (exactly once)."""
 
     __slots__ = ("request_id", "remote", "remote_request_id", "src", "dst", "deadline", "start", "parts_left",
-                 "streams", "bad", "cause", "done", "result")
+                 "streams", "bad", "cause", "done", "result", "warm")
 
     def __init__(self, request_id, remote, remote_request_id, src, dst, deadline, start: float | None = None):
         self.request_id = request_id
@@ -78,6 +78,7 @@ class LoadHandle:
         self.cause: FailureCause | None = None
         self.done = Done()
         self.result: LoadResult | None = None
+        self.warm = False  # its session was ready when it started: no handshake inside its time
 
 
 @dataclasses.dataclass(slots=True)

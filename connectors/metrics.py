@@ -1,4 +1,7 @@
-"""Transfer metrics: bytes and blocks moved, latency, GB/s, failures by cause.
+"""Transfer metrics: bytes and blocks moved, latency, GB/s, failures by cause,
+and per producer (`peers`: remote engine id -> loads, failures, bytes and the
+(bytes, seconds) of its last `RECENT_LOADS_PER_PEER` warm loads, for a cost
+model of each P->D link).
 
 `TransferMetrics` is thread-safe (one lock, counters only) and cheap enough to
 update on every page. `snapshot()` returns a plain dict suitable for JSON.
@@ -8,7 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 
 
 class FailureCause(str, enum.Enum):
@@ -25,6 +28,27 @@ class LeaseEnd(str, enum.Enum):
     EXPIRED = "expired"  # no heartbeat within the lease
     ABORTED = "aborted"  # the request was aborted on the producer
     SHUTDOWN = "shutdown"
+
+
+# Per producer (remote engine id): the loads of the most recent peers, and a ring of recent samples.
+MAX_PEERS = 256
+RECENT_LOADS_PER_PEER = 64
+
+
+class _PeerLoads:
+    """Loads from one producer: counts, and (bytes, seconds) of its recent warm loads."""
+
+    __slots__ = ("num_loads", "num_failed", "num_bytes", "recent")
+
+    def __init__(self) -> None:
+        self.num_loads = 0
+        self.num_failed = 0
+        self.num_bytes = 0
+        self.recent: deque[tuple[int, float]] = deque(maxlen=RECENT_LOADS_PER_PEER)
+
+    def snapshot(self) -> dict:
+        return {"num_loads": self.num_loads, "num_failed": self.num_failed, "num_bytes": self.num_bytes,
+                "recent": [[b, s] for b, s in self.recent]}
 
 
 # Upper bounds of the load-latency histogram (seconds); the +Inf bucket is `loads_ok`.
@@ -49,13 +73,18 @@ class TransferMetrics:
         self.accept_backoffs = 0  # a listener paused at the fd limit (EMFILE and the like)
         self._latencies: deque[float] = deque(maxlen=keep_latencies)
         self._load_bucket_counts = [0] * (len(LOAD_BUCKETS_S) + 1)  # per bucket, the last one past every bound
+        self._peers: OrderedDict[str, _PeerLoads] = OrderedDict()  # least recently loaded from first
 
     def record_sent(self, num_blocks: int, num_bytes: int) -> None:
         with self._lock:
             self.blocks_sent += num_blocks
             self.bytes_sent += num_bytes
 
-    def record_load(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+    def record_load(self, num_blocks: int, num_bytes: int, seconds: float, peer: str | None = None,
+                    warm: bool = True) -> None:
+        """One verified load of `seconds` (from `load()` to landed). With `peer` (the producer's
+        engine id) it also counts for that peer; only a `warm` load (its session was ready: no
+        handshake inside its seconds) joins the peer's `recent` samples."""
         with self._lock:
             self.loads_ok += 1
             self.blocks_recv += num_blocks
@@ -63,10 +92,28 @@ class TransferMetrics:
             self.load_seconds += seconds
             self._latencies.append(seconds)
             self._load_bucket_counts[bisect.bisect_left(LOAD_BUCKETS_S, seconds)] += 1
+            if peer is not None:
+                loads = self._peer_locked(peer)
+                loads.num_loads += 1
+                loads.num_bytes += num_bytes
+                if warm:
+                    loads.recent.append((num_bytes, seconds))
 
-    def record_failure(self, cause: FailureCause) -> None:
+    def record_failure(self, cause: FailureCause, peer: str | None = None) -> None:
         with self._lock:
             self.failures[cause.value] += 1
+            if peer is not None:
+                self._peer_locked(peer).num_failed += 1
+
+    def _peer_locked(self, peer: str) -> _PeerLoads:
+        loads = self._peers.get(peer)
+        if loads is None:
+            loads = self._peers[peer] = _PeerLoads()
+            if len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(peer)
+        return loads
 
     def record_lease_end(self, end: LeaseEnd) -> None:
         with self._lock:
@@ -109,6 +156,7 @@ class TransferMetrics:
                 "handshakes_refused": dict(self.refused),
                 "malformed_frames": self.malformed_frames,
                 "accept_backoffs": self.accept_backoffs,
+                "peers": {peer: loads.snapshot() for peer, loads in self._peers.items()},
             }
 
 

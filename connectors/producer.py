@@ -102,6 +102,7 @@ class Producer:
                                                config.handshake_timeout_s)
         self.port = 0
         self.data_port = 0
+        self.advertised_data_port = 0  # named in WELCOME when set (an emulated link in front); else data_port
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -236,7 +237,8 @@ class Producer:
         session = self.sessions.open(key, ident, peer_engine_id)
         self._send(ident, wire.encode(MsgType.WELCOME, session=session.session_id,
                                       mac=welcome_mac(key, session.session_id),
-                                      data_port=self.data_port, host_id=self.host_id, shm=self.config.offer_shm))
+                                      data_port=self.advertised_data_port or self.data_port, host_id=self.host_id,
+                                      shm=self.config.offer_shm))
 
     def _refuse(self, ident: bytes, reason: hs.RefuseReason, detail: str) -> None:
         self._warn.warning("KV producer %s refused a peer (%s): %s", self.config.engine_id, reason.value, detail)

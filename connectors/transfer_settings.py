@@ -13,6 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
+    from connectors.emulated_link import LinkShape
     from connectors.zmq_connector import KVRole, ZmqConnectorConfig
 
 # A handshake or a single socket I/O that takes longer than this is a dead peer, however long
@@ -26,12 +27,14 @@ DATA_PATHS = get_args(DataPathName)
 @dataclasses.dataclass(frozen=True)
 class TransferSettings:
     """What a deployment sets: side-channel port, the whole-transfer timeout, the producer's
-    lease on blocks a consumer has not pulled yet, and the data path."""
+    lease on blocks a consumer has not pulled yet, the data path, and (tests and benchmarks
+    only) an emulated link in front of each producer."""
 
     port: int = 0  # 0: any free port (reported in kv_transfer_params)
     timeout_s: float = 10.0
     lease_s: float = 30.0
     data_path: DataPathName = "auto"  # auto: shared memory to a producer on the same host, else tcp
+    emulated_link: LinkShape | None = None  # a producer's consumers reach it through this link (tcp)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -40,6 +43,8 @@ class TransferSettings:
             raise ValueError("timeout_s and lease_s must be positive")
         if self.data_path not in DATA_PATHS:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+        if self.emulated_link is not None and self.data_path == "shm":
+            raise ValueError("an emulated link carries tcp only: data_path must be 'auto' or 'tcp', not 'shm'")
 
     @property
     def step_timeout_s(self) -> float:
@@ -57,4 +62,4 @@ class TransferSettings:
             model_id=model_id, host=host, port=self.port,
             lease_s=self.lease_s, heartbeat_interval_s=self.lease_s / HEARTBEATS_PER_LEASE,
             handshake_timeout_s=self.step_timeout_s, transfer_timeout_s=self.timeout_s,
-            io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path))
+            io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path), emulated_link=self.emulated_link)

@@ -27,6 +27,7 @@ from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker
 from connectors.consumer import Consumer, ConsumerConfig, DataPath
 from connectors.loads import LoadResult, RemoteAddr
 from connectors.cuda_staging import StreamFences, fences_for
+from connectors.emulated_link import EmulatedLink, LinkShape
 from connectors.handshake import CompatInfo
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
@@ -60,6 +61,9 @@ class ZmqConnectorConfig:
     num_tcp_streams: int = 4
     shm_chunk_bytes: int = 8 * 1024 * 1024
     allow_shm: bool = True  # producer: let same-host consumers use shared memory (map the pool / staging)
+    # Tests and benchmarks only: the producer's side channel and data port are reached through an
+    # `EmulatedLink` of this shape (and shared memory is not offered, so the bytes cross it).
+    emulated_link: LinkShape | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", KVRole(self.role))
@@ -97,7 +101,10 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._failures: dict[str, FailureCause] = {}
         self._lock = threading.Lock()
         self._fences: StreamFences | None = None  # CUDA pools: compute-stream <-> transfer ordering
-        self.shares_page_pool = config.is_producer and config.allow_shm  # same-host consumers map it
+        self.link: EmulatedLink | None = None  # producer with an emulated link: consumers go through it
+        self.advertised_port = 0  # the side-channel port consumers dial (the link's, when there is one)
+        self._offer_shm = config.allow_shm and config.emulated_link is None
+        self.shares_page_pool = config.is_producer and self._offer_shm  # same-host consumers map it
 
     def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
@@ -107,8 +114,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.producer = Producer(ProducerConfig(
                 engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, host=cfg.host, port=cfg.port,
                 lease_s=cfg.lease_s, io_timeout_s=cfg.io_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
-                shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=cfg.allow_shm), page_pool, self.metrics)
+                shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=self._offer_shm), page_pool, self.metrics)
             self.producer.start()
+            self.advertised_port = self.producer.port
+            if cfg.emulated_link is not None:
+                self._start_link(cfg.emulated_link)
         if cfg.is_consumer:
             self.consumer = Consumer(ConsumerConfig(
                 engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, data_path=cfg.data_path,
@@ -116,6 +126,19 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 transfer_timeout_s=cfg.transfer_timeout_s, io_timeout_s=cfg.io_timeout_s,
                 heartbeat_interval_s=cfg.heartbeat_interval_s or cfg.lease_s / 6), page_pool, self.metrics)
             self.consumer.start()
+
+    def _start_link(self, shape: LinkShape) -> None:
+        """Puts the side channel and the data port behind one emulated link: the WELCOME and
+        kv_transfer_params name the link's ports, so every consumer's bytes cross it."""
+        assert self.producer is not None
+        host = self.config.host
+        target = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # (a wildcard bind is reached locally)
+        self.link = EmulatedLink(shape)
+        self.advertised_port = self.link.relay(target, self.producer.port, host=host).port
+        self.producer.advertised_data_port = self.link.relay(target, self.producer.data_port, host=host).port
+        logger.warning("KV producer %s behind an emulated link (%.1f Mbit/s, %.1f ms one way): side channel %d, "
+                       "data %d", self.config.engine_id, shape.bandwidth_mbps, shape.latency_ms,
+                       self.advertised_port, self.producer.advertised_data_port)
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._meta = metadata
@@ -213,6 +236,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def shutdown(self) -> None:
         if self.consumer is not None:
             self.consumer.shutdown()
+        if self.link is not None:
+            self.link.close()
         if self.producer is not None:
             self.producer.shutdown()
 
@@ -233,12 +258,13 @@ class ZmqConnector(KVConnector):
 
     def _endpoint(self) -> tuple[str, int, Producer | None]:
         producer = self.worker.producer
-        return (self.config.advertise_host or self.config.host, producer.port if producer else 0, producer)
+        return (self.config.advertise_host or self.config.host, self.worker.advertised_port, producer)
 
     @property
     def port(self) -> int:
-        """The side channel's port (after the engine registered its page pool)."""
-        return self.worker.producer.port if self.worker.producer else 0
+        """The side-channel port consumers dial, that of the emulated link when there is one
+        (after the engine registered its page pool)."""
+        return self.worker.advertised_port
 
     def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
         return self.worker.release_remote(kv_transfer_params)
@@ -247,5 +273,8 @@ class ZmqConnector(KVConnector):
         return self.worker.abort_lease(request_id)
 
     def stats(self) -> dict:
-        return self.metrics.snapshot()
+        stats = self.metrics.snapshot()
+        if self.worker.link is not None:
+            stats["emulated_link"] = self.worker.link.stats()
+        return stats
 

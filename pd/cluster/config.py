@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, Strict, ValidationError, field_validator, model_validator
 
+from connectors.emulated_link import LinkShape
 from connectors.faults import FaultSpecError
 from connectors.transfer_settings import DataPathName, TransferSettings
 from pd.cluster.fault_rules import parse_worker_faults
@@ -146,6 +147,24 @@ class TopologySection(StrictModel):
         return self.num_prefill + self.num_decode
 
 
+class EmulatedLinkSection(StrictModel):
+    """Tests and benchmarks only: a slow P<->D link on one machine (`connectors.emulated_link`).
+
+    Each prefill worker puts its KV side channel and data port behind a relay on
+    real sockets that paces each direction to `bandwidth_mbps` (shared by all of
+    that worker's connections, like its NIC) and delays every byte by
+    `latency_ms` one way; it offers no shared memory, so the KV bytes cross the
+    link (`transfer.timeout_s` must still cover the slowest pull). Unset (the
+    default): nothing is in the way.
+    """
+
+    bandwidth_mbps: float = Field(gt=0, le=100_000, description="each way, megabits per second")
+    latency_ms: float = Field(0.0, ge=0, le=10_000, description="one way, added to every byte")
+
+    def link_shape(self) -> LinkShape:
+        return LinkShape(bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms)
+
+
 class TransferSection(StrictModel):
     """KV transfer (ZMQ connector) settings shared by every worker; see `transfer_settings()`."""
 
@@ -156,11 +175,20 @@ class TransferSection(StrictModel):
     kv_load_failure_policy: FailurePolicyField = FailurePolicy.RECOMPUTE
     data_path: DataPathName = Field(
         _TRANSFER.data_path, description="auto: shared memory to a producer on the same host, else tcp")
+    emulated_link: EmulatedLinkSection | None = Field(
+        None, description="tests and benchmarks only: the P->D KV path crosses a link of this bandwidth and latency")
+
+    @model_validator(mode="after")
+    def _link_takes_tcp(self) -> TransferSection:
+        if self.emulated_link is not None and self.data_path == "shm":
+            raise FieldError("data_path", "must be 'auto' or 'tcp' with an emulated_link (it carries tcp only)")
+        return self
 
     def transfer_settings(self) -> TransferSettings:
         """The connector's settings; it derives every timeout of its own from them."""
+        link = self.emulated_link.link_shape() if self.emulated_link is not None else None
         return TransferSettings(port=self.port, timeout_s=self.timeout_s, lease_s=self.lease_s,
-                                data_path=self.data_path)
+                                data_path=self.data_path, emulated_link=link)
 
 
 class RouterSection(StrictModel):

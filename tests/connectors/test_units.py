@@ -199,3 +199,25 @@ def test_many_concurrent_loads_all_land_exactly(path):
     finally:
         cons.shutdown()
         prod.shutdown()
+
+
+def test_per_peer_loads_keep_a_bounded_ring_of_warm_samples_and_a_bounded_peer_table():
+    from connectors.metrics import MAX_PEERS, RECENT_LOADS_PER_PEER, FailureCause
+
+    m = TransferMetrics()
+    m.record_load(4, 4096, 0.5, peer="p0", warm=False)  # waited for a handshake: counted, not sampled
+    for i in range(RECENT_LOADS_PER_PEER + 5):
+        m.record_load(1, 1024 * (i + 1), 0.001 * (i + 1), peer="p0")
+    m.record_failure(FailureCause.TIMEOUT, peer="p0")
+    m.record_load(1, 10, 0.1)  # no peer named: only the totals
+    p0 = m.snapshot()["peers"]["p0"]
+    assert p0["num_loads"] == RECENT_LOADS_PER_PEER + 6 and p0["num_failed"] == 1
+    assert p0["num_bytes"] == 4096 + sum(1024 * (i + 1) for i in range(RECENT_LOADS_PER_PEER + 5))
+    assert len(p0["recent"]) == RECENT_LOADS_PER_PEER
+    last = RECENT_LOADS_PER_PEER + 5
+    assert p0["recent"][-1] == [1024 * last, pytest.approx(0.001 * last)]
+    assert p0["recent"][0][0] == 1024 * 6  # the oldest samples went first
+    for i in range(MAX_PEERS):
+        m.record_load(1, 1, 0.001, peer=f"q{i}")
+    peers = m.snapshot()["peers"]
+    assert len(peers) == MAX_PEERS and "p0" not in peers  # the least recently loaded from went first

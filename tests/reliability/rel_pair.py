@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from connectors.emulated_link import LinkShape
 from connectors.fault_link import LINK_POINTS, FaultLink
 from connectors.faults import FaultPlan
 from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
@@ -58,6 +59,7 @@ class Side:
     policy: str = "recompute"
     data_path: str = "tcp"  # tcp: page bytes cross a socket, so a FaultLink sees them
     heartbeat_s: float | None = None
+    link: LinkShape | None = None  # P: consumers reach it through an emulated link of this shape
 
 
 def make_engine(side: Side, role: KVRole | None) -> Engine:
@@ -70,7 +72,8 @@ def make_engine(side: Side, role: KVRole | None) -> Engine:
         connector = ZmqConnector(ZmqConnectorConfig(
             engine_id=side.engine_id, role=role, secret=SECRET, model_id="tiny@5", port=side.port,
             lease_s=side.lease_s, handshake_timeout_s=side.timeout_s, transfer_timeout_s=side.timeout_s,
-            io_timeout_s=side.timeout_s, data_path=side.data_path, heartbeat_interval_s=side.heartbeat_s), groups)
+            io_timeout_s=side.timeout_s, data_path=side.data_path, heartbeat_interval_s=side.heartbeat_s,
+            emulated_link=side.link), groups)
     return Engine(config, connector=connector)
 
 
