@@ -128,6 +128,11 @@ def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: 
              logging_level=logging.WARNING)
 
 
+def shutdown_ray() -> None:
+    """Leaves the cluster joined by `init_ray` (or stops the embedded instance)."""
+    ray.shutdown()
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pd.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="deployment YAML (see deploy/)")

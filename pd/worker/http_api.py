@@ -62,8 +62,11 @@ class WorkerHTTPServer:
 
     def _authorised(self, request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
-        token = header[7:].encode() if header.startswith("Bearer ") else b""
-        return hmac.compare_digest(token, self._secret)
+        try:
+            given = header.encode("utf-8")
+        except UnicodeEncodeError:  # a non-UTF-8 header arrives as surrogate escapes: not our secret
+            return False
+        return hmac.compare_digest(given, b"Bearer " + self._secret)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):

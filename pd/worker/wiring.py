@@ -128,6 +128,15 @@ def _transfer_stats(connector: KVConnector | None) -> dict:
 
 
 
+def kv_listen_ports(connector: KVConnector | None) -> dict[str, int] | None:
+    """A producer's KV listening ports (side channel, data streams), or None on a worker that has none.
+    Served only on the authenticated health endpoint: a fault harness aims junk at them."""
+    producer = getattr(getattr(connector, "worker", None), "producer", None)
+    if producer is None:
+        return None
+    return {"side_channel": producer.port, "data": producer.data_port}
+
+
 def kv_hashing_identity(engine: Engine) -> dict:
     """The engine's prefix-cache hashing identity (see `pd.cluster.kv_wire.hashing_identity`)."""
     groups = [{"kind": g.spec.kind, "block_size": g.spec.block_size, "sliding_window": g.spec.sliding_window_size}

@@ -200,9 +200,11 @@ class Worker:
                 "num_blocks": self._engine.page_pool.num_blocks}
 
     def health(self) -> dict:
+        from pd.worker.wiring import kv_listen_ports
+
         return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
                 "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
-                "kv_events": self._kv_events_info()}
+                "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
 
     def stats(self, audit: bool = False) -> dict:
         """Engine, KV cache and transfer figures; with a pool audit (`audit`) only when asked,

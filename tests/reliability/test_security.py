@@ -3,6 +3,7 @@ explicit bind addresses, authenticated worker API and KV side channel."""
 from __future__ import annotations
 
 import ast
+import socket
 import time
 from pathlib import Path
 
@@ -137,6 +138,41 @@ def test_worker_api_and_side_channel_require_the_secret(fault_record):
         assert refused.get("auth", 0) >= 1, refused
     fault_record(fault="unauthenticated worker API / KV side channel", where="P worker",
                  user_saw="-", pdkv_did=f"HTTP 401; KV handshake refused ({refused})", pools="-")
+
+
+def _raw_status(url: str, path: str, authorization: bytes) -> int:
+    """The status code of a GET sent as raw bytes over a real socket (no client library re-encodes the header)."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.settimeout(10)
+        s.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization
+                  + b"\r\nConnection: close\r\n\r\n")
+        head = b""
+        while b"\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def test_authorization_header_that_is_not_utf8_is_a_401_on_workers_and_router(fault_record):
+    bad = (b"Bearer \xff\xfe", b"\xc3\x28", "Bearer cl\u00e9".encode("latin-1"),
+           b"Bearer " + SECRET.encode() + b"\xff")
+    with LocalDeployment(local_config(router__api_key="router-api-key-0123456789")) as dep:
+        statuses = {}
+        for wid, worker in dep.workers.items():
+            for header in bad:
+                statuses[(wid, header)] = _raw_status(worker.url, "/internal/stats", header)
+            assert _raw_status(worker.url, "/internal/stats", b"Bearer " + SECRET.encode()) == 200
+        for header in bad:
+            statuses[("router", header)] = _raw_status(dep.url, "/v1/models", header)
+        assert _raw_status(dep.url, "/v1/models", b"Bearer router-api-key-0123456789") == 200
+        assert set(statuses.values()) == {401}, statuses
+        dep.wait_all_free()
+    fault_record(fault="non-UTF-8 Authorization header (raw bytes)", where="worker HTTP API / router",
+                 user_saw=f"HTTP 401 ({len(statuses)} requests)", pdkv_did="refused before any body was read",
+                 pools="all free")
 
 
 def test_fault_report_renders_recorded_rows(tmp_path):
