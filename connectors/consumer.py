@@ -16,7 +16,6 @@ Guarantees:
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import logging
@@ -30,6 +29,7 @@ import zmq
 
 from connectors import handshake as hs
 from connectors import wire
+from connectors.consumer_config import ConsumerConfig, DataPath
 from connectors.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
@@ -39,42 +39,6 @@ from connectors.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 _U64 = 1 << 64
-
-
-class DataPath(str, enum.Enum):
-    AUTO = "auto"  # shared memory when the producer is on this host, else tcp
-    TCP = "tcp"
-    SHM = "shm"  # map the producer's CPU pool and copy once; else staged
-    SHM_STAGED = "shm_staged"  # always through a staging segment (CUDA pools use this)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConsumerConfig:
-    engine_id: str
-    secret: bytes
-    compat_hash: str
-    data_path: DataPath = DataPath.AUTO
-    num_tcp_streams: int = 4
-    num_shm_streams: int = 1
-    handshake_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
-    io_timeout_s: float = 5.0
-    heartbeat_interval_s: float = 5.0
-    notify_done: bool = True  # tell the producer to release after each load
-    # After a PULL, a stream thread polls for the answer without sleeping for up to this long:
-    # lower one-block latency for a bounded burst of CPU per pull (0: always sleep).
-    spin_us: int = 200
-
-    def __post_init__(self) -> None:
-        if not self.engine_id or len(self.secret) < 16:
-            raise ValueError("engine_id must be non-empty and secret at least 16 bytes")
-        if min(self.handshake_timeout_s, self.transfer_timeout_s, self.io_timeout_s, self.heartbeat_interval_s) <= 0:
-            raise ValueError("timeouts and intervals must be positive")
-        if self.num_tcp_streams < 1 or self.num_shm_streams < 1:
-            raise ValueError("need at least one stream per data path")
-        if not 0 <= self.spin_us <= 100_000:
-            raise ValueError("spin_us must be in [0, 100000]")
-        object.__setattr__(self, "data_path", DataPath(self.data_path))
 
 
 class _HS(enum.Enum):

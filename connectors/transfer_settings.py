@@ -54,7 +54,7 @@ class TransferSettings:
     def connector_config(self, *, engine_id: str, role: KVRole, secret: str | bytes, model_id: str,
                          host: str) -> ZmqConnectorConfig:
         """The ZMQ connector's full config for one engine of the deployment."""
-        from connectors.consumer import DataPath
+        from connectors.consumer_config import DataPath
         from connectors.zmq_connector import ZmqConnectorConfig
 
         return ZmqConnectorConfig(

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker
-from connectors.consumer import Consumer, ConsumerConfig, DataPath
+from connectors.consumer import Consumer
+from connectors.consumer_config import ConsumerConfig, DataPath
 from connectors.loads import LoadResult, RemoteAddr
 from connectors.cuda_staging import StreamFences, fences_for
 from connectors.emulated_link import EmulatedLink, LinkShape

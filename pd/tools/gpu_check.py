@@ -119,7 +119,8 @@ def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
 
 def measure_connector(path: str, reps: int = 3) -> dict:
     """GB/s of whole loads (PAGES_PER_LOAD pages) CUDA pool -> CUDA pool through the connector."""
-    from connectors.consumer import Consumer, ConsumerConfig, DataPath
+    from connectors.consumer import Consumer
+    from connectors.consumer_config import ConsumerConfig, DataPath
     from connectors.loads import RemoteAddr
     from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig

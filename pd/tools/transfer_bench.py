@@ -94,7 +94,8 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     import torch
 
-    from connectors.consumer import Consumer, ConsumerConfig, DataPath, RemoteAddr
+    from connectors.consumer import Consumer, RemoteAddr
+    from connectors.consumer_config import ConsumerConfig, DataPath
 
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+from connectors.consumer import Consumer, RemoteAddr
+from connectors.consumer_config import ConsumerConfig
 from pd.engine.page_pool import PagePool
 from connectors.producer import Producer, ProducerConfig
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from connectors import framing, wire
-from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+from connectors.consumer import Consumer, RemoteAddr
+from connectors.consumer_config import ConsumerConfig
 from connectors.metrics import FailureCause
 from connectors.page_access import digest
 from pd.engine.page_pool import PagePool

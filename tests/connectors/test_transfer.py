@@ -9,7 +9,8 @@ import zmq
 
 from kvpeer import BLOCK_SIZE, SECRET, PeerProc
 from connectors import framing, wire
-from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+from connectors.consumer import Consumer, RemoteAddr
+from connectors.consumer_config import ConsumerConfig
 from connectors.handshake import CompatInfo
 from pd.engine.page_pool import PagePool
 from connectors.wire import MsgType

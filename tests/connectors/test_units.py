@@ -163,7 +163,8 @@ def test_many_concurrent_loads_all_land_exactly(path):
 
     import torch
 
-    from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+    from connectors.consumer import Consumer, RemoteAddr
+    from connectors.consumer_config import ConsumerConfig
     from pd.engine.page_pool import PagePool
     from connectors.producer import Producer, ProducerConfig
 

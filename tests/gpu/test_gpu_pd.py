@@ -20,7 +20,8 @@ from gpu_cases import DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, mode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)]
 
-from connectors.consumer import Consumer, ConsumerConfig  # noqa: E402
+from connectors.consumer import Consumer
+from connectors.consumer_config import ConsumerConfig  # noqa: E402
 from connectors.cuda_staging import fences_for  # noqa: E402
 from connectors.loads import RemoteAddr  # noqa: E402
 from pd.engine.page_pool import PagePool  # noqa: E402

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from connectors.consumer import Consumer, ConsumerConfig, RemoteAddr
+from connectors.consumer import Consumer, RemoteAddr
+from connectors.consumer_config import ConsumerConfig
 from connectors.handshake import CompatInfo
 from pd.engine.page_pool import PagePool
 from connectors.producer import ProducerConfig
