@@ -47,12 +47,14 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # extension: only with `return_token_ids`
+    pdkv_route: dict | None = None  # extension: where the prompt was prefilled and why, on the last chunk
 
     @model_serializer(mode="wrap")
     def _without_absent_ids(self, handler):
         out = handler(self)
-        if out.get("token_ids") is None:
-            out.pop("token_ids", None)
+        for key in ("token_ids", "pdkv_route"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -102,6 +104,14 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None = None
+    pdkv_route: dict | None = None  # extension: on the last chunk (see CompletionChoice)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_route(self, handler):
+        out = handler(self)
+        if out.get("pdkv_route") is None:
+            out.pop("pdkv_route", None)
+        return out
 
 
 class ChatCompletionChunk(BaseModel):
@@ -133,6 +143,7 @@ class Piece:
     text: str
     token_ids: Sequence[int]
     finish_reason: str | None = None
+    route: dict | None = None  # the `pdkv_route` extension, on the last piece
 
 
 def sse(model: BaseModel, *, with_usage: bool = True) -> bytes:
@@ -153,7 +164,7 @@ class CompletionFormat:
 
     def _choice(self, index: int, piece: Piece, token_ids: list[int]) -> CompletionChoice:
         return CompletionChoice(index=index, text=piece.text, finish_reason=piece.finish_reason,
-                                token_ids=token_ids if self._return_token_ids else None)
+                                token_ids=token_ids if self._return_token_ids else None, pdkv_route=piece.route)
 
     def first_chunk(self) -> bytes | None:
         return None
@@ -182,9 +193,10 @@ class ChatFormat:
         self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
         self._include_usage = include_usage
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> bytes:
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None, route: dict | None = None) -> bytes:
         body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                                            pdkv_route=route)])
         return sse(body, with_usage=self._include_usage)
 
     def first_chunk(self) -> bytes | None:
@@ -193,7 +205,7 @@ class ChatFormat:
     def chunks(self, piece: Piece) -> list[bytes]:
         out = [self._chunk(ChatDelta(content=piece.text))] if piece.text else []
         if piece.finish_reason is not None:
-            out.append(self._chunk(ChatDelta(), piece.finish_reason))
+            out.append(self._chunk(ChatDelta(), piece.finish_reason, piece.route))
         return out
 
     def usage_chunk(self, usage: Usage) -> bytes | None:
