@@ -7,7 +7,14 @@ the serving worker's `TokenEvent`s (`pd.cluster.messages`):
   naming the blocks it keeps; (2) the least-loaded D worker gets the prompt and
   those params, pulls the blocks and decodes the whole output (P's single
   token is discarded, so D's sampling alone defines the output);
+- local prefill (the planner's choice, pd.router.planner, or `always_local`): the D
+  worker gets the prompt without transfer params and computes it itself;
 - colocated: one worker does both.
+
+Which of the first two a request takes is `router.planner.mode`'s call; the
+default, `always_disaggregate`, is the first flow with the policy's workers. The
+planner's figures are fed by the workers' `timing` on every path, and the caller's
+`RouteNote` says where the request went, what TTFT was predicted and measured.
 
 Guarantees:
 - `kv_transfer_params` only ever come from a P worker's answer (the router
