@@ -220,8 +220,7 @@ class Dispatcher:
             worker_id = load.endpoint.worker_id
             if leg.acquired is not None:
                 leg.acquired.append(load)
-            figures.add_pending(worker_id, leg.num_pending_tokens)
-            pending = leg.num_pending_tokens
+            pending = figures.add_pending(worker_id, leg.num_pending_tokens)
             produced, actual_hit = False, None
             try:
                 events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s)
@@ -229,7 +228,7 @@ class Dispatcher:
                     async for event in stream:
                         if event.timing is not None:  # the first token's event: the work ahead is done
                             figures.remove_pending(worker_id, pending)
-                            pending = 0
+                            pending = None
                             self._planner.observe_timing(worker_id, event.timing, leg.source_id)
                         if keep_params:
                             if event.finished:

@@ -85,10 +85,13 @@ def test_long_prompt_goes_remote_on_a_fast_link_when_d_is_decoding():
 
 def test_short_prompt_stays_local_when_p_is_queued():
     figures = _figures(gbps=10.0)
-    figures.add_pending("p", 8 * 4096)  # P has eight long prompts ahead
+    tickets = [figures.add_pending("p", 4096) for _ in range(8)]  # P has eight long prompts ahead
     plan = _decide(figures, 64, d_running=8)
     assert plan.chosen.kind is Kind.LOCAL
-    figures.remove_pending("p", 8 * 4096)  # P idle again: the same prompt goes remote (D's decodes matter)
+    remote = next(o for o in plan.options if o.kind is Kind.REMOTE)
+    assert remote.predicted_ttft_s >= 7.9 * _prefill_s(4096)  # their prefills (less a moment spent on them)
+    for ticket in tickets:  # P idle again: the same prompt goes remote (D's decodes matter)
+        figures.remove_pending("p", ticket)
     assert _decide(figures, 64, d_running=8).chosen.kind is Kind.REMOTE
 
 
@@ -145,3 +148,19 @@ def test_planner_section_validates_once_at_the_edge():
         DeployConfig.from_dict({"router": {"planner": {"exploration_rate": 1.5}}})
     with pytest.raises(ConfigError, match="mode"):
         DeployConfig.from_dict({"router": {"planner": {"mode": "sometimes"}}})
+
+
+def test_equal_figures_spread_over_the_less_busy_workers():
+    figures = _figures()
+    for wid in ("p2", "d2"):  # a second P and D with the same curves
+        for n in (1, 64, 1024, 4096):
+            figures.observe_compute(wid, n, _prefill_s(n), 0.0)
+    for p in ("p", "p2"):
+        for d in ("d", "d2"):
+            for blocks in (1, 64, 256, 512):
+                figures.observe_pull(p, d, blocks, blocks * BLOCK_BYTES, 0.001 + blocks * BLOCK_BYTES / 1e10)
+    decider = Decider(figures, DecisionSettings(exploration_rate=0.0))
+    plan = decider.plan(4096, [Candidate("p", 0, 3), Candidate("p2", 0, 1)], [Candidate("d", 0, 9),
+                                                                             Candidate("d2", 0, 8)])
+    assert plan.chosen.kind is Kind.REMOTE
+    assert (plan.chosen.prefill.worker_id, plan.chosen.decode.worker_id) == ("p2", "d2")

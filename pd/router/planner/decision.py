@@ -120,7 +120,7 @@ class Decider:
             return Plan(unknown[self._cold_turn % len(unknown)], options, Reason.COLD_START)
         if len(options) > 1 and self._rng.random() < self.settings.exploration_rate:
             return Plan(self._rng.choice(options), options, Reason.EXPLORE)
-        return Plan(min(options, key=lambda o: o.score), options, Reason.BEST)
+        return Plan(min(options, key=rank), options, Reason.BEST)
 
     # -- predictions ------------------------------------------------------
     def _remote(self, num_tokens: int, prefill: Candidate, decode: Candidate) -> Option:
@@ -141,6 +141,13 @@ class Decider:
         stall = self.settings.tpot_weight * decode.num_running * (compute or 0.0)
         return Option(Kind.LOCAL, None, decode, num_tokens, _plus(parts, self.figures.residual_s(Kind.LOCAL.value)),
                       parts, stall)
+
+
+def rank(option: Option) -> tuple:
+    """Lowest score first; options within a millisecond of each other go to the less busy workers
+    (equal figures must not send every request to the first D of the list)."""
+    p_running = option.prefill.num_running if option.prefill is not None else 0
+    return round(option.score, 3), option.decode.num_running, p_running
 
 
 def _sum(*parts: float | None) -> float | None:

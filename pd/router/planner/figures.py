@@ -6,9 +6,10 @@ compute a request's prompt up to its first token, as a quadratic in the tokens i
 computed (a decode worker's 1-token admission steps after a pull are samples of the
 same curve); per P->D pair, the seconds a pull takes as a line in the bytes pulled
 (fixed latency + bytes / bandwidth); the KV bytes per block; the work each
-worker still has ahead (router-side: tokens of requests sent to it that have not
-produced their first token yet); and, per decision kind, the residual between the
-measured TTFT and the sum of the parts (router hops, HTTP), as a moving average.
+worker still has ahead (router-side: the requests sent to it that have not produced
+their first token yet, each costed by the curve, less the time spent on them); and,
+per decision kind, the residual between the measured TTFT and the sum of the parts
+(router hops, HTTP), as a moving average.
 
 Guarantees: a figure reports None until it has `min_samples` samples; windows are
 bounded (`window` samples each), so figures follow a worker whose speed changes.
@@ -16,6 +17,8 @@ bounded (`window` samples each), so figures follow a worker whose speed changes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import time
 
 from pd.router.planner.fit import WindowFit
 
@@ -30,18 +33,40 @@ class FitSettings:
 
 
 class WorkerCosts:
-    """One worker: its prefill curve and the tokens it still has to compute (router-side)."""
+    """One worker: its prefill curve and the requests it still has to compute (router-side)."""
 
     def __init__(self, settings: FitSettings) -> None:
         self.prefill = WindowFit(2, settings.window, settings.min_samples)
-        self.num_pending_tokens = 0
+        self._pending: dict[int, tuple[int, float]] = {}  # ticket -> (tokens to compute, sent at)
+        self._tickets = itertools.count()
         self.last_queue_s = 0.0
 
-    def wait_s(self) -> float | None:
-        """Seconds before a new request's own compute starts: its pending tokens, as one prefill."""
-        if self.num_pending_tokens <= 0:
+    @property
+    def num_pending_tokens(self) -> int:
+        return sum(n for n, _ in self._pending.values())
+
+    def add_pending(self, num_tokens: int) -> int:
+        ticket = next(self._tickets)
+        self._pending[ticket] = (num_tokens, time.monotonic())
+        return ticket
+
+    def remove_pending(self, ticket: int) -> None:
+        self._pending.pop(ticket, None)
+
+    def wait_s(self, now: float | None = None) -> float | None:
+        """Seconds before a new request's own compute starts: the predicted prefill of each request
+        still pending here, less the time the worker has been at them (it works on them since the
+        oldest was sent)."""
+        if not self._pending:
             return 0.0
-        return self.prefill.predict(self.num_pending_tokens)
+        total = 0.0
+        for n, _ in self._pending.values():
+            seconds = self.prefill.predict(n)
+            if seconds is None:
+                return None
+            total += seconds
+        now = time.monotonic() if now is None else now
+        return max(0.0, total - (now - min(t for _, t in self._pending.values())))
 
 
 class LinkCosts:
@@ -106,12 +131,14 @@ class CostFigures:
         return max(0.0, self._residual_s.get(kind, 0.0))
 
     # -- pending work -----------------------------------------------------
-    def add_pending(self, worker_id: str, num_tokens: int) -> None:
-        self.worker(worker_id).num_pending_tokens += num_tokens
+    def add_pending(self, worker_id: str, num_tokens: int) -> int | None:
+        """Counts a request sent to `worker_id` that computes `num_tokens` before its first token;
+        the ticket (None for nothing to compute) goes back to `remove_pending` at that token."""
+        return self.worker(worker_id).add_pending(num_tokens) if num_tokens > 0 else None
 
-    def remove_pending(self, worker_id: str, num_tokens: int) -> None:
-        costs = self.worker(worker_id)
-        costs.num_pending_tokens = max(0, costs.num_pending_tokens - num_tokens)
+    def remove_pending(self, worker_id: str, ticket: int | None) -> None:
+        if ticket is not None:
+            self.worker(worker_id).remove_pending(ticket)
 
     def describe_worker(self, worker_id: str) -> dict:
         """One worker's figures (its prefill curve, pending work, and its links), for `GET /pd/workers`."""

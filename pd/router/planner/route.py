@@ -18,7 +18,8 @@ import logging
 from pd.cluster.config import PlannerSection
 from pd.cluster.messages import StepTiming
 from pd.router.choice import Role, WorkerPool
-from pd.router.planner.decision import Candidate, Decider, DecisionSettings, Kind, Option, Plan, Reason
+from pd.router.planner.decision import (Candidate, Decider, DecisionSettings, Kind, Option, Plan, Reason,
+                                        rank)
 from pd.router.planner.explain import OptionNote, RouteNote
 from pd.router.planner.figures import CostFigures, FitSettings
 
@@ -53,7 +54,7 @@ class RoutePlanner:
             kind = fixed or Kind.LOCAL
             options = self.decider.options(n, prefills, decodes, kinds=(kind,))
             known = [o for o in options if o.predicted_ttft_s is not None]
-            plan = Plan(min(known, key=lambda o: o.score) if known else options[0], options, Reason.FIXED)
+            plan = Plan(min(known, key=rank) if known else options[0], options, Reason.FIXED)
         else:
             plan = self.decider.plan(n, prefills, decodes)
         if self._metrics is not None:
