@@ -8,10 +8,12 @@ always_disaggregate, always_local, planner) it starts a 1P1D deployment in this 
 (real Workers with engines, ZMQ connectors, HTTP APIs; the real Router; loopback HTTP),
 warms it up (each policy sees the same warm-up prompts, so the planner's figures have
 samples), then runs the same mixed workload at each load level (closed loop, `load`
-requests in flight) and prints one row per (link, load, policy):
+requests in flight; the three deployments take it in turns, a slice at a time, so the
+machine's other jobs weigh on all alike) and prints one row per (link, load, policy):
 TTFT p50 / p90 (client-side, first streamed token), TPOT p90 (per request: seconds per
-output token after the first), the share of requests prefilled locally, and the planner's
-TTFT relative to the better fixed policy.
+output token after the first), the share of requests prefilled locally, the median
+relative error of the router's TTFT prediction (`pdkv_route`), and the planner's TTFT
+relative to the better fixed policy.
 
 Workload: prompt lengths log-uniform in [--min-len, --max-len] (64..8192), random token
 ids (no prefix sharing: prefix caching is off), `--max-tokens` output tokens each.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -59,6 +62,7 @@ class BenchSettings:
     exploration_rate: float = 0.05
     tpot_weight: float = 1.0
     seed: int = 0
+    slice_size: int = 4  # requests a policy runs before the next one takes its turn
 
     def lengths(self) -> list[int]:
         rng = random.Random(self.seed)
@@ -72,6 +76,7 @@ class Record:
     ttft_s: float
     tpot_s: float | None
     decision: str | None
+    prediction_error: float | None  # |predicted - measured| / measured TTFT, router-side (pdkv_route)
 
 
 def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig:
@@ -131,7 +136,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
             "ignore_eos": True, "return_token_ids": True}
     t0 = time.perf_counter()
     first = last = None
-    num_tokens, decision = 0, None
+    num_tokens, route = 0, None
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
@@ -145,17 +150,22 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
                     last = time.perf_counter()
                     first = first or last
                     num_tokens += len(choice["token_ids"])
-                if choice.get("pdkv_route"):
-                    decision = choice["pdkv_route"]["decision"]
+                route = choice.get("pdkv_route") or route
     if first is None or last is None:
         raise RuntimeError(f"{url}: the stream carried no token")
     tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
-    return Record(len(prompt), first - t0, tpot, decision)
+    error = None
+    if route and route.get("predicted_ttft_s") is not None and route.get("ttft_s"):
+        error = abs(route["predicted_ttft_s"] - route["ttft_s"]) / route["ttft_s"]
+    return Record(len(prompt), first - t0, tpot, route["decision"] if route else None, error)
 
 
-async def _drive(url: str, lengths: list[int], concurrency: int, max_tokens: int, seed: int) -> list[Record]:
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(1, 256) for _ in range(n)] for n in lengths]
+
+
+async def _drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[Record]:
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -180,28 +190,38 @@ def _pct(values: list[float], q: int) -> float:
 def summarize(records: list[Record]) -> dict:
     ttfts = [r.ttft_s for r in records]
     tpots = [r.tpot_s for r in records if r.tpot_s is not None]
+    errors = [r.prediction_error for r in records if r.prediction_error is not None]
     return {"num_requests": len(records), "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90),
-            "tpot_p90_s": _pct(tpots, 90),
+            "tpot_p90_s": _pct(tpots, 90), "prediction_error_p50": _pct(errors, 50),
             "local_share": sum(r.decision == "local" for r in records) / max(1, len(records))}
 
 
-def run_policy(mode: str, link: str, settings: BenchSettings) -> dict[int, dict]:
-    """{load: summary} for one policy on one link (one deployment, warmed up once)."""
-    out = {}
-    with _Deployment(deploy_config(mode, link, settings)) as dep:
-        warmup = [min(n, settings.max_len) for n in WARMUP_LENGTHS]
-        dep.run(_drive(dep.url, warmup, 1, 4, settings.seed + 1))
+def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict]:
+    """({(policy, load): summary}, the planner's figures) on one link. The three deployments
+    live side by side and take the workload in turns, a slice each, so a change in the machine's
+    load (other jobs) falls on every policy alike rather than on whichever ran then."""
+    records: dict[tuple[str, int], list[Record]] = {(m, load): [] for m in POLICIES for load in settings.loads}
+    warmup = prompts_of([min(n, settings.max_len) for n in WARMUP_LENGTHS], settings.seed + 1)
+    prompts = prompts_of(settings.lengths(), settings.seed)
+    with contextlib.ExitStack() as stack:
+        deps = {m: stack.enter_context(_Deployment(deploy_config(m, link, settings))) for m in POLICIES}
+        for dep in deps.values():
+            dep.run(_drive(dep.url, warmup, 1, 4))
         for load in settings.loads:
-            records = dep.run(_drive(dep.url, settings.lengths(), load, settings.max_tokens, settings.seed))
-            out[load] = summarize(records)
-        assert dep.router is not None
-        out[-1] = {"figures": dep.router.planner.describe()}
-    return out
+            step = max(load, settings.slice_size)
+            for start in range(0, len(prompts), step):
+                for mode, dep in deps.items():
+                    records[(mode, load)] += dep.run(_drive(dep.url, prompts[start:start + step], load,
+                                                            settings.max_tokens))
+        planner = deps["planner"].router
+        assert planner is not None
+        figures = planner.planner.describe()
+    return {key: summarize(recs) for key, recs in records.items()}, figures
 
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'link':<10}{'load':>5}  {'policy':<20}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p90':>10}"
-            f"{'local':>7}{'vs best fixed p50/p90':>24}")
+            f"{'local':>7}{'pred err':>9}{'vs best fixed p50/p90':>24}")
     lines = [head, "-" * len(head)]
     for row in rows:
         ratio = ""
@@ -209,7 +229,7 @@ def format_table(rows: list[dict]) -> str:
             ratio = f"{row['vs_best_p50']:.2f} / {row['vs_best_p90']:.2f}"
         lines.append(f"{row['link']:<10}{row['load']:>5}  {row['policy']:<20}{row['ttft_p50_s'] * 1e3:>8.0f}ms"
                      f"{row['ttft_p90_s'] * 1e3:>8.0f}ms{row['tpot_p90_s'] * 1e3:>8.1f}ms"
-                     f"{row['local_share']:>7.0%}{ratio:>24}")
+                     f"{row['local_share']:>7.0%}{row['prediction_error_p50']:>9.2f}{ratio:>24}")
     return "\n".join(lines)
 
 
@@ -219,17 +239,16 @@ def run(settings: BenchSettings) -> list[dict]:
         if link == "throttled" and "emulated_link" not in TransferSection.model_fields:
             print("throttled link: needs `transfer.emulated_link` (connectors/emulated_link.py); skipped")
             continue
-        per_policy = {mode: run_policy(mode, link, settings) for mode in POLICIES}
+        summaries, figures = run_link(link, settings)
         for load in settings.loads:
-            best = {q: min(per_policy[m][load][f"ttft_{q}_s"] for m in POLICIES[:2]) for q in ("p50", "p90")}
+            best = {q: min(summaries[(m, load)][f"ttft_{q}_s"] for m in POLICIES[:2]) for q in ("p50", "p90")}
             for mode in POLICIES:
-                row = {"link": link, "load": load, "policy": mode, **per_policy[mode][load]}
+                row = {"link": link, "load": load, "policy": mode, **summaries[(mode, load)]}
                 if mode == "planner":
                     row["vs_best_p50"] = row["ttft_p50_s"] / best["p50"]
                     row["vs_best_p90"] = row["ttft_p90_s"] / best["p90"]
                 rows.append(row)
-        logging.getLogger(__name__).info("planner figures (%s link): %s", link,
-                                         json.dumps(per_policy["planner"][-1]["figures"]))
+        logging.getLogger(__name__).info("planner figures (%s link): %s", link, json.dumps(figures))
     return rows
 
 
