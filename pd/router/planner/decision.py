@@ -58,6 +58,7 @@ class Option:
     predicted_ttft_s: float | None  # None: a figure is missing
     parts_s: float | None  # the prediction less the residual (what the residual is measured against)
     tpot_cost_s: float
+    interpolated: bool = True  # every curve was read within its sampled sizes (else: its error is the fit's)
 
     @property
     def score(self) -> float:
@@ -130,17 +131,21 @@ class Decider:
         num_pulled = max(1, num_tokens - decode.hit_tokens)
         num_bytes = f.pull_bytes(num_pulled)
         pull = None if num_bytes is None else f.link(prefill.worker_id, decode.worker_id).pull.predict(num_bytes)
-        parts = _sum(p_costs.wait_s(), p_costs.prefill.predict(max(1, num_tokens - prefill.hit_tokens)), pull,
+        num_p_tokens = max(1, num_tokens - prefill.hit_tokens)
+        parts = _sum(p_costs.wait_s(), p_costs.prefill.predict(num_p_tokens), pull,
                      d_costs.wait_s(), d_costs.prefill.predict(1))
-        return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0)
+        link = f.link(prefill.worker_id, decode.worker_id).pull
+        inside = p_costs.prefill.covers(num_p_tokens) and num_bytes is not None and link.covers(num_bytes)
+        return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0, inside)
 
     def _local(self, num_tokens: int, decode: Candidate) -> Option:
         costs = self.figures.worker(decode.worker_id)
-        compute = costs.prefill.predict(max(1, num_tokens - decode.hit_tokens))
+        num_d_tokens = max(1, num_tokens - decode.hit_tokens)
+        compute = costs.prefill.predict(num_d_tokens)
         parts = _sum(costs.wait_s(), compute)
         stall = self.settings.tpot_weight * decode.num_running * (compute or 0.0)
         return Option(Kind.LOCAL, None, decode, num_tokens, _plus(parts, self.figures.residual_s(Kind.LOCAL.value)),
-                      parts, stall)
+                      parts, stall, costs.prefill.covers(num_d_tokens))
 
 
 def rank(option: Option) -> tuple:

@@ -9,20 +9,24 @@ same curve); per P->D pair, the seconds a pull takes as a line in the bytes pull
 worker still has ahead (router-side: the requests sent to it that have not produced
 their first token yet, each costed by the curve, less the time spent on them); and,
 per decision kind, the residual between the measured TTFT and the sum of the parts
-(router hops, HTTP), as a moving average.
+(router hops, HTTP), as the median of the recent ones, taken only from predictions
+that read every curve within its sampled sizes (an extrapolation's miss is the fit's,
+not overhead, and would weigh on every short prompt after it).
 
 Guarantees: a figure reports None until it has `min_samples` samples; windows are
 bounded (`window` samples each), so figures follow a worker whose speed changes.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import statistics
 import time
 
 from pd.router.planner.fit import WindowFit
 
-RESIDUAL_WEIGHT = 0.1  # moving-average weight of a new residual sample
+NUM_RESIDUALS = 32  # recent residuals per decision kind; their median is the figure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ class CostFigures:
         self._workers: dict[str, WorkerCosts] = {}
         self._links: dict[tuple[str, str], LinkCosts] = {}
         self.bytes_per_block: float | None = None
-        self._residual_s: dict[str, float] = {}
+        self._residuals: dict[str, collections.deque[float]] = {}
 
     def worker(self, worker_id: str) -> WorkerCosts:
         costs = self._workers.get(worker_id)
@@ -124,11 +128,11 @@ class CostFigures:
 
     def observe_residual(self, kind: str, seconds: float) -> None:
         """Measured TTFT minus the predicted parts, for decisions of `kind`."""
-        last = self._residual_s.get(kind)
-        self._residual_s[kind] = seconds if last is None else last + RESIDUAL_WEIGHT * (seconds - last)
+        self._residuals.setdefault(kind, collections.deque(maxlen=NUM_RESIDUALS)).append(seconds)
 
     def residual_s(self, kind: str) -> float:
-        return max(0.0, self._residual_s.get(kind, 0.0))
+        recent = self._residuals.get(kind)
+        return max(0.0, statistics.median(recent)) if recent else 0.0
 
     # -- pending work -----------------------------------------------------
     def add_pending(self, worker_id: str, num_tokens: int) -> int | None:
@@ -155,5 +159,5 @@ class CostFigures:
                               "last_queue_s": round(c.last_queue_s, 6)} for wid, c in self._workers.items()},
             "links": {f"{p}->{d}": c.describe() for (p, d), c in self._links.items()},
             "bytes_per_block": self.bytes_per_block,
-            "residual_s": {k: round(v, 6) for k, v in self._residual_s.items()},
+            "residual_s": {k: round(self.residual_s(k), 6) for k in self._residuals},
         }

@@ -55,6 +55,10 @@ class WindowFit:
             value = max(value, _poly(coefs, top))
         return max(0.0, value)
 
+    def covers(self, x: float) -> bool:
+        """Whether `x` lies within the sampled sizes (a prediction there interpolates)."""
+        return bool(self._samples) and float(x) <= self._max_x()
+
     def describe(self) -> dict:
         coefs = self.coefficients()
         return {"num_samples": self.num_samples, "coefficients": coefs}

@@ -78,7 +78,7 @@ class RoutePlanner:
                                       timing.load_s)
 
     def observe_ttft(self, chosen: Option, ttft_s: float) -> None:
-        if chosen.parts_s is not None:
+        if chosen.parts_s is not None and chosen.interpolated:  # beyond the samples, the miss is the fit's
             self.figures.observe_residual(chosen.kind.value, ttft_s - chosen.parts_s)
         if self._metrics is not None:
             self._metrics.record_plan_ttft(chosen.kind.value, chosen.predicted_ttft_s, ttft_s)
