@@ -161,8 +161,8 @@ class Dispatcher:
             note.decode_worker = decoded[-1].endpoint.worker_id
         if chosen is not None and event.token_ids:
             self._planner.observe_ttft(chosen, note.ttft_s)
-            logger.debug("request %s: %s %s predicted %s parts %s measured %.4f", note.decision, chosen.num_tokens,
-                         note.reason, chosen.predicted_ttft_s, chosen.parts_s, note.ttft_s)
+            logger.debug("planned %s (%d tokens, %s): predicted %s s (parts %s s), measured %.4f s", note.decision,
+                         chosen.num_tokens, note.reason, chosen.predicted_ttft_s, chosen.parts_s, note.ttft_s)
 
     async def drain(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
         """Waits (bounded) for the lease aborts in flight; for shutdown."""

@@ -18,7 +18,7 @@ relative to the better fixed policy.
 Workload: prompt lengths log-uniform in [--min-len, --max-len] (64..8192), random token
 ids (no prefix sharing: prefix caching is off), `--max-tokens` output tokens each.
 The model is random-weight, 2 layers, hidden 128 (`ARCH`): a prefill of 8k tokens takes
-a visible fraction of a second on one CPU core and the whole default run ~10 minutes.
+about 2-3 s on one CPU core, and each link's run takes about 2 minutes.
 """
 from __future__ import annotations
 
