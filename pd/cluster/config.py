@@ -191,6 +191,21 @@ class TransferSection(StrictModel):
                                 data_path=self.data_path, emulated_link=link)
 
 
+class PlannerSection(StrictModel):
+    """Where each P/D request prefills (pd.router.planner): `always_disaggregate` (today's flow:
+    prefill on P, D pulls), `always_local` (D prefills itself, no transfer) or `planner` (the
+    option with the lowest predicted TTFT, from figures measured online, plus `tpot_weight` x the
+    seconds a local prefill stalls D's running decodes; `exploration_rate` of requests take a
+    random option so every figure keeps fresh samples)."""
+
+    mode: Literal["always_disaggregate", "always_local", "planner"] = "always_disaggregate"
+    exploration_rate: float = Field(0.05, ge=0.0, le=1.0)
+    tpot_weight: float = Field(1.0, ge=0.0, description="cost of one second of stall on one running decode")
+    window: int = Field(256, ge=8, description="recent samples each fitted figure keeps")
+    min_samples: int = Field(4, ge=1, description="samples a figure needs before it is trusted (else: explore)")
+    seed: int | None = Field(None, description="exploration's random seed (tests, benchmarks)")
+
+
 class RouterSection(StrictModel):
     """The router's address, timeouts, request limits and admission control.
 
@@ -228,6 +243,7 @@ class RouterSection(StrictModel):
     max_failed_polls: int = Field(2, ge=1)
     num_readmit_probes: int = Field(3, ge=1)
     stats_timeout_s: Positive = 10.0
+    planner: PlannerSection = Field(default_factory=PlannerSection)
 
 
 class FaultsSection(StrictModel):

@@ -75,6 +75,21 @@ class GenerateRequest(StrictModel):
     kv_transfer_params: KVTransferParams | None = None
 
 
+class StepTiming(StrictModel):
+    """Where a request's time to first token went on the worker (the engine's `RequestTiming`):
+    seconds queued for admission, loading prompt KV from a prefill worker, then computing until
+    the first token; tokens computed and loaded, and the KV blocks and bytes loaded. The router's planner
+    (pd.router.planner) fits its per-worker and per-link costs from these."""
+
+    queue_s: float = Field(ge=0.0)
+    load_s: float = Field(ge=0.0)
+    compute_s: float = Field(ge=0.0)
+    num_computed_tokens: int = Field(ge=0)
+    num_loaded_tokens: int = Field(ge=0)
+    num_loaded_blocks: int = Field(ge=0)
+    num_loaded_bytes: int = Field(ge=0)
+
+
 class TokenEvent(StrictModel):
     """What one engine step produced for one request, as the worker streams it.
 
@@ -91,3 +106,4 @@ class TokenEvent(StrictModel):
     error: str | None = None
     error_cause: str | None = None  # why a KV load ended the request (connectors.metrics.FailureCause value)
     num_cached_tokens: int = Field(0, ge=0)
+    timing: StepTiming | None = None  # on the first event with a token only

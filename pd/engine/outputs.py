@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,25 @@ class RequestOutput:
     error: str | None = None
     error_cause: FailureCause | None = None  # set when a KV load failure ended the request
     num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache (set on the final output)
+    timing: RequestTiming | None = None  # on the request's first output with a token only
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTiming:
+    """Where a request's time to first token went on this engine (seconds, perf_counter):
+    waiting for admission, loading its prompt KV from a remote engine (0 when nothing was
+    loaded), then computing until its first token. Token counts say what was computed and
+    what was loaded, so a router can fit per-token costs from them."""
+
+    queue_s: float
+    load_s: float
+    compute_s: float
+    num_computed_tokens: int  # prompt tokens this engine computed (not cached, not loaded)
+    num_loaded_tokens: int  # prompt tokens whose KV arrived through the connector
+    num_loaded_blocks: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +90,28 @@ class RequestState:
     awaiting_recv: bool = False  # finished while an async load may still be writing its blocks
     awaiting_send: bool = False  # finished, blocks kept until the connector reports them sent
     num_cached_tokens: int | None = None  # local prefix-cache hit of the first admission
+    arrived_s: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted_s: float | None = None  # first admission (a prefix lookup)
+    load_started_s: float | None = None  # an async load's start, and its end once reported
+    load_ended_s: float | None = None
+    num_loaded_tokens: int = 0
+    num_loaded_blocks: int = 0
+    timed: bool = False  # the first token's output carried the timing
+
+    def take_timing(self, num_prompt_tokens: int) -> RequestTiming | None:
+        """The timing, once: on the first output with a token (None after, or if never admitted)."""
+        if self.timed or self.admitted_s is None:
+            return None
+        self.timed = True
+        now = time.perf_counter()
+        load_s = 0.0
+        compute_from = self.admitted_s
+        if self.load_started_s is not None and self.load_ended_s is not None:
+            load_s = self.load_ended_s - self.load_started_s
+            compute_from = self.load_ended_s
+        num_computed = max(1, num_prompt_tokens - (self.num_cached_tokens or 0) - self.num_loaded_tokens)
+        return RequestTiming(self.admitted_s - self.arrived_s, load_s, now - compute_from, num_computed,
+                             self.num_loaded_tokens, self.num_loaded_blocks)
 
 
 @dataclasses.dataclass

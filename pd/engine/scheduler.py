@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from kvcache import KVCacheManager, RequestStatus
 
@@ -161,6 +162,7 @@ class Scheduler:
                 self.stats.record_prefix_lookup(req.num_tokens, num_local)
                 if state.num_cached_tokens is None:
                     state.num_cached_tokens = num_local
+                    state.admitted_s = time.perf_counter()
                 if self.connector is not None and not state.skip_connector_load:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     if num_external is None:  # the connector cannot tell yet: retry next step
@@ -188,6 +190,9 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             if load_async:
                 state.num_external_tokens = num_external
+                state.load_started_s, state.load_ended_s = time.perf_counter(), None
+                num_end_blocks = -(-(num_local + num_external) // self.block_size)
+                state.num_loaded_blocks = num_end_blocks - num_local // self.block_size
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.remote_waiting.append(state)
                 continue
@@ -223,6 +228,8 @@ class Scheduler:
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
                 self.stats.num_remote_tokens += state.num_external_tokens
+                state.num_loaded_tokens = min(state.num_external_tokens,
+                                              req.num_prompt_tokens - 1 - (state.num_cached_tokens or 0))
                 if req.num_computed_tokens >= req.num_tokens:
                     req.num_computed_tokens = req.num_tokens - 1  # recompute the last token for its logits
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
@@ -245,12 +252,14 @@ class Scheduler:
             token = sampled[chunk.request_id]
             req.append_output_token_ids(token)
             reason = self._stop_reason(state, token)
+            timing = state.take_timing(req.num_prompt_tokens)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens or 0))
+                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens or 0,
+                                             timing=timing))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
             outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
-                                         num_cached_tokens=state.num_cached_tokens or 0))
+                                         num_cached_tokens=state.num_cached_tokens or 0, timing=timing))
         return outputs
 
     def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:
@@ -318,6 +327,7 @@ class Scheduler:
                 logger.warning("connector reported finished load of unknown request %s", rid)
             elif state in self.remote_waiting:
                 self.finished_recving.add(rid)
+                state.load_ended_s = time.perf_counter()
             elif state.awaiting_recv:  # aborted during the load: its blocks are safe to free now
                 state.awaiting_recv = False
                 if not state.awaiting_send:

@@ -165,16 +165,31 @@ class WorkerPool:
     def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> WorkerLoad:
         return self.pick_with_hit(role, prompt_token_ids)[0]
 
-    def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> tuple[WorkerLoad, int | None]:
-        """(the chosen worker, its predicted prefix hit in tokens: None without an exact index entry)."""
+    def candidates(self, role: Role, prompt_token_ids: Sequence[int] | None = None
+                   ) -> list[tuple[WorkerLoad, int | None]]:
+        """Every healthy worker of `role` with the prompt's predicted prefix hit on it (None
+        without an exact index entry); records nothing."""
+        candidates = self.healthy(role)
+        hits = self._hits(candidates, prompt_token_ids)
+        return [(w, hits.get(w.endpoint.worker_id)) for w in candidates]
+
+    def _hits(self, candidates: list[WorkerLoad], prompt_token_ids: Sequence[int] | None) -> dict[str, int | None]:
+        if self.index is None or not prompt_token_ids or not candidates:
+            return {}
+        hashes = self.index.prompt_hashes(prompt_token_ids)
+        return self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
+
+    def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None,
+                      preferred: str | None = None) -> tuple[WorkerLoad, int | None]:
+        """(the chosen worker, its predicted prefix hit in tokens: None without an exact index entry);
+        `preferred` (a worker id, the planner's choice) wins over the policy while it is healthy."""
         candidates = self.healthy(role)
         if not candidates:
             raise NoWorkerAvailable(f"no healthy {role.value} worker is available")
-        hits: dict[str, int | None] = {}
-        if self.index is not None and prompt_token_ids:
-            hashes = self.index.prompt_hashes(prompt_token_ids)
-            hits = self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
-        load = self._policy.choose(candidates, hits)
+        hits = self._hits(candidates, prompt_token_ids)
+        load = next((w for w in candidates if w.endpoint.worker_id == preferred), None)
+        if load is None:
+            load = self._policy.choose(candidates, hits)
         self._best_hit = max((h for h in hits.values() if h is not None), default=0)
         predicted = hits.get(load.endpoint.worker_id)
         if self._metrics is not None and self.index is not None:
@@ -185,10 +200,11 @@ class WorkerPool:
             self._metrics.record_route(role.value, mode, predicted)
         return load, predicted
 
-    def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "") -> WorkerLoad:
-        """Picks a worker and counts one more request in flight on it (and its prompt tokens
-        still to compute, when `prompt_token_ids` are given)."""
-        load, predicted = self.pick_with_hit(role, prompt_token_ids)
+    def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "",
+                preferred: str | None = None) -> WorkerLoad:
+        """Picks a worker (`preferred` if healthy, else by the policy) and counts one more request
+        in flight on it (and its prompt tokens still to compute, when `prompt_token_ids` are given)."""
+        load, predicted = self.pick_with_hit(role, prompt_token_ids, preferred)
         load.num_in_flight += 1
         queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
         load.num_queued_tokens += queued

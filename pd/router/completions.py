@@ -33,6 +33,7 @@ from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, Overloaded
 from pd.router.dispatch import Dispatcher
 from pd.router.metrics import RouterMetrics
+from pd.router.planner.explain import RouteNote
 from pd.router.openai_responses import SSE_DONE, ChatFormat, CompletionFormat, Piece, Usage, sse_error
 from pd.router.text_stream import TextStream
 
@@ -56,6 +57,7 @@ class Job:
 class _Tally:
     num_tokens: int = 0
     num_cached_tokens: int = 0
+    route: RouteNote = dataclasses.field(default_factory=RouteNote)  # where the prompt went and why
 
 
 class CompletionEndpoints:
@@ -150,7 +152,10 @@ class CompletionEndpoints:
         usage = Usage.of(sum(len(p) for p in job.prompts), sum(t.num_tokens for t in tallies),
                          sum(t.num_cached_tokens for t in tallies))
         self._metrics.record_outcome("ok")
-        return web.json_response(job.output.response(outputs, usage))
+        body = job.output.response(outputs, usage)
+        for choice, tally in zip(body["choices"], tallies, strict=True):
+            choice["pdkv_route"] = tally.route.as_dict()
+        return web.json_response(body)
 
     async def _collect(self, job: Job, request_id: str, prompt_ids: list[int], arrived: float,
                        tally: _Tally) -> tuple[str, str | None, list[int]]:
@@ -206,7 +211,7 @@ class CompletionEndpoints:
         last = None
         finish: str | None = None
         self._metrics.record_prompt_tokens(len(prompt_ids))
-        events = self._dispatcher.stream_tokens(request_id, prompt_ids, job.sampling)
+        events = self._dispatcher.stream_tokens(request_id, prompt_ids, job.sampling, tally.route)
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 now = time.perf_counter()
@@ -219,12 +224,12 @@ class CompletionEndpoints:
                 tally.num_cached_tokens = max(tally.num_cached_tokens, event.num_cached_tokens)
                 if text.stopped:
                     finish = "stop"
-                    yield Piece(new, event.token_ids, finish)
+                    yield Piece(new, event.token_ids, finish, tally.route.as_dict())
                     break
                 if event.finish_reason is not None:
                     new += text.flush()  # the held-back tail may itself complete a stop string
                     finish = "stop" if text.stopped else event.finish_reason
-                    yield Piece(new, event.token_ids, finish)
+                    yield Piece(new, event.token_ids, finish, tally.route.as_dict())
                     break
                 if event.token_ids:
                     yield Piece(new, event.token_ids)

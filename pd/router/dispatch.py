@@ -7,7 +7,14 @@ the serving worker's `TokenEvent`s (`pd.cluster.messages`):
   naming the blocks it keeps; (2) the least-loaded D worker gets the prompt and
   those params, pulls the blocks and decodes the whole output (P's single
   token is discarded, so D's sampling alone defines the output);
+- local prefill (the planner's choice, pd.router.planner, or `always_local`): the D
+  worker gets the prompt without transfer params and computes it itself;
 - colocated: one worker does both.
+
+Which of the first two a request takes is `router.planner.mode`'s call; the
+default, `always_disaggregate`, is the first flow with the policy's workers. The
+planner's figures are fed by the workers' `timing` on every path, and the caller's
+`RouteNote` says where the request went, what TTFT was predicted and measured.
 
 Guarantees:
 - `kv_transfer_params` only ever come from a P worker's answer (the router
@@ -35,12 +42,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
 
 from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling, TokenEvent
 from pd.router.metrics import RouterMetrics
+from pd.router.planner.decision import Kind, Option, Reason
+from pd.router.planner.explain import RouteNote
+from pd.router.planner.route import RoutePlanner
 from pd.router.openai_api import APIError, server_error
 from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
 from pd.router.recovery import RecoverySettings, continuation, watched_events
@@ -62,46 +73,96 @@ class _WorkerLostMidStream(Exception):
 ABORT_TIMEOUT_S = 5.0
 
 
+@dataclasses.dataclass
+class _Leg:
+    """One hop of a request, as the planner sees it: the worker it prefers (None: the policy
+    picks), the prompt tokens that worker computes before its first token (counted as its
+    pending work until then), the P worker its KV comes from, and the workers it was sent to."""
+
+    preferred: str | None = None
+    num_pending_tokens: int = 0
+    source_id: str | None = None
+    acquired: list[WorkerLoad] | None = None
+
+
 class Dispatcher:
     def __init__(self, pool: WorkerPool, client: WorkerClient, metrics: RouterMetrics, colocated: bool,
-                 recovery: RecoverySettings | None = None) -> None:
+                 recovery: RecoverySettings | None = None, planner: RoutePlanner | None = None) -> None:
         self._pool = pool
+        self._planner = planner or RoutePlanner(metrics=metrics)
         self._client = client
         self._metrics = metrics
         self._colocated = colocated
         self._recovery = recovery or RecoverySettings()
         self._aborts: set[asyncio.Task] = set()  # lease aborts in flight (kept: a bare task may be collected)
 
-    async def stream_tokens(self, request_id: str, prompt_token_ids: list[int],
-                            sampling: Sampling) -> AsyncGenerator[TokenEvent, None]:
-        """The serving worker's events; `finish_reason` is set on the last one only."""
+    async def stream_tokens(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
+                            note: RouteNote | None = None) -> AsyncGenerator[TokenEvent, None]:
+        """The serving worker's events; `finish_reason` is set on the last one only. `note`, when
+        given, is filled with where the request went and why (pd.router.planner.explain)."""
         request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
+        note = note if note is not None else RouteNote()
+        started = time.perf_counter()
         if self._colocated:
+            note.decision = "colocated"
             async with contextlib.aclosing(self._migrating(Role.BOTH, request)) as events:
                 async for event in events:
+                    self._first_event(note, None, started, event)
                     yield event
             return
-        started = time.perf_counter()
+        plan = self._planner.decide(self._pool, prompt_token_ids)
+        steer = plan is not None and plan.reason is not Reason.FIXED  # the planner picked the workers too
+        if plan is not None:
+            self._planner.note(plan, note)
+        chosen = plan.chosen if plan is not None else None
+        d_id = chosen.decode.worker_id if chosen is not None and steer else None
+        if chosen is not None and chosen.kind is Kind.LOCAL:  # D prefills itself: no P, no transfer
+            decoded: list[WorkerLoad] = []
+            async with contextlib.aclosing(self._migrating(Role.DECODE, request, _Leg(
+                    d_id, chosen.num_prefill_tokens, None, decoded))) as events:
+                async for event in events:
+                    self._first_event(note, chosen, started, event, decoded)
+                    yield event
+            return
         prefill = request.model_copy(update={"sampling": sampling.model_copy(update={"max_tokens": 1}),
                                              "kv_transfer_params": _REMOTE_DECODE})
-        prefill_urls: list[str] = []  # every P this request was sent to
+        prefilled: list[WorkerLoad] = []  # every P this request was sent to
+        p_id = chosen.prefill.worker_id if chosen is not None and steer and chosen.prefill else None
+        num_p_tokens = chosen.num_prefill_tokens if chosen is not None else len(prompt_token_ids)
         lease_resolved = False  # D finished, or produced a token (it has loaded or released P's blocks)
         try:
             params, num_cached = None, 0
-            async with contextlib.aclosing(self._run(Role.PREFILL, prefill, keep_params=True,
-                                                     touched=prefill_urls)) as answers:
+            async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(p_id, num_p_tokens, None, prefilled),
+                                                     keep_params=True)) as answers:
                 async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
                     pass
             self._metrics.record_prefill_hop(time.perf_counter() - started)
+            note.prefill_worker = prefilled[-1].endpoint.worker_id
             decode = request.model_copy(update={"kv_transfer_params": params})
-            async with contextlib.aclosing(self._migrating(Role.DECODE, decode)) as events:
+            decoded = []
+            leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded)
+            async with contextlib.aclosing(self._migrating(Role.DECODE, decode, leg)) as events:
                 async for event in events:
                     lease_resolved = lease_resolved or bool(event.token_ids) or event.finish_reason is not None
+                    self._first_event(note, chosen, started, event, decoded)
                     yield event.model_copy(update={"num_cached_tokens": num_cached})  # P's cache hits, not D's pull
         finally:
             if not lease_resolved:
-                for url in dict.fromkeys(prefill_urls):
+                for url in dict.fromkeys(load.endpoint.url for load in prefilled):
                     self._abort_later(url, request_id)
+
+    def _first_event(self, note: RouteNote, chosen: Option | None, started: float, event: TokenEvent,
+                     decoded: list[WorkerLoad] | None = None) -> None:
+        """At the first token: the measured TTFT goes into the note and the planner."""
+        if note.ttft_s is not None or not (event.token_ids or event.finished):
+            return
+        note.ttft_s = time.perf_counter() - started
+        if decoded:
+            note.decode_worker = decoded[-1].endpoint.worker_id
+        if chosen is not None and event.token_ids:
+            self._planner.observe_ttft(chosen, note.ttft_s)
+            logger.debug("planned %s (%d tokens, %s): predicted %s s (parts %s s), measured %.4f s", note.decision,
+                         chosen.num_tokens, note.reason, chosen.predicted_ttft_s, chosen.parts_s, note.ttft_s)
 
     async def drain(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
         """Waits (bounded) for the lease aborts in flight; for shutdown."""
@@ -119,7 +180,8 @@ class Dispatcher:
         except WorkerCallError as exc:  # the worker is gone or frozen: its lease expires on its own
             logger.info("request %s: abort on %s failed: %s", request_id, url, exc)
 
-    async def _migrating(self, role: Role, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+    async def _migrating(self, role: Role, request: GenerateRequest,
+                         leg: _Leg | None = None) -> AsyncGenerator[TokenEvent, None]:
         """`_run`, continued on another worker of `role` (up to `migration_limit` times) when
         the worker dies after tokens were sent."""
         sent: list[int] = []
@@ -128,7 +190,7 @@ class Dispatcher:
         current = request
         while True:
             try:
-                async with contextlib.aclosing(self._run(role, current, migratable=True)) as events:
+                async with contextlib.aclosing(self._run(role, current, leg, migratable=True)) as events:
                     async for event in events:
                         sent.extend(event.token_ids)
                         num_cached = event.num_cached_tokens if num_cached is None else num_cached
@@ -146,21 +208,30 @@ class Dispatcher:
                 logger.warning("request %s: %s; continuing on another %s worker after %d tokens (migration %d)",
                                request.request_id, lost.error.message, role.value, len(sent), num_migrations)
                 current = continuation(request, sent, num_migrations)
+                leg = _Leg(None, len(current.prompt_token_ids), None, leg.acquired if leg else None)
 
-    async def _run(self, role: Role, request: GenerateRequest, keep_params: bool = False, migratable: bool = False,
-                   touched: list[str] | None = None) -> AsyncGenerator:
+    async def _run(self, role: Role, request: GenerateRequest, leg: _Leg | None = None, keep_params: bool = False,
+                   migratable: bool = False) -> AsyncGenerator:
         """Runs `request` on a `role` worker; retries once if the first worker is unreachable
         before producing anything; raises `_WorkerLostMidStream` (when `migratable`) if it
         is lost after that."""
+        leg = leg or _Leg()
+        figures = self._planner.figures
         for attempt in (1, 2):
-            load = self._acquire(role, request)
-            if touched is not None:
-                touched.append(load.endpoint.url)
+            load = self._acquire(role, request, leg.preferred if attempt == 1 else None)
+            worker_id = load.endpoint.worker_id
+            if leg.acquired is not None:
+                leg.acquired.append(load)
+            pending = figures.add_pending(worker_id, leg.num_pending_tokens)
             produced, actual_hit = False, None
             try:
                 events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s)
                 async with contextlib.aclosing(events) as stream:
                     async for event in stream:
+                        if event.timing is not None:  # the first token's event: the work ahead is done
+                            figures.remove_pending(worker_id, pending)
+                            pending = None
+                            self._planner.observe_timing(worker_id, event.timing, leg.source_id)
                         if keep_params:
                             if event.finished:
                                 produced, actual_hit = True, event.num_cached_tokens
@@ -184,11 +255,12 @@ class Dispatcher:
                     raise _api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", request.request_id, role.value)
             finally:
+                figures.remove_pending(worker_id, pending)
                 self._pool.release(load, request.request_id, actual_hit)
 
-    def _acquire(self, role: Role, request: GenerateRequest) -> WorkerLoad:
+    def _acquire(self, role: Role, request: GenerateRequest, preferred: str | None = None) -> WorkerLoad:
         try:
-            return self._pool.acquire(role, list(request.prompt_token_ids), request.request_id)
+            return self._pool.acquire(role, list(request.prompt_token_ids), request.request_id, preferred)
         except NoWorkerAvailable as exc:
             raise server_error(str(exc), status=503, code="no_worker_available") from None
 

@@ -91,6 +91,14 @@ class RouterMetrics:
                                          "(applied, duplicate, buffered, gap, restart; dropped: bad_mac, malformed, "
                                          "wrong_worker, unknown_worker)", "outcome")
         self._kv_resyncs = self._counter("pdkv_kv_index_resyncs", "KV index resynchronisations, by kind", "kind")
+        self._plans = self._counter("pdkv_planner_decisions", "Where P/D requests were prefilled, by kind "
+                                    "(remote, remote_prefix, local) and reason (fixed, best, explore, cold_start)",
+                                    "kind", "reason")
+        self._plan_error = Histogram("pdkv_planner_ttft_prediction_error_seconds",
+                                     "|measured - predicted| TTFT of planned requests, by kind",
+                                     ("model_name", "kind"), registry=self.registry, buckets=LATENCY_BUCKETS_S)
+        self._plan_unpredicted = self._counter("pdkv_planner_unpredicted", "Planned requests with no prediction "
+                                               "(a figure still had no samples), by kind", "kind")
         self.registry.register(WorkerStatsCollector(model_name, workers))
 
     # -- recording --------------------------------------------------------
@@ -132,6 +140,15 @@ class RouterMetrics:
         self._hit_actual.labels(self.model_name, role).inc(actual_hit)
         if predicted_hit is not None and predicted_hit != actual_hit:
             self._hit_mispredicted.labels(self.model_name, role).inc()
+
+    def record_plan(self, kind: str, reason: str) -> None:
+        self._plans.labels(self.model_name, kind, reason).inc()
+
+    def record_plan_ttft(self, kind: str, predicted_s: float | None, measured_s: float) -> None:
+        if predicted_s is None:
+            self._plan_unpredicted.labels(self.model_name, kind).inc()
+        else:
+            self._plan_error.labels(self.model_name, kind).observe(abs(measured_s - predicted_s))
 
     def record_kv_batch(self, outcome: str) -> None:
         self._kv_batches.labels(self.model_name, outcome).inc()

@@ -51,7 +51,7 @@ class _OptionalIds(BaseModel):
     @model_serializer(mode="wrap")
     def _without_absent_ids(self, handler):
         out = handler(self)
-        for name in ("token_ids", "prompt_token_ids"):
+        for name in ("token_ids", "prompt_token_ids", "pdkv_route"):
             if name in out and out[name] is None:
                 del out[name]
         return out
@@ -63,6 +63,7 @@ class CompletionChoice(_OptionalIds):
     logprobs: None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # extension: only with `return_token_ids`
+    pdkv_route: dict | None = None  # extension: where the prompt was prefilled and why, on the last chunk
 
 
 class Completion(BaseModel):
@@ -114,6 +115,7 @@ class ChatChunkChoice(_OptionalIds):
     logprobs: None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # extension: this chunk's new ids, only with `return_token_ids`
+    pdkv_route: dict | None = None  # extension: on the last chunk (see CompletionChoice)
 
 
 class ChatCompletionChunk(_OptionalIds):
@@ -146,6 +148,7 @@ class Piece:
     text: str
     token_ids: Sequence[int]
     finish_reason: str | None = None
+    route: dict | None = None  # the `pdkv_route` extension, on the last piece
 
 
 def sse(model: BaseModel, *, with_usage: bool = True) -> bytes:
@@ -166,7 +169,7 @@ class CompletionFormat:
 
     def _choice(self, index: int, piece: Piece, token_ids: list[int]) -> CompletionChoice:
         return CompletionChoice(index=index, text=piece.text, finish_reason=piece.finish_reason,
-                                token_ids=token_ids if self._return_token_ids else None)
+                                token_ids=token_ids if self._return_token_ids else None, pdkv_route=piece.route)
 
     def first_chunk(self) -> bytes | None:
         return None
@@ -204,9 +207,9 @@ class ChatFormat:
         return self._prompt_token_ids is not None
 
     def _chunk(self, delta: ChatDelta, finish_reason: str | None = None, token_ids: Sequence[int] = (),
-               prompt_token_ids: list[int] | None = None) -> bytes:
+               prompt_token_ids: list[int] | None = None, route: dict | None = None) -> bytes:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason,
-                                 token_ids=list(token_ids) if self._with_ids else None)
+                                 token_ids=list(token_ids) if self._with_ids else None, pdkv_route=route)
         body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
                                    prompt_token_ids=prompt_token_ids)
         return sse(body, with_usage=self._include_usage)
@@ -220,7 +223,7 @@ class ChatFormat:
         has_content = bool(piece.text) or (self._with_ids and bool(piece.token_ids))
         out = [self._chunk(ChatDelta(content=piece.text), token_ids=piece.token_ids)] if has_content else []
         if piece.finish_reason is not None:
-            out.append(self._chunk(ChatDelta(), piece.finish_reason))
+            out.append(self._chunk(ChatDelta(), piece.finish_reason, route=piece.route))
         return out
 
     def usage_chunk(self, usage: Usage) -> bytes | None:

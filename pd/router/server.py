@@ -3,8 +3,10 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both in
 pd.router.completions), `GET /v1/models[/{id}]`, `GET /health`,
 `GET /metrics` (Prometheus text, from the last worker poll) and
-`GET /pd/workers` (each worker's last stats and its KV index state, EXACT or
-DEGRADED, and size; `?refresh=1` polls now, pool audits included).
+`GET /pd/workers` (each worker's last stats, its KV index state, EXACT or
+DEGRADED, and size, and the prefill planner's figures for it; `?refresh=1` polls
+now, pool audits included) and `GET /pd/planner` (the planner's mode and all its
+figures, pd.router.planner).
 
 Guarantees:
 - client input is validated before any worker is touched; errors are
@@ -46,6 +48,7 @@ from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import deployment_hash_seed
 from pd.router.kv_feed import KVFeed
 from pd.router.kv_index import KVIndex
+from pd.router.planner.route import RoutePlanner
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,9 @@ class Router:
             self.pool.add(endpoint)
         self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
-        self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery)
+        self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size)
+        self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery,
+                                     self.planner)
         self._failed_polls: dict[str, int] = {}
         serving = (Role.BOTH,) if self._colocated else (Role.DECODE,)
         self.gate = AdmissionGate(
@@ -109,6 +114,7 @@ class Router:
             web.get("/health", self._health),
             web.get("/metrics", self._metrics),
             web.get("/pd/workers", self._workers),
+            web.get("/pd/planner", self._planner),
         ])
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -264,8 +270,12 @@ class Router:
                                        "num_in_flight": w.num_in_flight, "num_queued_tokens": w.num_queued_tokens,
                                        "kv_index": (self.kv_index.describe(w.endpoint.worker_id)
                                                     if self.kv_index else None),
+                                       "planner": self.planner.figures.describe_worker(w.endpoint.worker_id),
                                        "stats": w.stats} for w in self.pool.all()}
         return web.json_response(body)
+
+    async def _planner(self, request: web.Request) -> web.Response:
+        return web.json_response(self.planner.describe())
 
 
 def _authorized(header: str, key: str) -> bool:

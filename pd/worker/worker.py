@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from pd.cluster.config import DeployConfig, Mode
 from pd.cluster.messages import FinishReason as WireFinishReason
-from pd.cluster.messages import GenerateRequest, KVTransferParams, TokenEvent
+from pd.cluster.messages import GenerateRequest, KVTransferParams, StepTiming, TokenEvent
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
@@ -162,7 +162,8 @@ class Worker:
                              finish_reason=_reason_name(out.finish_reason),
                              kv_transfer_params=KVTransferParams(**params) if params else None,
                              error=out.error, num_cached_tokens=out.num_cached_tokens,
-                             error_cause=out.error_cause.value if out.error_cause is not None else None)
+                             error_cause=out.error_cause.value if out.error_cause is not None else None,
+                             timing=_wire_timing(out.timing, engine.page_pool.page_size_bytes))
 
     def abort(self, request_id: str) -> None:
         """Aborts a request whose consumer went away (counted in stats as `num_aborted`); harmless
@@ -228,6 +229,15 @@ class Worker:
         if self._engine is None:
             raise RuntimeError(f"worker {self.spec.worker_id} is not running")
         return self._engine
+
+
+def _wire_timing(timing, page_size_bytes: int) -> StepTiming | None:
+    if timing is None:
+        return None
+    return StepTiming(queue_s=max(0.0, timing.queue_s), load_s=max(0.0, timing.load_s),
+                      compute_s=max(0.0, timing.compute_s), num_computed_tokens=timing.num_computed_tokens,
+                      num_loaded_tokens=timing.num_loaded_tokens, num_loaded_blocks=timing.num_loaded_blocks,
+                      num_loaded_bytes=timing.num_loaded_blocks * page_size_bytes)
 
 
 def _reason_name(reason: FinishReason | None) -> WireFinishReason | None:
