@@ -29,24 +29,27 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
+import select
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
 import aiohttp
-import torch
 
 from pd.cluster.config import DeployConfig, TransferSection
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.server import Router
-from pd.worker.worker import Worker, WorkerSpec
 
 SECRET = "planner-bench-secret-0123456789abcdef"
 ARCH = {"vocab_size": 260, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
         "num_kv_heads": 2}
 POLICIES = ("always_disaggregate", "always_local", "planner")
 WARMUP_LENGTHS = (64, 256, 1024, 4096, 8192, 128, 512, 2048, 64, 8192)
+WORKER_START_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +66,22 @@ class BenchSettings:
     tpot_weight: float = 1.0
     seed: int = 0
     slice_size: int = 4  # requests a policy runs before the next one takes its turn
+    mixed: bool = True
+    num_mixed_long: int = 4  # the mixed workload's long prompts (4k..8k, --mixed-long-tokens output tokens)
+    num_mixed_short: int = 16  # and its interactive short ones (64..512), arriving while the long run
+    mixed_long_tokens: int = 64
 
     def lengths(self) -> list[int]:
         rng = random.Random(self.seed)
         lo, hi = math.log(self.min_len), math.log(self.max_len)
         return [int(math.exp(rng.uniform(lo, hi))) for _ in range(self.num_requests)]
+
+    def mixed_lengths(self) -> tuple[list[int], list[int]]:
+        """(long, short) prompt lengths of the mixed workload, uniform in 4096..max_len and 64..512."""
+        rng = random.Random(self.seed + 2)
+        longs = [rng.randint(min(4096, self.max_len), self.max_len) for _ in range(self.num_mixed_long)]
+        shorts = [rng.randint(64, 512) for _ in range(self.num_mixed_short)]
+        return longs, shorts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +90,8 @@ class Record:
     ttft_s: float
     tpot_s: float | None
     decision: str | None
+    reason: str | None
+    predicted_ttft_s: float | None
     prediction_error: float | None  # |predicted - measured| / measured TTFT, router-side (pdkv_route)
 
 
@@ -88,7 +104,7 @@ def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig
         "model": {"name": "pdkv-bench", "seed": 0, "architecture": ARCH},
         "cache": {"block_size": 16, "kv_memory_mb": 160, "enable_prefix_caching": False},
         "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 2048,
-                      "max_model_len": settings.max_len + settings.max_tokens + 16},
+                      "max_model_len": settings.max_len + max(settings.max_tokens, settings.mixed_long_tokens) + 16},
         "topology": {"mode": "disaggregated"},
         "transfer": transfer,
         "router": {"port": 0, "request_timeout_s": 300.0, "health_interval_s": 1.0, "max_queued_requests": 1024,
@@ -98,26 +114,41 @@ def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig
 
 
 class _Deployment:
-    """1P1D in this process: real workers and router on a private event-loop thread."""
+    """1P1D with each worker in a process of its own (`pd.tools.planner_bench_worker`: the real
+    Worker, its engine, ZMQ connector and HTTP API; one torch thread, pinned to its own core where
+    the machine has two), and the real Router here, on a private event-loop thread."""
 
-    def __init__(self, config: DeployConfig) -> None:
+    def __init__(self, config: DeployConfig, cpus: tuple[int | None, int | None]) -> None:
         self.config = config
+        self.cpus = cpus
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.workers: list[Worker] = []
+        self.procs: list[subprocess.Popen] = []
         self.router: Router | None = None
         self.url = ""
 
     def run(self, coro, timeout_s: float = 900.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def _spawn(self, worker_id: str, role: Role, cpu: int | None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.planner_bench_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, text=True)
+        self.procs.append(proc)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"worker_id": worker_id, "role": role.value, "config": self.config.to_json(),
+                                     "secret": SECRET, "cpu": cpu}) + "\n")
+        proc.stdin.flush()
+        return proc
+
     def __enter__(self) -> _Deployment:
         self.thread.start()
+        roles = (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE))
+        procs = [self._spawn(wid, role, cpu) for (wid, role), cpu in zip(roles, self.cpus)]
         endpoints = []
-        for wid, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
-            worker = Worker(WorkerSpec(wid, role, self.config, SECRET))
-            self.workers.append(worker)
-            endpoints.append(WorkerEndpoint(wid, role, self.run(worker.start())))
+        for (wid, role), proc in zip(roles, procs):
+            url = _read_url(proc, WORKER_START_TIMEOUT_S)
+            endpoints.append(WorkerEndpoint(wid, role, url))
         self.router = Router(self.config, endpoints, SECRET)
         self.url = self.run(self.router.start())
         return self
@@ -125,10 +156,36 @@ class _Deployment:
     def __exit__(self, *exc) -> None:
         if self.router is not None:
             self.run(self.router.stop())
-        for worker in self.workers:
-            self.run(worker.stop())
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()  # the worker's cue to stop
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def _read_url(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The worker's `{"url": ...}` line, within `timeout_s`."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        raise RuntimeError(f"a bench worker gave no URL within {timeout_s:.0f} s (exit code {proc.poll()})")
+    return json.loads(line)["url"]
+
+
+def worker_cpus() -> tuple[int | None, int | None]:
+    """P on one core, D on another, where this process may use two; else unpinned."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Record:
@@ -157,7 +214,9 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
     error = None
     if route and route.get("predicted_ttft_s") is not None and route.get("ttft_s"):
         error = abs(route["predicted_ttft_s"] - route["ttft_s"]) / route["ttft_s"]
-    return Record(len(prompt), first - t0, tpot, route["decision"] if route else None, error)
+    route = route or {}
+    return Record(len(prompt), first - t0, tpot, route.get("decision"), route.get("reason"),
+                  route.get("predicted_ttft_s"), error)
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -166,6 +225,7 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 async def _drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[Record]:
+    """Closed loop: `concurrency` clients take the prompts from one queue."""
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -176,6 +236,23 @@ async def _drive(url: str, prompts: list[list[int]], concurrency: int, max_token
             while not queue.empty():
                 records.append(await _one(session, url, queue.get_nowait(), max_tokens))
         await asyncio.gather(*(client() for _ in range(concurrency)))
+    return records
+
+
+async def _drive_mixed(url: str, longs: list[list[int]], shorts: list[list[int]], long_tokens: int,
+                       short_tokens: int) -> list[Record]:
+    """The mixed workload's slice: one client sends the long prompts one after another (each
+    decodes `long_tokens`), two interactive clients send the short ones meanwhile, starting
+    once the first long prompt is under way."""
+    records: list[Record] = []
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def stream(prompts: list[list[int]], num_tokens: int, delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            for prompt in prompts:
+                records.append(await _one(session, url, prompt, num_tokens))
+        await asyncio.gather(stream(longs, long_tokens, 0.0), stream(shorts[0::2], short_tokens, 0.05),
+                             stream(shorts[1::2], short_tokens, 0.1))
     return records
 
 
@@ -196,15 +273,20 @@ def summarize(records: list[Record]) -> dict:
             "local_share": sum(r.decision == "local" for r in records) / max(1, len(records))}
 
 
-def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict]:
-    """({(policy, load): summary}, the planner's figures) on one link. The three deployments
-    live side by side and take the workload in turns, a slice each, so a change in the machine's
-    load (other jobs) falls on every policy alike rather than on whichever ran then."""
-    records: dict[tuple[str, int], list[Record]] = {(m, load): [] for m in POLICIES for load in settings.loads}
+def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict, list[Record]]:
+    """({(policy, load): summary}, the planner's figures, the planner's records) on one link; load
+    "mixed" is the mixed workload. The three deployments live side by side and take the workload
+    in turns, a slice each, so a change in the machine's load (other jobs) falls on every policy
+    alike rather than on whichever ran then."""
+    loads: list[int | str] = [*settings.loads, *(["mixed"] if settings.mixed else [])]
+    records: dict[tuple[str, int | str], list[Record]] = {(m, load): [] for m in POLICIES for load in loads}
     warmup = prompts_of([min(n, settings.max_len) for n in WARMUP_LENGTHS], settings.seed + 1)
     prompts = prompts_of(settings.lengths(), settings.seed)
+    long_lengths, short_lengths = settings.mixed_lengths()
+    longs, shorts = prompts_of(long_lengths, settings.seed + 3), prompts_of(short_lengths, settings.seed + 4)
+    cpus = worker_cpus()
     with contextlib.ExitStack() as stack:
-        deps = {m: stack.enter_context(_Deployment(deploy_config(m, link, settings))) for m in POLICIES}
+        deps = {m: stack.enter_context(_Deployment(deploy_config(m, link, settings), cpus)) for m in POLICIES}
         for dep in deps.values():
             dep.run(_drive(dep.url, warmup, 1, 4))
         for load in settings.loads:
@@ -213,34 +295,45 @@ def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict]:
                 for mode, dep in deps.items():
                     records[(mode, load)] += dep.run(_drive(dep.url, prompts[start:start + step], load,
                                                             settings.max_tokens))
+        if settings.mixed:  # a slice = one long prompt and its share of the short ones
+            per_long = max(1, len(shorts) // max(1, len(longs)))
+            for i, long in enumerate(longs):
+                part = shorts[i * per_long:(i + 1) * per_long]
+                for mode, dep in deps.items():
+                    records[(mode, "mixed")] += dep.run(_drive_mixed(dep.url, [long], part,
+                                                                     settings.mixed_long_tokens,
+                                                                     settings.max_tokens))
         planner = deps["planner"].router
         assert planner is not None
         figures = planner.planner.describe()
-    return {key: summarize(recs) for key, recs in records.items()}, figures
+    planner_records = [r for load in loads for r in records[("planner", load)]]
+    return {key: summarize(recs) for key, recs in records.items()}, figures, planner_records
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'link':<10}{'load':>5}  {'policy':<20}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p90':>10}"
+    head = (f"{'link':<10}{'load':>6}  {'policy':<20}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p90':>10}"
             f"{'local':>7}{'pred err':>9}{'vs best fixed p50/p90':>24}")
     lines = [head, "-" * len(head)]
     for row in rows:
         ratio = ""
         if "vs_best_p50" in row:
             ratio = f"{row['vs_best_p50']:.2f} / {row['vs_best_p90']:.2f}"
-        lines.append(f"{row['link']:<10}{row['load']:>5}  {row['policy']:<20}{row['ttft_p50_s'] * 1e3:>8.0f}ms"
+        lines.append(f"{row['link']:<10}{row['load']!s:>6}  {row['policy']:<20}{row['ttft_p50_s'] * 1e3:>8.0f}ms"
                      f"{row['ttft_p90_s'] * 1e3:>8.0f}ms{row['tpot_p90_s'] * 1e3:>8.1f}ms"
                      f"{row['local_share']:>7.0%}{row['prediction_error_p50']:>9.2f}{ratio:>24}")
     return "\n".join(lines)
 
 
-def run(settings: BenchSettings) -> list[dict]:
+def run(settings: BenchSettings, decisions: list | None = None) -> list[dict]:
+    """The table's rows; the planner's figures and per-request decisions go to `decisions`."""
     rows: list[dict] = []
+    decisions = [] if decisions is None else decisions
     for link in settings.links:
         if link == "throttled" and "emulated_link" not in TransferSection.model_fields:
             print("throttled link: needs `transfer.emulated_link` (connectors/emulated_link.py); skipped")
             continue
-        summaries, figures = run_link(link, settings)
-        for load in settings.loads:
+        summaries, figures, planner_records = run_link(link, settings)
+        for load in [*settings.loads, *(["mixed"] if settings.mixed else [])]:
             best = {q: min(summaries[(m, load)][f"ttft_{q}_s"] for m in POLICIES[:2]) for q in ("p50", "p90")}
             for mode in POLICIES:
                 row = {"link": link, "load": load, "policy": mode, **summaries[(mode, load)]}
@@ -249,6 +342,8 @@ def run(settings: BenchSettings) -> list[dict]:
                     row["vs_best_p90"] = row["ttft_p90_s"] / best["p90"]
                 rows.append(row)
         logging.getLogger(__name__).info("planner figures (%s link): %s", link, json.dumps(figures))
+        decisions.append({"link": link, "figures": figures,
+                          "records": [dataclasses.asdict(r) for r in planner_records]})
     return rows
 
 
@@ -266,26 +361,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exploration-rate", type=float, default=d.exploration_rate)
     parser.add_argument("--tpot-weight", type=float, default=d.tpot_weight)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed workload")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--decisions", help="write the planner's figures and per-request decisions here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)  # P and D share the machine's cores; a thread each, as on the tests' boxes
     links = tuple(x for x in args.links.split(",") if x)
     for link in links:
         if link not in ("fast", "throttled"):
             parser.error(f"--links: unknown link {link!r}; use fast and/or throttled")
     settings = BenchSettings(args.num_requests, tuple(int(x) for x in args.loads.split(",")), links, args.min_len,
                              args.max_len, args.max_tokens, args.bandwidth_mbps, args.latency_ms,
-                             args.exploration_rate, args.tpot_weight, args.seed)
+                             args.exploration_rate, args.tpot_weight, args.seed, mixed=not args.no_mixed)
     t0 = time.perf_counter()
-    rows = run(settings)
+    decisions: list = []
+    rows = run(settings, decisions)
     print(format_table(rows))
     print(f"({settings.num_requests} requests per row, prompts {settings.min_len}..{settings.max_len} tokens "
           f"log-uniform, {settings.max_tokens} output tokens; throttled = {settings.bandwidth_mbps:g} Mbit/s, "
-          f"{settings.latency_ms:g} ms; {time.perf_counter() - t0:.0f} s)")
+          f"{settings.latency_ms:g} ms; mixed = {settings.num_mixed_long} prompts of 4096..{settings.max_len} tokens "
+          f"decoding {settings.mixed_long_tokens} tokens, one after another, beside "
+          f"{settings.num_mixed_short} of 64..512 from 2 interactive clients; {time.perf_counter() - t0:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.decisions:
+        with open(args.decisions, "w") as f:
+            json.dump(decisions, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,13 @@ Predicted TTFT (`CostFigures`):
     remote = wait(P) + prefill_P(n - hit_P) + pull_PD(bytes(n - hit_D)) + wait(D) + prefill_D(1) + residual
     local  = wait(D) + prefill_D(n - hit_D) + residual
 and a local prefill also stalls the decodes running on D: its score adds
-`tpot_weight * num_running(D) * prefill_D(n - hit_D)`.
+`tpot_weight * num_running(D) * prefill_D(n - hit_D)`. Whatever D computes for a request also
+delays the requests that reach D meanwhile (every request needs D: a remote one for its pull
+and first step), each by half that time on average: the score adds `queue_cost_s =
+overlap_rate(D) * d^2 / 2` for the D seconds `d` of the option (the prefill for local, the
+1-token step for remote), with `overlap_rate` the measured rate of requests arriving while others
+are in flight (`CostFigures.overlap_rate`; zero for one request at a time). P's time costs no such
+term: a request arriving while P is busy can still prefill on D.
 
 Guarantees: the chosen option of `plan` is, outside exploration, the one with the lowest
 score among those whose every figure is measured; while some option lacks a figure
@@ -59,10 +65,11 @@ class Option:
     parts_s: float | None  # the prediction less the residual (what the residual is measured against)
     tpot_cost_s: float
     interpolated: bool = True  # every curve was read within its sampled sizes (else: its error is the fit's)
+    queue_cost_s: float = 0.0  # what the D seconds it takes cost the requests arriving meanwhile
 
     @property
     def score(self) -> float:
-        return (self.predicted_ttft_s or 0.0) + self.tpot_cost_s
+        return (self.predicted_ttft_s or 0.0) + self.tpot_cost_s + self.queue_cost_s
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -132,11 +139,12 @@ class Decider:
         num_bytes = f.pull_bytes(num_pulled)
         pull = None if num_bytes is None else f.link(prefill.worker_id, decode.worker_id).pull.predict(num_bytes)
         num_p_tokens = max(1, num_tokens - prefill.hit_tokens)
-        parts = _sum(p_costs.wait_s(), p_costs.prefill.predict(num_p_tokens), pull,
-                     d_costs.wait_s(), d_costs.prefill.predict(1))
+        d_step = d_costs.prefill.predict(1)
+        parts = _sum(p_costs.wait_s(), p_costs.prefill.predict(num_p_tokens), pull, d_costs.wait_s(), d_step)
         link = f.link(prefill.worker_id, decode.worker_id).pull
         inside = p_costs.prefill.covers(num_p_tokens) and num_bytes is not None and link.covers(num_bytes)
-        return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0, inside)
+        return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0, inside,
+                      self._queue_cost(d_step))
 
     def _local(self, num_tokens: int, decode: Candidate) -> Option:
         costs = self.figures.worker(decode.worker_id)
@@ -145,7 +153,12 @@ class Decider:
         parts = _sum(costs.wait_s(), compute)
         stall = self.settings.tpot_weight * decode.num_running * (compute or 0.0)
         return Option(Kind.LOCAL, None, decode, num_tokens, _plus(parts, self.figures.residual_s(Kind.LOCAL.value)),
-                      parts, stall, costs.prefill.covers(num_d_tokens))
+                      parts, stall, costs.prefill.covers(num_d_tokens), self._queue_cost(compute))
+
+    def _queue_cost(self, d_seconds: float | None) -> float:
+        """The expected wait of the requests that reach a D while it spends `d_seconds` on this one:
+        `rate * d` of them, each waiting `d / 2` on average (uniform arrivals)."""
+        return self.figures.overlap_rate() * (d_seconds or 0.0) ** 2 / 2.0
 
 
 def rank(option: Option) -> tuple:

@@ -17,6 +17,7 @@ class OptionNote:
     decode_worker: str
     predicted_ttft_s: float | None
     tpot_cost_s: float | None
+    queue_cost_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -35,7 +36,7 @@ class RouteNote:
             if out[key] is not None:
                 out[key] = round(out[key], 6)
         for option in out["options"]:
-            for key in ("predicted_ttft_s", "tpot_cost_s"):
+            for key in ("predicted_ttft_s", "tpot_cost_s", "queue_cost_s"):
                 if option[key] is not None:
                     option[key] = round(option[key], 6)
         return out

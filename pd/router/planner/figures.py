@@ -27,6 +27,7 @@ import time
 from pd.router.planner.fit import WindowFit
 
 NUM_RESIDUALS = 32  # recent residuals per decision kind; their median is the figure
+NUM_ARRIVALS = 64  # recent arrivals the overlap rate is measured over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,8 @@ class CostFigures:
         self._links: dict[tuple[str, str], LinkCosts] = {}
         self.bytes_per_block: float | None = None
         self._residuals: dict[str, collections.deque[float]] = {}
+        self._arrivals: collections.deque[tuple[float, bool]] = collections.deque(maxlen=NUM_ARRIVALS)
+        self._num_decodes = 1
 
     def worker(self, worker_id: str) -> WorkerCosts:
         costs = self._workers.get(worker_id)
@@ -134,6 +137,22 @@ class CostFigures:
         recent = self._residuals.get(kind)
         return max(0.0, statistics.median(recent)) if recent else 0.0
 
+    def observe_arrival(self, num_in_flight: int, num_decodes: int = 1, now: float | None = None) -> None:
+        """A request reached the router while `num_in_flight` others were in flight, over `num_decodes` D."""
+        self._arrivals.append((time.monotonic() if now is None else now, num_in_flight > 0))
+        self._num_decodes = max(1, num_decodes)
+
+    def overlap_rate(self, now: float | None = None) -> float:
+        """Requests per second, per D, that arrive while others are in flight: how many reach a D
+        while it computes (the recent arrivals that found none in flight do not count: a closed loop
+        of one client never sends during its own request). Zero until two arrivals are known."""
+        if len(self._arrivals) < 2:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        span = now - self._arrivals[0][0]
+        num_overlapping = sum(busy for _, busy in itertools.islice(self._arrivals, 1, None))
+        return num_overlapping / span / self._num_decodes if span > 0 else 0.0
+
     # -- pending work -----------------------------------------------------
     def add_pending(self, worker_id: str, num_tokens: int) -> int | None:
         """Counts a request sent to `worker_id` that computes `num_tokens` before its first token;
@@ -160,4 +179,5 @@ class CostFigures:
             "links": {f"{p}->{d}": c.describe() for (p, d), c in self._links.items()},
             "bytes_per_block": self.bytes_per_block,
             "residual_s": {k: round(self.residual_s(k), 6) for k in self._residuals},
+            "overlap_rate_per_s": round(self.overlap_rate(), 4),
         }

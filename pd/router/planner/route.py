@@ -49,6 +49,7 @@ class RoutePlanner:
         fixed = _FIXED.get(self.mode)
         if not decodes or (fixed is Kind.REMOTE and not prefills):
             return None
+        self.figures.observe_arrival(sum(c.num_running for c in decodes + prefills), len(decodes))
         n = len(prompt_token_ids)
         if fixed is not None or not prefills:
             kind = fixed or Kind.LOCAL
@@ -66,7 +67,7 @@ class RoutePlanner:
         note.decision, note.reason = chosen.kind.value, plan.reason.value
         note.predicted_ttft_s = chosen.predicted_ttft_s
         note.options = [OptionNote(o.kind.value, o.prefill.worker_id if o.prefill else None, o.decode.worker_id,
-                                   o.predicted_ttft_s, o.tpot_cost_s) for o in plan.options]
+                                   o.predicted_ttft_s, o.tpot_cost_s, o.queue_cost_s) for o in plan.options]
 
     def observe_timing(self, worker_id: str, timing: StepTiming | None, source_id: str | None = None) -> None:
         """A worker's timing of one request; `source_id` the P worker its KV was pulled from."""
