@@ -4,21 +4,26 @@
 
 For each link (fast: loopback; throttled: `transfer.emulated_link` of the deploy config,
 `--bandwidth-mbps` / `--latency-ms`) and each policy (`router.planner.mode`:
-always_disaggregate, always_local, planner) it starts a 1P1D deployment in this process
-(real Workers with engines, ZMQ connectors, HTTP APIs; the real Router; loopback HTTP),
-warms it up (each policy sees the same warm-up prompts, so the planner's figures have
-samples), then runs the same mixed workload at each load level (closed loop, `load`
-requests in flight; the three deployments take it in turns, a slice at a time, so the
-machine's other jobs weigh on all alike) and prints one row per (link, load, policy):
-TTFT p50 / p90 (client-side, first streamed token), TPOT p90 (per request: seconds per
-output token after the first), the share of requests prefilled locally, the median
-relative error of the router's TTFT prediction (`pdkv_route`), and the planner's TTFT
-relative to the better fixed policy.
+always_disaggregate, always_local, planner) it starts a 1P1D deployment: P and D each in a
+process of its own (`pd.tools.planner_bench_worker`: the real Worker with its engine, ZMQ
+connector and HTTP API; one torch thread; P pinned to one core and D to another where this
+process may use two), the real Router in this process, loopback HTTP. It warms each up
+(the same warm-up prompts, so the planner's figures have samples), then runs the workloads
+(the three deployments take each in turns, a slice at a time, so the machine's other jobs
+weigh on all alike) and prints one row per (link, load, policy): TTFT p50 / p90
+(client-side, first streamed token), TPOT p90 (per request: seconds per output token after
+the first), the share of requests prefilled locally, the median relative error of the
+router's TTFT prediction (`pdkv_route`), and the planner's TTFT relative to the better
+fixed policy.
 
-Workload: prompt lengths log-uniform in [--min-len, --max-len] (64..8192), random token
-ids (no prefix sharing: prefix caching is off), `--max-tokens` output tokens each.
-The model is random-weight, 2 layers, hidden 128 (`ARCH`): a prefill of 8k tokens takes
-about 2-3 s on one CPU core, and each link's run takes about 2 minutes.
+Workloads: the sweep, prompt lengths log-uniform in [--min-len, --max-len] (64..8192),
+`--max-tokens` output tokens each, closed loop with `load` requests in flight, for each of
+`--loads`; and "mixed": one client sends long prompts (4096..max-len tokens, 64 output
+tokens) one after another while two interactive clients send short ones (64..512 tokens)
+meanwhile, so short prompts arrive while a long one is prefilling or decoding. Random
+token ids (no prefix sharing: prefix caching is off). The model is random-weight, 2 layers,
+hidden 128 (`ARCH`): a prefill of 8k tokens takes about 2 s on one CPU core, and each
+link's run takes about 2.5 minutes.
 """
 from __future__ import annotations
 
@@ -144,9 +149,9 @@ class _Deployment:
     def __enter__(self) -> _Deployment:
         self.thread.start()
         roles = (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE))
-        procs = [self._spawn(wid, role, cpu) for (wid, role), cpu in zip(roles, self.cpus)]
+        procs = [self._spawn(wid, role, cpu) for (wid, role), cpu in zip(roles, self.cpus, strict=True)]
         endpoints = []
-        for (wid, role), proc in zip(roles, procs):
+        for (wid, role), proc in zip(roles, procs, strict=True):
             url = _read_url(proc, WORKER_START_TIMEOUT_S)
             endpoints.append(WorkerEndpoint(wid, role, url))
         self.router = Router(self.config, endpoints, SECRET)
@@ -273,8 +278,8 @@ def summarize(records: list[Record]) -> dict:
             "local_share": sum(r.decision == "local" for r in records) / max(1, len(records))}
 
 
-def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict, list[Record]]:
-    """({(policy, load): summary}, the planner's figures, the planner's records) on one link; load
+def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict, dict]:
+    """({(policy, load): summary}, the planner's figures, {(policy, load): records}) on one link; load
     "mixed" is the mixed workload. The three deployments live side by side and take the workload
     in turns, a slice each, so a change in the machine's load (other jobs) falls on every policy
     alike rather than on whichever ran then."""
@@ -306,8 +311,7 @@ def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict, list[Recor
         planner = deps["planner"].router
         assert planner is not None
         figures = planner.planner.describe()
-    planner_records = [r for load in loads for r in records[("planner", load)]]
-    return {key: summarize(recs) for key, recs in records.items()}, figures, planner_records
+    return {key: summarize(recs) for key, recs in records.items()}, figures, records
 
 
 def format_table(rows: list[dict]) -> str:
@@ -332,7 +336,7 @@ def run(settings: BenchSettings, decisions: list | None = None) -> list[dict]:
         if link == "throttled" and "emulated_link" not in TransferSection.model_fields:
             print("throttled link: needs `transfer.emulated_link` (connectors/emulated_link.py); skipped")
             continue
-        summaries, figures, planner_records = run_link(link, settings)
+        summaries, figures, records = run_link(link, settings)
         for load in [*settings.loads, *(["mixed"] if settings.mixed else [])]:
             best = {q: min(summaries[(m, load)][f"ttft_{q}_s"] for m in POLICIES[:2]) for q in ("p50", "p90")}
             for mode in POLICIES:
@@ -343,7 +347,8 @@ def run(settings: BenchSettings, decisions: list | None = None) -> list[dict]:
                 rows.append(row)
         logging.getLogger(__name__).info("planner figures (%s link): %s", link, json.dumps(figures))
         decisions.append({"link": link, "figures": figures,
-                          "records": [dataclasses.asdict(r) for r in planner_records]})
+                          "records": {f"{mode} {load}": [dataclasses.asdict(r) for r in recs]
+                                      for (mode, load), recs in records.items()}})
     return rows
 
 
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed workload")
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--decisions", help="write the planner's figures and per-request decisions here")
+    parser.add_argument("--decisions", help="write the planner's figures and every request's record here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     links = tuple(x for x in args.links.split(",") if x)

@@ -4,6 +4,7 @@ tests/reliability/test_planner_paths.py and tests/e2e/test_planner_ray.py."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -81,6 +82,27 @@ def test_long_prompt_goes_remote_on_a_fast_link_when_d_is_decoding():
     assert plan.chosen.kind is Kind.REMOTE and plan.reason is Reason.BEST
     local = next(o for o in plan.options if o.kind is Kind.LOCAL)
     assert local.tpot_cost_s == pytest.approx(8 * _prefill_s(8192), rel=0.05)  # what it would stall on D
+
+
+def test_long_prompt_goes_remote_when_requests_arrive_during_its_prefill():
+    """D idle, P 30% slower: alone, the long prompt prefills locally; once requests keep
+    arriving while others are in flight, D's seconds on it would hold them up: it goes to P."""
+    figures = _figures(gbps=10.0, d_speed=1.3)
+    assert _decide(figures, 8192).chosen.kind is Kind.LOCAL
+    start = time.monotonic() - 15.0  # the decision reads the rate now: arrivals over the last 15 s
+    for i in range(10):  # one client, one request at a time: nobody arrives during a prefill
+        figures.observe_arrival(0, now=start + i * 0.5)
+    assert figures.overlap_rate() == 0.0
+    assert _decide(figures, 8192).chosen.kind is Kind.LOCAL
+    for i in range(40):  # then 4 requests a second arrive while others are in flight
+        figures.observe_arrival(2, now=start + 5.0 + i * 0.25)
+    assert figures.overlap_rate(now=start + 15.0) == pytest.approx(40 / 15.0)
+    plan = _decide(figures, 8192)
+    assert plan.chosen.kind is Kind.REMOTE
+    local = next(o for o in plan.options if o.kind is Kind.LOCAL)
+    remote = next(o for o in plan.options if o.kind is Kind.REMOTE)
+    assert local.queue_cost_s > 0.3 * _prefill_s(8192, 1.3) and remote.queue_cost_s < 1e-3
+    assert _decide(figures, 64).chosen.kind is Kind.LOCAL  # a short one still stays on D
 
 
 def test_short_prompt_stays_local_when_p_is_queued():
