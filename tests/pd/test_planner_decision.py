@@ -4,6 +4,7 @@ tests/reliability/test_planner_paths.py and tests/e2e/test_planner_ray.py."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -88,14 +89,14 @@ def test_long_prompt_goes_remote_when_requests_arrive_during_its_prefill():
     arriving while others are in flight, D's seconds on it would hold them up: it goes to P."""
     figures = _figures(gbps=10.0, d_speed=1.3)
     assert _decide(figures, 8192).chosen.kind is Kind.LOCAL
-    start = 100.0
+    start = time.monotonic() - 15.0  # the decision reads the rate now: arrivals over the last 15 s
     for i in range(10):  # one client, one request at a time: nobody arrives during a prefill
         figures.observe_arrival(0, now=start + i * 0.5)
     assert figures.overlap_rate() == 0.0
     assert _decide(figures, 8192).chosen.kind is Kind.LOCAL
     for i in range(40):  # then 4 requests a second arrive while others are in flight
         figures.observe_arrival(2, now=start + 5.0 + i * 0.25)
-    assert figures.overlap_rate() == pytest.approx(40 / (0.5 + 39 * 0.25))  # over the busy gaps only
+    assert figures.overlap_rate(now=start + 15.0) == pytest.approx(40 / 15.0)
     plan = _decide(figures, 8192)
     assert plan.chosen.kind is Kind.REMOTE
     local = next(o for o in plan.options if o.kind is Kind.LOCAL)

@@ -142,18 +142,16 @@ class CostFigures:
         self._arrivals.append((time.monotonic() if now is None else now, num_in_flight > 0))
         self._num_decodes = max(1, num_decodes)
 
-    def overlap_rate(self) -> float:
+    def overlap_rate(self, now: float | None = None) -> float:
         """Requests per second, per D, that arrive while others are in flight: how many reach a D
-        while it computes. Measured over busy time only: the recent arrivals that found others in
-        flight, over the gaps that led up to them (an arrival that found none in flight, and the idle
-        gap before it, do not count: a closed loop of one client never sends during its own request).
-        Zero until such an arrival is known."""
-        num_overlapping, busy_s = 0, 0.0
-        for (before, _), (at, busy) in itertools.pairwise(self._arrivals):
-            if busy:
-                num_overlapping += 1
-                busy_s += at - before
-        return num_overlapping / busy_s / self._num_decodes if busy_s > 0 else 0.0
+        while it computes (the recent arrivals that found none in flight do not count: a closed loop
+        of one client never sends during its own request). Zero until two arrivals are known."""
+        if len(self._arrivals) < 2:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        span = now - self._arrivals[0][0]
+        num_overlapping = sum(busy for _, busy in itertools.islice(self._arrivals, 1, None))
+        return num_overlapping / span / self._num_decodes if span > 0 else 0.0
 
     # -- pending work -----------------------------------------------------
     def add_pending(self, worker_id: str, num_tokens: int) -> int | None:
