@@ -163,6 +163,11 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
         """Transfer figures for JSON (plain data)."""
         return {}
 
+    def listen_ports(self) -> dict[str, int] | None:
+        """Producer side: the ports this connector listens on itself (`side_channel`, `data`;
+        not an emulated link's), or None where it listens on none."""
+        return None
+
     # -- scheduler half ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -273,6 +273,12 @@ class ZmqConnector(KVConnector):
     def abort_lease(self, request_id: str) -> bool:
         return self.worker.abort_lease(request_id)
 
+    def listen_ports(self) -> dict[str, int] | None:
+        producer = self.worker.producer
+        if producer is None:
+            return None
+        return {"side_channel": producer.port, "data": producer.data_port}
+
     def stats(self) -> dict:
         stats = self.metrics.snapshot()
         if self.worker.link is not None:

@@ -131,10 +131,7 @@ def _transfer_stats(connector: KVConnector | None) -> dict:
 def kv_listen_ports(connector: KVConnector | None) -> dict[str, int] | None:
     """A producer's KV listening ports (side channel, data streams), or None on a worker that has none.
     Served only on the authenticated health endpoint: a fault harness aims junk at them."""
-    producer = getattr(getattr(connector, "worker", None), "producer", None)
-    if producer is None:
-        return None
-    return {"side_channel": producer.port, "data": producer.data_port}
+    return None if connector is None else connector.listen_ports()
 
 
 def kv_hashing_identity(engine: Engine) -> dict:
