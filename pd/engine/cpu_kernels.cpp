@@ -4,14 +4,67 @@
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PDKV_ATTN_AVX2 1
+// Scores of query head q (D floats, D % 8 == 0) against 4 rows `s_tok` apart, times sc, into out[0..3].
+static inline void qk_four(const float* q, const float* k, int64_t s_tok, int64_t D, float sc, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + s_tok + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * s_tok + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * s_tok + d), a3);
+  }
+  // hadd twice: lane i of each 128-bit half holds half of row i's sum; add the halves.
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(r, _mm_set1_ps(sc)));
+}
+
+// acc[0, 8C) += sum_t w[t] * v[t * s_tok + (0, 8C)]: C accumulators stay in registers over the tokens.
+template <int C>
+static inline void pv_span(const float* w, const float* v, int64_t s_tok, int64_t cnt, float* acc) {
+  __m256 r[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) r[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t t = 0; t < cnt; ++t) {
+    const __m256 wv = _mm256_set1_ps(w[t]);
+    const float* vt = v + t * s_tok;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) r[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vt + 8 * c), r[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, r[c]);
+}
 #endif
 
 // Scores of every query head against `cnt` consecutive tokens of one block (rows `s_tok` apart).
 static inline void qk_rows(const float* qb, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq, int64_t Hkv,
                            int64_t D, float sc, float* out, int64_t n) {
   const int64_t G = Hq / Hkv;
+#ifdef PDKV_ATTN_AVX2
+  if (D % 8 == 0) {
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* qh = qb + hq * D;
+      const float* kh = base + (hq / G) * D;
+      int64_t t = 0;
+      for (; t + 4 <= cnt; t += 4) qk_four(qh, kh + t * s_tok, s_tok, D, sc, out + hq * n + t);
+      for (; t < cnt; ++t) {
+        const float* k = kh + t * s_tok;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; ++d) sum += qh[d] * k[d];
+        out[hq * n + t] = sum * sc;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t t = 0; t < cnt; ++t) {
     const float* krow = base + t * s_tok;
     for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -61,6 +114,28 @@ static inline void pv_rows(const float* w, int64_t n, const float* base, int64_t
 #if defined(__AVX512F__)
   if (D == 64) return pv_rows_avx512<4>(w, n, base, s_tok, cnt, Hq, G, acc);
   if (D == 128) return pv_rows_avx512<8>(w, n, base, s_tok, cnt, Hq, G, acc);
+#endif
+#ifdef PDKV_ATTN_AVX2
+  if (D % 8 == 0) {  // spans of up to 64 values, each held in registers over the block's tokens
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float* vh = base + (hq / G) * D;
+      for (int64_t d = 0; d < D; d += 64) {
+        const float* wh = w + hq * n;
+        float* a = acc + hq * D + d;
+        switch (std::min<int64_t>(64, D - d) / 8) {
+          case 8: pv_span<8>(wh, vh + d, s_tok, cnt, a); break;
+          case 7: pv_span<7>(wh, vh + d, s_tok, cnt, a); break;
+          case 6: pv_span<6>(wh, vh + d, s_tok, cnt, a); break;
+          case 5: pv_span<5>(wh, vh + d, s_tok, cnt, a); break;
+          case 4: pv_span<4>(wh, vh + d, s_tok, cnt, a); break;
+          case 3: pv_span<3>(wh, vh + d, s_tok, cnt, a); break;
+          case 2: pv_span<2>(wh, vh + d, s_tok, cnt, a); break;
+          default: pv_span<1>(wh, vh + d, s_tok, cnt, a); break;
+        }
+      }
+    }
+    return;
+  }
 #endif
   for (int64_t t = 0; t < cnt; ++t) {
     const float* vrow = base + t * s_tok;
@@ -207,13 +282,30 @@ static inline void rope_heads(const float* src, const float* cs, const float* sn
   }
 }
 
+// x · Wᵀ (+ b) with n outputs: the packed GEMM (cpu_gemm.cpp) when w is packed (3-D), else at::linear.
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t n) {
+  const bool has_bias = b.defined() && b.numel() > 0;
+  if (w.dim() == 2) return has_bias ? at::linear(x, w, b) : at::linear(x, w);
+  auto y = torch::empty({x.size(0), n}, x.options());
+  packed_gemm_into(x, w, b, false, y);
+  return y;
+}
+
+// x + y · Wᵀ (the residual add); a packed w accumulates into x in place.
+static torch::Tensor add_projection(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w) {
+  if (w.dim() == 2) return x + at::linear(y, w);
+  packed_gemm_into(y, w, torch::Tensor(), true, x);
+  return x;
+}
+
 // Every decoder layer for a batch of decode tokens (one per request), float32 on the CPU: the
 // per-layer small ops (norms, RoPE, K/V write, attention, SiLU) run here, the projections through
-// at::linear. x: (B, hidden) embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors:
-// input norm, fused q|k|v weight, fused q|k|v bias (may be empty), o_proj, post norm, fused
-// gate|up weight, down_proj. Per group (`layer_group` maps layers to groups): the block and offset
-// of each new token's slot, the block table and the first key position. Returns hidden states
-// after the last layer (before the final norm).
+// `project` (packed GEMM or at::linear). x: (B, hidden) embeddings; cos/sin: (B, D). Per layer
+// `weights` holds 7 tensors: input norm, fused q|k|v weight, fused q|k|v bias (may be empty),
+// o_proj, post norm, fused gate|up weight, down_proj; the four matrices are all plain (N, K) or
+// all packed (P, K, 16) with q|k|v and gate|up unpadded. Per group (`layer_group` maps layers to
+// groups): the block and offset of each new token's slot, the block table and the first key
+// position. Returns hidden states after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
                             std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
@@ -229,6 +321,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   const float* cp_sin = sin.data_ptr<float>();
   const int64_t* offs = slot_offsets.data_ptr<int64_t>();
   const int64_t* ke = key_end.data_ptr<int64_t>();
+  x = x.clone();  // the residual stream is updated in place
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + 7 * l;
     const torch::Tensor& cache = caches[l];
@@ -241,8 +334,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const int64_t* ks = key_starts[g].data_ptr<int64_t>();
     const int64_t* sb = slot_blocks[g].data_ptr<int64_t>();
     float* cp = cache.data_ptr<float>();
-    auto qkv = w[2].defined() && w[2].numel() ? at::linear(rms_norm_rows(x, w[0], ep), w[1], w[2])
-                                             : at::linear(rms_norm_rows(x, w[0], ep), w[1]);
+    auto qkv = project(rms_norm_rows(x, w[0], ep), w[1], w[2], qw + 2 * kw);
     auto attn = torch::empty({B, qw}, x.options());
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
@@ -261,8 +353,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
                  ap + b * qw);
     });
-    x = x + at::linear(attn, w[3]);
-    auto gu = at::linear(rms_norm_rows(x, w[4], ep), w[5]);
+    x = add_projection(x, attn, w[3]);
+    const int64_t gu_cols = w[5].dim() == 3 ? w[5].size(0) * kPanel : w[5].size(0);
+    auto gu = project(rms_norm_rows(x, w[4], ep), w[5], torch::Tensor(), gu_cols);
     const int64_t I = gu.size(1) / 2;
     auto act = torch::empty({B, I}, x.options());
     const float* gp = gu.data_ptr<float>();
@@ -275,7 +368,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
         for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
       }
     });
-    x = x + at::linear(act, w[6]);
+    x = add_projection(x, act, w[6]);
   }
   return x;
 }
