@@ -22,8 +22,9 @@ static constexpr int64_t kChunk = 64;  // k-steps summed in registers before joi
 
 // C[MR, cols] (+)= A[MR, K] · B[K, 16] (+ bias[cols]); cols < 16 only in a padded last panel.
 // With `next`, also prefetches that panel (one 64-byte line per k) so that its DRAM reads overlap
-// this panel's FMAs (the hardware prefetcher restarts at every 4 KiB page). The k-sum runs in chunks of kChunk whose partial sums are added up in `part` (in L1): the
-// rounding error then grows with K / kChunk + kChunk rather than with K, as in a blocked sgemm.
+// this panel's FMAs (the hardware prefetcher restarts at every 4 KiB page). The k-sum runs in
+// chunks of kChunk whose partial sums are added up in `part` (in L1): the rounding error then
+// grows with K / kChunk + kChunk rather than with K, as in a blocked sgemm.
 template <int MR>
 static inline void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
                         float* C, int64_t ldc, int64_t cols, const float* next) {
@@ -53,15 +54,32 @@ static inline void tile(const float* A, int64_t lda, const float* B, int64_t K, 
       _mm256_store_ps(part[i] + 8, c[i][1]);
     }
   }
+  if (K == 0) std::fill(&part[0][0], &part[0][0] + MR * kPanel, 0.f);
+  if (cols == kPanel) {
+    const __m256 z0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 z1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      float* out = C + i * ldc;
+      __m256 r0 = _mm256_load_ps(part[i]), r1 = _mm256_load_ps(part[i] + 8);
+      if (bias) {
+        r0 = _mm256_add_ps(r0, z0);
+        r1 = _mm256_add_ps(r1, z1);
+      }
+      if (accumulate) {
+        r0 = _mm256_add_ps(_mm256_loadu_ps(out), r0);
+        r1 = _mm256_add_ps(_mm256_loadu_ps(out + 8), r1);
+      }
+      _mm256_storeu_ps(out, r0);
+      _mm256_storeu_ps(out + 8, r1);
+    }
+    return;
+  }
   for (int i = 0; i < MR; ++i) {
     float* out = C + i * ldc;
-    if (K == 0) std::fill(part[i], part[i] + kPanel, 0.f);
-    if (bias != nullptr)
-      for (int64_t j = 0; j < cols; ++j) part[i][j] += bias[j];
-    if (accumulate) {
-      for (int64_t j = 0; j < cols; ++j) out[j] += part[i][j];
-    } else {
-      std::copy(part[i], part[i] + cols, out);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = part[i][j] + (bias ? bias[j] : 0.f);
+      out[j] = accumulate ? out[j] + v : v;
     }
   }
 }
@@ -114,7 +132,8 @@ static void packed_gemm_into(const torch::Tensor& x, const torch::Tensor& packed
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* C = y.data_ptr<float>();
   const int64_t lda = x.stride(0), ldc = y.stride(0);
-  // Rows of x in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2).
+  // Rows of x in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2); each
+  // panel's first row block prefetches the panel two ahead.
   const int64_t chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {

@@ -248,10 +248,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   return out;
 }
 
-// y = x / rms(x) * w, row by row (x: (B, H)).
-static torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, float eps) {
+// y = x / rms(x) * w, row by row (x, y: (B, H)).
+static void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, float eps, torch::Tensor& y) {
   const int64_t B = x.size(0), H = x.size(1);
-  auto y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -265,7 +264,6 @@ static torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& 
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * rstd * wp[i];
   }
-  return y;
 }
 
 // Rotate-half RoPE of `heads` heads of D at src into dst (cos/sin: D values of this token's position).
@@ -282,20 +280,21 @@ static inline void rope_heads(const float* src, const float* cs, const float* sn
   }
 }
 
-// x · Wᵀ (+ b) with n outputs: the packed GEMM (cpu_gemm.cpp) when w is packed (3-D), else at::linear.
-static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t n) {
-  const bool has_bias = b.defined() && b.numel() > 0;
-  if (w.dim() == 2) return has_bias ? at::linear(x, w, b) : at::linear(x, w);
-  auto y = torch::empty({x.size(0), n}, x.options());
-  packed_gemm_into(x, w, b, false, y);
-  return y;
+// y = x · Wᵀ (+ b): the packed GEMM (cpu_gemm.cpp) when w is packed (3-D), else at::linear.
+static void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, torch::Tensor& y) {
+  if (w.dim() == 3) return packed_gemm_into(x, w, b, false, y);
+  if (b.defined() && b.numel() > 0) {
+    at::linear_out(y, x, w, b);
+  } else {
+    at::linear_out(y, x, w);
+  }
 }
 
-// x + y · Wᵀ (the residual add); a packed w accumulates into x in place.
-static torch::Tensor add_projection(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w) {
-  if (w.dim() == 2) return x + at::linear(y, w);
-  packed_gemm_into(y, w, torch::Tensor(), true, x);
-  return x;
+// x += y · Wᵀ (the residual add): a packed w accumulates into x, a plain one goes through `tmp`.
+static void add_projection(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, torch::Tensor& tmp) {
+  if (w.dim() == 3) return packed_gemm_into(y, w, torch::Tensor(), true, x);
+  at::linear_out(tmp, y, w);
+  x.add_(tmp);
 }
 
 // Every decoder layer for a batch of decode tokens (one per request), float32 on the CPU: the
@@ -312,7 +311,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
                             std::vector<torch::Tensor> tables, std::vector<torch::Tensor> key_starts,
                             torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale) {
   const int64_t L = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "contiguous float32 inputs");
   const int64_t B = x.size(0), D = cos.size(1), qw = Hq * D, kw = Hkv * D;
@@ -321,7 +320,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   const float* cp_sin = sin.data_ptr<float>();
   const int64_t* offs = slot_offsets.data_ptr<int64_t>();
   const int64_t* ke = key_end.data_ptr<int64_t>();
-  x = x.clone();  // the residual stream is updated in place
+  const int64_t H = x.size(1);
+  const int64_t I = (weights[5].dim() == 3 ? weights[5].size(0) * kPanel : weights[5].size(0)) / 2;
+  x = x.clone();  // the residual stream, updated in place
+  // Scratch for every layer, allocated once per call.
+  auto h = torch::empty({B, H}, x.options()), tmp = torch::empty({B, H}, x.options());
+  auto qkv = torch::empty({B, qw + 2 * kw}, x.options()), attn = torch::empty({B, qw}, x.options());
+  auto gu = torch::empty({B, 2 * I}, x.options()), act = torch::empty({B, I}, x.options());
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + 7 * l;
     const torch::Tensor& cache = caches[l];
@@ -334,8 +339,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const int64_t* ks = key_starts[g].data_ptr<int64_t>();
     const int64_t* sb = slot_blocks[g].data_ptr<int64_t>();
     float* cp = cache.data_ptr<float>();
-    auto qkv = project(rms_norm_rows(x, w[0], ep), w[1], w[2], qw + 2 * kw);
-    auto attn = torch::empty({B, qw}, x.options());
+    rms_norm_rows(x, w[0], ep, h);
+    project(h, w[1], w[2], qkv);
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
     const int64_t row = qkv.size(1);
@@ -353,11 +358,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
                  ap + b * qw);
     });
-    x = add_projection(x, attn, w[3]);
-    const int64_t gu_cols = w[5].dim() == 3 ? w[5].size(0) * kPanel : w[5].size(0);
-    auto gu = project(rms_norm_rows(x, w[4], ep), w[5], torch::Tensor(), gu_cols);
-    const int64_t I = gu.size(1) / 2;
-    auto act = torch::empty({B, I}, x.options());
+    add_projection(x, attn, w[3], tmp);
+    rms_norm_rows(x, w[4], ep, h);
+    project(h, w[5], torch::Tensor(), gu);
     const float* gp = gu.data_ptr<float>();
     float* actp = act.data_ptr<float>();
     at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
@@ -368,7 +371,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
         for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
       }
     });
-    x = add_projection(x, act, w[6]);
+    add_projection(x, act, w[6], tmp);
   }
   return x;
 }
