@@ -105,6 +105,22 @@ static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, i
     m += rows;
   }
 }
+
+// One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W packed (ceil(N/16), K, 16).
+// Rows of A in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2); each
+// panel's first row block prefetches the panel two ahead.
+static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N,
+                               const float* bias, bool accumulate, float* C, int64_t ldc, int64_t p0, int64_t p1) {
+  const int64_t chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      panel_rows(A + m0 * lda, lda, rows, W + p * K * kPanel, K, bias ? bias + n0 : nullptr, accumulate,
+                 C + m0 * ldc + n0, ldc, cols, p + 2 < p1 ? W + (p + 2) * K * kPanel : nullptr);
+    }
+  }
+}
 #endif
 
 bool packed_gemm_available() {
@@ -127,23 +143,10 @@ static void packed_gemm_into(const torch::Tensor& x, const torch::Tensor& packed
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1 && y.size(0) == M, "row-major x and y");
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias of N values");
-  const float* A = x.data_ptr<float>();
-  const float* W = packed.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
-  float* C = y.data_ptr<float>();
-  const int64_t lda = x.stride(0), ldc = y.stride(0);
-  // Rows of x in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2); each
-  // panel's first row block prefetches the panel two ahead.
-  const int64_t chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t rows = std::min(chunk, M - m0);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-        panel_rows(A + m0 * lda, lda, rows, W + p * K * kPanel, K, bp ? bp + n0 : nullptr, accumulate,
-                   C + m0 * ldc + n0, ldc, cols, p + 2 < end ? W + (p + 2) * K * kPanel : nullptr);
-      }
-    }
+    packed_gemm_serial(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), N, bp, accumulate,
+                       y.data_ptr<float>(), y.stride(0), begin, end);
   });
 #else
   TORCH_CHECK(false, "packed GEMM not built (no AVX2/FMA)");

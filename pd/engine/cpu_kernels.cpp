@@ -248,21 +248,30 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   return out;
 }
 
+// y = x / rms(x) * w for one row of H values.
+static inline void rms_norm_row(const float* x, const float* w, int64_t H, float eps, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float rstd = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) y[i] = x[i] * rstd * w[i];
+}
+
 // y = x / rms(x) * w, row by row (x, y: (B, H)).
 static void rms_norm_rows(const torch::Tensor& x, const torch::Tensor& w, float eps, torch::Tensor& y) {
   const int64_t B = x.size(0), H = x.size(1);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    const float* xr = xp + b * H;
-    float* yr = yp + b * H;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t b = 0; b < B; ++b)
+    rms_norm_row(x.data_ptr<float>() + b * H, w.data_ptr<float>(), H, eps, y.data_ptr<float>() + b * H);
+}
+
+// o = silu(gate) * up for `rows` rows of [gate | up] (2I values each).
+static void silu_mul_rows(const float* gu, int64_t rows, int64_t I, float* o) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * I;
+    float* out = o + r * I;
 #pragma omp simd
-    for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * rstd * wp[i];
+    for (int64_t i = 0; i < I; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
   }
 }
 
@@ -290,21 +299,76 @@ static void project(const torch::Tensor& x, const torch::Tensor& w, const torch:
   }
 }
 
-// x += y · Wᵀ (the residual add): a packed w accumulates into x, a plain one goes through `tmp`.
-static void add_projection(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, torch::Tensor& tmp) {
-  if (w.dim() == 3) return packed_gemm_into(y, w, torch::Tensor(), true, x);
-  at::linear_out(tmp, y, w);
-  x.add_(tmp);
+// The shapes of one decode step and, per layer, what it reads (weights, cache, block tables).
+struct StepShape {
+  int64_t Hq, Hkv, D, qw, kw, H, I;
+  float eps, scale;
+  const float* cos;  // (B, D)
+  const float* sin;
+  const int64_t* slot_offsets;
+  const int64_t* key_end;
+};
+struct LayerView {
+  const torch::Tensor* w;  // the layer's 7 weights
+  float* cache;
+  int64_t bs, s_blk, s_kv, s_tok, W;
+  const int64_t* table;
+  const int64_t* key_start;
+  const int64_t* slot_block;
+};
+
+// Request b's new token in one layer: RoPE, K/V written into its slot, then attention over its
+// keys (the token included, read back through the page). qkv: b's q|k|v row; out: Hq * D values.
+static void attend_new_token(const StepShape& s, const LayerView& lv, int64_t b, const float* qkv,
+                             std::vector<float>& qbuf, std::vector<float>& scores, std::vector<float>& acc,
+                             float* out) {
+  qbuf.resize(s.qw);
+  const float* cs = s.cos + b * s.D;
+  const float* sn = s.sin + b * s.D;
+  float* kdst = lv.cache + lv.slot_block[b] * lv.s_blk + s.slot_offsets[b] * lv.s_tok;
+  rope_heads(qkv + s.qw, cs, sn, s.Hkv, s.D, kdst);
+  std::copy(qkv + s.qw + s.kw, qkv + s.qw + 2 * s.kw, kdst + lv.s_kv);
+  rope_heads(qkv, cs, sn, s.Hq, s.D, qbuf.data());
+  attend_one(qbuf.data(), lv.cache, lv.table + b * lv.W, lv.key_start[b], s.key_end[b], lv.bs, lv.s_blk, lv.s_kv,
+             lv.s_tok, s.Hq, s.Hkv, s.D, s.scale, scores, acc, out);
 }
 
+#ifdef PDKV_PACKED_GEMM
+// Rows [r0, r1) of the residual stream x (B, H) through every layer, on the calling thread alone:
+// with packed weights the requests are split over the threads once per step, and no thread waits
+// for another until the step ends (a request's layer l needs only its own layer l - 1).
+static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers, int64_t r0, int64_t r1, float* x) {
+  const int64_t R = r1 - r0, H = s.H, I = s.I, nqkv = s.qw + 2 * s.kw;
+  std::vector<float> h(R * H), qkv(R * nqkv), attn(R * s.qw), gu(R * 2 * I), act(R * I), qbuf, scores, acc;
+  float* xr = x + r0 * H;
+  const auto panels = [](const torch::Tensor& t) { return t.size(0); };
+  for (const LayerView& lv : layers) {
+    const torch::Tensor* w = lv.w;
+    const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[0].data_ptr<float>(), H, s.eps, h.data() + r * H);
+    packed_gemm_serial(h.data(), H, R, H, w[1].data_ptr<float>(), nqkv, bias, false, qkv.data(), nqkv, 0, panels(w[1]));
+    for (int64_t r = 0; r < R; ++r)
+      attend_new_token(s, lv, r0 + r, qkv.data() + r * nqkv, qbuf, scores, acc, attn.data() + r * s.qw);
+    packed_gemm_serial(attn.data(), s.qw, R, s.qw, w[3].data_ptr<float>(), H, nullptr, true, xr, H, 0, panels(w[3]));
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[4].data_ptr<float>(), H, s.eps, h.data() + r * H);
+    packed_gemm_serial(h.data(), H, R, H, w[5].data_ptr<float>(), 2 * I, nullptr, false, gu.data(), 2 * I, 0,
+                       panels(w[5]));
+    silu_mul_rows(gu.data(), R, I, act.data());
+    packed_gemm_serial(act.data(), I, R, I, w[6].data_ptr<float>(), H, nullptr, true, xr, H, 0, panels(w[6]));
+  }
+}
+#endif
+
 // Every decoder layer for a batch of decode tokens (one per request), float32 on the CPU: the
-// per-layer small ops (norms, RoPE, K/V write, attention, SiLU) run here, the projections through
-// `project` (packed GEMM or at::linear). x: (B, hidden) embeddings; cos/sin: (B, D). Per layer
-// `weights` holds 7 tensors: input norm, fused q|k|v weight, fused q|k|v bias (may be empty),
-// o_proj, post norm, fused gate|up weight, down_proj; the four matrices are all plain (N, K) or
-// all packed (P, K, 16) with q|k|v and gate|up unpadded. Per group (`layer_group` maps layers to
-// groups): the block and offset of each new token's slot, the block table and the first key
-// position. Returns hidden states after the last layer (before the final norm).
+// per-layer small ops (norms, RoPE, K/V write, attention, SiLU) run here. x: (B, hidden)
+// embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors: input norm, fused q|k|v
+// weight, fused q|k|v bias (may be empty), o_proj, post norm, fused gate|up weight, down_proj; the
+// four matrices are all plain (N, K) or all packed (P, K, 16) with q|k|v and gate|up unpadded.
+// Packed: the requests are split over the threads once (by estimated cost: projections plus keys)
+// and each thread runs its requests through all layers with the packed GEMM (decode_rows). Plain:
+// layer by layer, projections through at::linear, attention split by keys. Per group
+// (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
+// table and the first key position. Returns hidden states after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
                             std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
@@ -314,64 +378,74 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "contiguous float32 inputs");
-  const int64_t B = x.size(0), D = cos.size(1), qw = Hq * D, kw = Hkv * D;
-  const float sc = static_cast<float>(scale), ep = static_cast<float>(eps);
-  const float* cp_cos = cos.data_ptr<float>();
-  const float* cp_sin = sin.data_ptr<float>();
-  const int64_t* offs = slot_offsets.data_ptr<int64_t>();
-  const int64_t* ke = key_end.data_ptr<int64_t>();
-  const int64_t H = x.size(1);
-  const int64_t I = (weights[5].dim() == 3 ? weights[5].size(0) * kPanel : weights[5].size(0)) / 2;
-  x = x.clone();  // the residual stream, updated in place
-  // Scratch for every layer, allocated once per call.
-  auto h = torch::empty({B, H}, x.options()), tmp = torch::empty({B, H}, x.options());
-  auto qkv = torch::empty({B, qw + 2 * kw}, x.options()), attn = torch::empty({B, qw}, x.options());
-  auto gu = torch::empty({B, 2 * I}, x.options()), act = torch::empty({B, I}, x.options());
+  const bool packed = weights[1].dim() == 3;
+  const int64_t B = x.size(0), D = cos.size(1), H = x.size(1);
+  const int64_t I = (packed ? weights[5].size(0) * kPanel : weights[5].size(0)) / 2;
+  const StepShape s{Hq, Hkv, D, Hq * D, Hkv * D, H, I, static_cast<float>(eps), static_cast<float>(scale),
+                    cos.data_ptr<float>(), sin.data_ptr<float>(), slot_offsets.data_ptr<int64_t>(),
+                    key_end.data_ptr<int64_t>()};
+  std::vector<LayerView> layers;
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = weights.data() + 7 * l;
     const torch::Tensor& cache = caches[l];
     TORCH_CHECK(cache.size(4) == D && cache.stride(4) == 1 && cache.stride(3) == D, "head_dim layout");
-    const int64_t g = layer_group[l], bs = cache.size(2);
-    const int64_t s_blk = cache.stride(0), s_kv = cache.stride(1), s_tok = cache.stride(2);
-    const torch::Tensor& table = tables[g];
-    const int64_t W = table.size(1);
-    const int64_t* tp = table.data_ptr<int64_t>();
-    const int64_t* ks = key_starts[g].data_ptr<int64_t>();
-    const int64_t* sb = slot_blocks[g].data_ptr<int64_t>();
-    float* cp = cache.data_ptr<float>();
-    rms_norm_rows(x, w[0], ep, h);
+    const int64_t g = layer_group[l];
+    layers.push_back({weights.data() + 7 * l, cache.data_ptr<float>(), cache.size(2), cache.stride(0),
+                      cache.stride(1), cache.stride(2), tables[g].size(1), tables[g].data_ptr<int64_t>(),
+                      key_starts[g].data_ptr<int64_t>(), slot_blocks[g].data_ptr<int64_t>()});
+  }
+  x = x.clone();  // the residual stream, updated in place
+#ifdef PDKV_PACKED_GEMM
+  if (packed) {
+    // A request's cost in key-equivalents: its keys in every layer, plus the projections (2 flops
+    // per weight against ~4 per key and query dimension, keys counted 3x for being read from DRAM).
+    const int64_t params = (s.qw + 2 * s.kw) * H + s.qw * H + 3 * H * I;
+    const int64_t row_cost = L * std::max<int64_t>(1, 2 * params / (12 * s.qw));
+    std::vector<int64_t> cost(B, row_cost);
+    for (const LayerView& lv : layers)
+      for (int64_t b = 0; b < B; ++b) cost[b] += s.key_end[b] - lv.key_start[b];
+    const int64_t parts = std::min<int64_t>(at::get_num_threads(), B);
+    std::vector<int64_t> bounds(parts + 1, B);
+    int64_t total = 0;
+    for (int64_t c : cost) total += c;
+    bounds[0] = 0;
+    int64_t run = 0, k = 1;
+    for (int64_t b = 0; b < B && k < parts; ++b) {
+      run += cost[b];
+      while (k < parts && run * parts >= total * k) bounds[k++] = b + 1;
+    }
+    float* xp = x.data_ptr<float>();
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        if (bounds[i] < bounds[i + 1]) decode_rows(s, layers, bounds[i], bounds[i + 1], xp);
+    });
+    return x;
+  }
+#endif
+  TORCH_CHECK(!packed, "packed weights need the packed GEMM (AVX2 + FMA)");
+  // Scratch for every layer, allocated once per call.
+  auto h = torch::empty({B, H}, x.options()), tmp = torch::empty({B, H}, x.options());
+  auto qkv = torch::empty({B, s.qw + 2 * s.kw}, x.options()), attn = torch::empty({B, s.qw}, x.options());
+  auto gu = torch::empty({B, 2 * I}, x.options()), act = torch::empty({B, I}, x.options());
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerView& lv = layers[l];
+    const torch::Tensor* w = lv.w;
+    rms_norm_rows(x, w[0], s.eps, h);
     project(h, w[1], w[2], qkv);
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
-    const int64_t row = qkv.size(1);
-    for_each_request_balanced(B, ks, ke, [&](int64_t b) {
+    for_each_request_balanced(B, lv.key_start, s.key_end, [&](int64_t b) {
       thread_local std::vector<float> qbuf, scores, acc;
-      qbuf.resize(qw);
-      const float* src = qkvp + b * row;
-      const float* cs = cp_cos + b * D;
-      const float* sn = cp_sin + b * D;
-      // Write first, then read: the new token attends to itself through the page.
-      float* kdst = cp + sb[b] * s_blk + offs[b] * s_tok;
-      rope_heads(src + qw, cs, sn, Hkv, D, kdst);
-      std::copy(src + qw + kw, src + qw + 2 * kw, kdst + s_kv);
-      rope_heads(src, cs, sn, Hq, D, qbuf.data());
-      attend_one(qbuf.data(), cp, tp + b * W, ks[b], ke[b], bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc, scores, acc,
-                 ap + b * qw);
+      attend_new_token(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
     });
-    add_projection(x, attn, w[3], tmp);
-    rms_norm_rows(x, w[4], ep, h);
+    at::linear_out(tmp, attn, w[3]);
+    x.add_(tmp);
+    rms_norm_rows(x, w[4], s.eps, h);
     project(h, w[5], torch::Tensor(), gu);
-    const float* gp = gu.data_ptr<float>();
-    float* actp = act.data_ptr<float>();
     at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const float* gr = gp + b * 2 * I;
-        float* o = actp + b * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) o[i] = gr[i] / (1.f + std::exp(-gr[i])) * gr[I + i];
-      }
+      silu_mul_rows(gu.data_ptr<float>() + begin * 2 * I, end - begin, I, act.data_ptr<float>() + begin * I);
     });
-    add_projection(x, act, w[6], tmp);
+    at::linear_out(tmp, act, w[6]);
+    x.add_(tmp);
   }
   return x;
 }

@@ -43,7 +43,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v9", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
+                    name="pdkv_paged_decode_v10", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
                     functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
                                "packed_linear", "packed_rows"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
