@@ -1,4 +1,4 @@
-"""Optional fused paged decode kernels for CPUs (a small C++ extension, source in cpu_kernels.cpp).
+"""Optional fused paged decode kernels for CPUs (a small C++ extension, the cpu_*.cpp files beside this one).
 
 The torch path gathers each request's K/V out of the pages into a scratch
 buffer and then runs attention over it: three passes over the context. This
@@ -26,8 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# cpu_gemm.cpp (the packed-panel GEMM) first: cpu_kernels.cpp calls it.
-_SOURCE_PATHS = [pathlib.Path(__file__).with_name(name) for name in ("cpu_gemm.cpp", "cpu_kernels.cpp")]
+# One translation unit, in this order: cpu_kernels.cpp calls the other two.
+_SOURCE_PATHS = [pathlib.Path(__file__).with_name(name)
+                 for name in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
 
 _lock = threading.Lock()
 _module = None
@@ -43,7 +44,7 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v10", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
+                    name="pdkv_paged_decode_v11", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
                     functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
                                "packed_linear", "packed_rows"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
