@@ -1,4 +1,4 @@
-"""Optional fused paged decode kernels for CPUs (a small C++ extension, source in cpu_kernels.cpp).
+"""Optional fused paged decode kernels for CPUs (a small C++ extension, the cpu_*.cpp files beside this one).
 
 The torch path gathers each request's K/V out of the pages into a scratch
 buffer and then runs attention over it: three passes over the context. This
@@ -12,7 +12,9 @@ path, which is the reference.
 
 `decode_layers` goes further for steps made only of decode tokens: every
 decoder layer in one call (norms, RoPE, K/V write, attention and SiLU in C++,
-the projections through at::linear), so no per-layer Python or small torch ops.
+the projections through the packed-panel AVX2 GEMM of cpu_gemm.cpp where the
+CPU has AVX2 + FMA (`packed_gemm_available()`), else at::linear), so no
+per-layer Python or small torch ops.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE_PATH = pathlib.Path(__file__).with_name("cpu_kernels.cpp")
+# One translation unit, in this order: cpu_kernels.cpp calls the other two.
+_SOURCE_PATHS = [pathlib.Path(__file__).with_name(name)
+                 for name in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
 
 _lock = threading.Lock()
 _module = None
@@ -40,8 +44,9 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="pdkv_paged_decode_v6", cpp_sources=_SOURCE_PATH.read_text(),
-                    functions=["paged_decode_attention", "decode_layers"],
+                    name="pdkv_paged_decode_v11", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
+                    functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
+                               "packed_linear", "packed_rows"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                     verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"

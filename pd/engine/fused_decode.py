@@ -3,20 +3,23 @@
 When every scheduled chunk of a step is a single decode token and the fused
 CPU kernels are available, the runner skips the per-layer Python path: the
 step's metadata is built straight from the chunks' Python lists (a handful of
-small tensors), and the layers run in C++ with the projections through
-at::linear. The q/k/v and gate/up weights are concatenated once at
-construction, so each layer makes four matmuls instead of seven.
+small tensors), and the layers run in C++ with the projections through the
+packed-panel AVX2 GEMM (pd/engine/cpu_gemm.cpp, weights re-laid once by
+pd/engine/packed_linear.py), or at::linear where that GEMM is not built. The
+q/k/v and gate/up weights are concatenated once at construction, so each layer
+makes four matmuls instead of seven.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine import cpu_kernels
+from pd.engine import cpu_kernels, packed_linear
 from pd.engine.kv_layout import KVLayout
 from pd.engine.model import CausalLM
 
@@ -30,14 +33,15 @@ _HUGE = 1 << 21
 _MADV_HUGEPAGE = 14
 
 
-def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` in one buffer the kernel may back with 2 MiB pages (Linux THP).
+def _on_huge_pages(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Empty float32 tensors of `shapes` in one buffer the kernel may back with 2 MiB pages (Linux THP).
 
     Every decode step streams all weights from memory; with 4 KiB pages that
-    is a TLB miss every 4 KiB. Where madvise is unavailable the copies are
+    is a TLB miss every 4 KiB. Where madvise is unavailable the buffer is
     plain memory (same values, same results).
     """
-    sizes = [(t.numel() + 15) // 16 * 16 for t in tensors]  # 64-byte aligned starts
+    numels = [math.prod(s) for s in shapes]
+    sizes = [(n + 15) // 16 * 16 for n in numels]  # 64-byte aligned starts
     raw = torch.empty(sum(sizes) + _HUGE // 4, dtype=torch.float32)
     start = (-raw.data_ptr()) % _HUGE // 4
     try:
@@ -47,10 +51,16 @@ def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     except (OSError, AttributeError) as exc:  # not Linux: plain pages
         logger.debug("madvise unavailable: %s", exc)
     out, offset = [], start
-    for t, size in zip(tensors, sizes, strict=True):
-        out.append(raw[offset:offset + t.numel()].view(t.shape).copy_(t))
+    for shape, numel, size in zip(shapes, numels, sizes, strict=True):
+        out.append(raw[offset:offset + numel].view(shape))
         offset += size
     return out
+
+
+def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one huge-page buffer (see `_on_huge_pages`)."""
+    out = _on_huge_pages([tuple(t.shape) for t in tensors])
+    return [o.copy_(t) for o, t in zip(out, tensors, strict=True)]
 
 
 class FusedDecoder:
@@ -60,7 +70,9 @@ class FusedDecoder:
     returns float32 logits, one row per chunk, in chunk order; raises
     ValueError (before writing anything) when a token's slot would be the null
     block. Weights are read once at construction (the model's weights never
-    change afterwards); the model's parameters then share the packed storage.
+    change afterwards) and held once: the model's own layers then read the same
+    storage (with the packed GEMM its linear layers become PackedLinear views of
+    the panels, so prefill runs that GEMM too).
     """
 
     def __init__(self, model: CausalLM, layout: KVLayout, group_views: list[torch.Tensor]):
@@ -70,15 +82,34 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.resolved_head_dim ** -0.5
-        self.weights: list[torch.Tensor] = []
         self.caches: list[torch.Tensor] = []
         self.layer_group: list[int] = []
-        for i, layer in enumerate(model.model.layers):
+        for i in range(cfg.num_layers):
+            g, slot = layout.layer_to_group[i]
+            self.caches.append(group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
+            self.layer_group.append(g)
+        # Packed panels for the AVX2 GEMM where it is built and the shapes allow, else plain
+        # weights through at::linear (MKL); either way the weights are held once.
+        self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
+        if self.packed_gemm:
+            self.weights = packed_linear.pack_model(model, _on_huge_pages)
+        else:
+            self.weights = _pack_on_huge_pages(self._plain_weights())
+            self._share_storage()
+        logger.info("fused decode: projections through %s", self.gemm_name)
+
+    @property
+    def gemm_name(self) -> str:
+        return "the packed AVX2 GEMM" if self.packed_gemm else "at::linear"
+
+    def _plain_weights(self) -> list[torch.Tensor]:
+        weights = []
+        for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             bias = _EMPTY
             if attn.q_proj.bias is not None:
                 bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).contiguous()
-            self.weights += [
+            weights += [
                 layer.input_layernorm.weight.contiguous(),
                 torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
                 bias,
@@ -87,11 +118,7 @@ class FusedDecoder:
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
                 mlp.down_proj.weight.contiguous(),
             ]
-            g, slot = layout.layer_to_group[i]
-            self.caches.append(group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
-            self.layer_group.append(g)
-        self.weights = _pack_on_huge_pages(self.weights)
-        self._share_storage()
+        return weights
 
     def _share_storage(self) -> None:
         """Point the model's own parameters at the packed copies (views, same values), so the

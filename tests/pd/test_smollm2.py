@@ -98,7 +98,8 @@ def test_conversion_equals_transformers_gguf_loader(converted):
         assert tok.encode(text).ids == reference_tok(text, add_special_tokens=True)["input_ids"], text
 
 
-def test_greedy_tokens_equal_transformers(converted, hf_model):
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # auto: what serving runs (the fused kernel, packed GEMM)
+def test_greedy_tokens_equal_transformers(converted, hf_model, backend):
     chat = transformers.AutoTokenizer.from_pretrained(str(converted))  # reference chat-template rendering
     tok = Tokenizer.from_file(str(converted / "tokenizer.json"))
     prompts = {}
@@ -108,7 +109,8 @@ def test_greedy_tokens_equal_transformers(converted, hf_model):
         prompts[f"q{i}"] = tok.encode(text).ids
         assert prompts[f"q{i}"] == chat(text, add_special_tokens=False)["input_ids"]
 
-    engine = Engine(EngineConfig(model_path=str(converted), block_size=16, num_blocks=128, max_model_len=2048))
+    engine = Engine(EngineConfig(model_path=str(converted), block_size=16, num_blocks=128, max_model_len=2048,
+                                 attention_backend=backend))
     assert engine.model_config.dtype == "float32" and engine.model_config.tie_word_embeddings
     start = time.perf_counter()
     got = engine.generate_sync(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -131,7 +133,7 @@ def test_greedy_tokens_equal_transformers(converted, hf_model):
                      f"max |logit diff| {diff:.2e}{noise}")
         if theirs.argmax(-1).tolist() != got[rid]:
             mismatched.append(rid)
-    print(f"\npdkv engine: {len(prompts)} x {NEW_TOKENS} greedy tokens in {engine_s:.1f} s; "
+    print(f"\npdkv engine ({backend}): {len(prompts)} x {NEW_TOKENS} greedy tokens in {engine_s:.1f} s; "
           f"transformers check {time.perf_counter() - start:.1f} s")
     print("\n".join(lines))
     assert not mismatched, f"greedy tokens differ from transformers for {mismatched}: " + "; ".join(lines)

@@ -1,0 +1,158 @@
+"""Linear layers whose weights are held in the packed-panel layout of pd/engine/cpu_gemm.cpp.
+
+On the fused CPU path the weights are re-laid once, as panels of 16 output
+columns ((N, K) -> (ceil(N/16), K, 16)), which the AVX2 kernel streams at
+close to the FMA peak where MKL's sgemm at decode shapes reaches half of it.
+The model's own `nn.Linear` / tied `nn.Embedding` modules are swapped for the
+modules below, which read the same panels: the weights are held once, and
+prefill (the torch path) and decode (`decode_layers`) run the same GEMM.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd.engine import cpu_kernels
+
+PANEL = 16  # output columns per panel (kPanel in cpu_gemm.cpp)
+_NO_BIAS = torch.empty(0)
+
+
+def num_panels(out_features: int) -> int:
+    return -(-out_features // PANEL)
+
+
+def pack_into(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copies `weight` (N, K) into `out` ((ceil(N/16), K, 16), contiguous), zero-padding the last panel."""
+    n, k = weight.shape
+    pad = num_panels(n) * PANEL - n
+    padded = F.pad(weight, (0, 0, 0, pad)) if pad else weight
+    return out.copy_(padded.view(-1, PANEL, k).transpose(1, 2))
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The (out_features, K) matrix held in `packed` (a copy)."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features].clone()
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ + b with W held packed; a drop-in for the `nn.Linear` it replaces.
+
+    Guarantees: same input/output shapes and `in_features` / `out_features` as
+    nn.Linear; `state_dict()` has the same keys and values (the weight is
+    unpacked on the way out); `weight` is a fresh unpacked copy (read-only use:
+    the kernel reads `packed`). Float32 on the CPU only.
+    """
+
+    def __init__(self, packed: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack(self.packed, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        bias = _NO_BIAS if self.bias is None else self.bias
+        y = cpu_kernels.load().packed_linear(flat, self.packed, self.out_features, bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding lookup that reads the rows of a tied lm_head's panels (one copy of that matrix).
+
+    Guarantees: the same rows as the `nn.Embedding` it replaces, and the same `state_dict()`.
+    """
+
+    def __init__(self, lm_head: PackedLinear):
+        super().__init__()
+        self.lm_head = [lm_head]  # a list: not registered twice as a submodule
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.lm_head[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head[0]
+        return cpu_kernels.load().packed_rows(head.packed, head.out_features, ids)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
+        destination[prefix + "weight"] = self.weight
+
+
+def packable(model: nn.Module) -> bool:
+    """Whether `pack_model` applies: q, k, v, gate and up each fill whole panels (their fused
+    weights are then split into per-module views without copies)."""
+    cfg = model.config
+    d = cfg.resolved_head_dim
+    return all(n % PANEL == 0 for n in (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size))
+
+
+def _layer_shapes(cfg) -> list[tuple[int, ...]]:  # noqa: ANN001 - ModelConfig
+    d, h, i = cfg.resolved_head_dim, cfg.hidden_size, cfg.intermediate_size
+    qw, kw = cfg.num_heads * d, cfg.num_kv_heads * d
+    bias = (qw + 2 * kw,) if cfg.attention_bias else (0,)
+    return [(h,), (num_panels(qw + 2 * kw), h, PANEL), bias, (num_panels(h), qw, PANEL), (h,),
+            (num_panels(2 * i), h, PANEL), (num_panels(h), i, PANEL)]
+
+
+def pack_model(model: nn.Module, allocate: Callable[[list[tuple[int, ...]]], list[torch.Tensor]]
+               ) -> list[torch.Tensor]:
+    """Re-lays every projection and the lm_head of `model` (a float32 CausalLM) as panels and
+    swaps its modules for the packed ones above, in place; returns the 7 tensors per layer that
+    `decode_layers` takes (norms plain, q|k|v and gate|up fused). `allocate(shapes)` returns the
+    empty tensors to fill (one buffer for all, so they may share 2 MiB pages). Layer by layer: the
+    old weights are released as it goes, so at most one layer is held twice."""
+    cfg = model.config
+    body = model.model
+    shapes = [s for _ in body.layers for s in _layer_shapes(cfg)]
+    head_shape = (num_panels(cfg.vocab_size), cfg.hidden_size, PANEL)
+    buffers = allocate(shapes + [head_shape])
+    weights: list[torch.Tensor] = []
+    with torch.no_grad():
+        for li, layer in enumerate(body.layers):
+            norm1, qkv, bias, o, norm2, gate_up, down = buffers[7 * li: 7 * li + 7]
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            norm1.copy_(layer.input_layernorm.weight)
+            norm2.copy_(layer.post_attention_layernorm.weight)
+            layer.input_layernorm.weight.data = norm1
+            layer.post_attention_layernorm.weight.data = norm2
+            pack_into(torch.cat([p.weight for p in projections]), qkv)
+            if bias.numel():
+                bias.copy_(torch.cat([p.bias for p in projections]))
+            pack_into(attn.o_proj.weight, o)
+            pack_into(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up)
+            pack_into(mlp.down_proj.weight, down)
+            sizes = [p.out_features for p in projections]
+            names = ("q_proj", "k_proj", "v_proj")
+            start = 0
+            for name, size in zip(names, sizes, strict=True):
+                part = qkv[start // PANEL:(start + size) // PANEL]
+                setattr(attn, name, PackedLinear(part, cfg.hidden_size, size,
+                                                 bias[start:start + size] if bias.numel() else None))
+                start += size
+            attn.o_proj = PackedLinear(o, attn.o_proj.in_features, cfg.hidden_size, None)
+            half = cfg.intermediate_size // PANEL
+            mlp.gate_proj = PackedLinear(gate_up[:half], cfg.hidden_size, cfg.intermediate_size, None)
+            mlp.up_proj = PackedLinear(gate_up[half:], cfg.hidden_size, cfg.intermediate_size, None)
+            mlp.down_proj = PackedLinear(down, cfg.intermediate_size, cfg.hidden_size, None)
+            weights += [norm1, qkv, bias, o, norm2, gate_up, down]
+        head = buffers[-1]
+        pack_into(model.lm_head.weight, head)
+        model.lm_head = PackedLinear(head, cfg.hidden_size, cfg.vocab_size, None)
+        if cfg.tie_word_embeddings:
+            body.embed_tokens = PackedEmbedding(model.lm_head)
+    return weights
