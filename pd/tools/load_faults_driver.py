@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import socket
 import sys
 import threading
 import time
@@ -30,8 +29,9 @@ import zmq
 
 from connectors import wire
 from connectors.wire import MsgType
+from pd.tools.junk_connections import JunkHolder
+from pd.tools.sse_stream import SSEStream
 
-TRICKLE = (900).to_bytes(4, "big") + b"\x00" * 900  # a frame head, then its body a byte at a time
 RETRY_AFTER_CAP_S = 5.0
 FRAMES_PER_IDENTITY = 200
 
@@ -61,55 +61,6 @@ class DriverSpec:
         if unknown:
             raise ValueError(f"driver spec: unknown field(s) {unknown}")
         return cls(**data)
-
-
-class JunkHolder(threading.Thread):
-    """Holds `n` unauthenticated connections to a data port; counts the ones the producer closed."""
-
-    def __init__(self, host: str, port: int, n: int, stop: threading.Event) -> None:
-        super().__init__(daemon=True, name="junk-holder")
-        self.addr, self.n, self.stop = (host, port), n, stop
-        self.num_opened = 0
-        self.num_closed_by_peer = 0
-        self.min_open = n  # over the rounds of the run: how many were held at the least
-
-    def _open(self) -> socket.socket | None:
-        try:
-            s = socket.create_connection(self.addr, timeout=2)
-        except OSError:
-            return None
-        s.setblocking(False)
-        self.num_opened += 1
-        return s
-
-    def run(self) -> None:
-        socks = [self._open() for _ in range(self.n)]
-        sent, closed_at = [0] * self.n, [0.0] * self.n
-        while not self.stop.wait(0.3):
-            now = time.monotonic()
-            for i, s in enumerate(socks):
-                if s is None:
-                    if now - closed_at[i] >= 0.5:
-                        socks[i], sent[i] = self._open(), 0
-                    continue
-                try:
-                    try:
-                        if s.recv(4096) == b"":  # (whatever the producer sends first is read and ignored)
-                            raise ConnectionError
-                    except BlockingIOError:
-                        pass
-                    if i % 4 and sent[i] < len(TRICKLE):
-                        sent[i] += s.send(TRICKLE[sent[i]: sent[i] + 1])
-                except BlockingIOError:  # (send buffer full: try again next round)
-                    pass
-                except OSError:
-                    s.close()
-                    socks[i], closed_at[i] = None, now
-                    self.num_closed_by_peer += 1
-            self.min_open = min(self.min_open, sum(s is not None for s in socks))
-        for s in socks:
-            if s is not None:
-                s.close()
 
 
 class RefuseSender(threading.Thread):
@@ -157,16 +108,13 @@ async def _one_request(session: aiohttp.ClientSession, spec: DriverSpec, prompt_
             if resp.status != 200:
                 row["errors"].append((await resp.text())[:200])
             else:
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if line == b"data: [DONE]":
-                        row["done"] = True
-                    elif line.startswith(b"data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            row["errors"].append(str(event["error"])[:200])
-                        for choice in event.get("choices") or []:
-                            row["token_ids"].extend(choice.get("token_ids") or [])
+                stream = SSEStream(resp.content)
+                async for event in stream:
+                    if "error" in event:
+                        row["errors"].append(str(event["error"])[:200])
+                    for choice in event.get("choices") or []:
+                        row["token_ids"].extend(choice.get("token_ids") or [])
+                row["done"] = stream.done
     except asyncio.TimeoutError:
         row["hung"] = True
     except (aiohttp.ClientError, ValueError) as exc:

@@ -16,6 +16,7 @@ import time
 import aiohttp
 
 from pd.tools.loadgen_report import RequestRecord
+from pd.tools.sse_stream import SSEStream
 
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
@@ -76,15 +77,8 @@ async def send_request(session: aiohttp.ClientSession, opts: RequestOptions, pro
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            async for chunk in SSEStream(resp.content):
                 now = time.perf_counter()
-                chunk = json.loads(data)
                 if "error" in chunk:
                     record.error = str((chunk["error"] or {}).get("message"))[:200]
                     return record

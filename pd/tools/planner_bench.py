@@ -48,6 +48,7 @@ import aiohttp
 from pd.cluster.config import DeployConfig, TransferSection
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.server import Router
+from pd.tools.sse_stream import SSEStream
 
 SECRET = "planner-bench-secret-0123456789abcdef"
 ARCH = {"vocab_size": 260, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
@@ -202,11 +203,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in SSEStream(resp.content):
             for choice in chunk.get("choices", []):
                 if choice.get("token_ids"):
                     last = time.perf_counter()

@@ -38,6 +38,7 @@ import torch
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.server import Router
+from pd.tools.sse_stream import SSEStream
 from pd.worker.worker import Worker, WorkerSpec
 
 SECRET = "route-bench-secret-0123456789abcdef"
@@ -141,11 +142,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in SSEStream(resp.content):
             rid = chunk.get("id", rid)
             if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft = time.perf_counter() - t0

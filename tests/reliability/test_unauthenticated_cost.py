@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 import socket
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import zmq
 
 from connectors import wire
 from connectors.wire import MsgType
+from pd.tools.junk_connections import TRICKLE, JunkHolder
 from rel_pair import Pair, Side, prompt, reference
 
 
@@ -88,65 +88,12 @@ def test_refuse_flood_100k(caplog, fault_record):
     refuse_flood_leaves_metrics_bounded(600.0, 100_000, caplog, fault_record)
 
 
-TRICKLE = (900).to_bytes(4, "big") + b"\x00" * 900  # a frame head, then its body byte by byte
-
-
-class JunkHolder(threading.Thread):
-    """Holds `n` connections to a data port: a quarter idle, the rest trickling a byte every
-    0.3 s of a 900-byte frame; any the producer closes is opened again after 0.5 s."""
-
-    def __init__(self, port: int, n: int):
-        super().__init__(daemon=True, name="junk-holder")
-        self.port, self.n = port, n
-        self.stop = threading.Event()
-        self.opened = threading.Event()  # all `n` opened once
-        self.num_reopened = 0
-
-    def _open(self) -> socket.socket | None:
-        try:
-            s = socket.create_connection(("127.0.0.1", self.port), timeout=2)
-            s.setblocking(False)
-            return s
-        except OSError:
-            return None
-
-    def run(self) -> None:
-        socks: list = [self._open() for _ in range(self.n)]
-        closed_at, sent = [0.0] * self.n, [0] * self.n
-        self.opened.set()
-        while not self.stop.wait(0.3):
-            now = time.monotonic()
-            for i, s in enumerate(socks):
-                if s is None:
-                    if now - closed_at[i] >= 0.5:
-                        socks[i], sent[i] = self._open(), 0
-                        self.num_reopened += 1
-                    continue
-                try:
-                    if s.recv(4096) == b"":  # (the producer's NONCE is read and ignored)
-                        raise ConnectionError
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    s.close()
-                    socks[i], closed_at[i] = None, now
-                    continue
-                if i % 4 and sent[i] < len(TRICKLE):
-                    try:
-                        sent[i] += s.send(TRICKLE[sent[i] : sent[i] + 1])
-                    except OSError:
-                        pass
-        for s in socks:
-            if s is not None:
-                s.close()
-
-
 def test_idle_and_trickling_sockets_leave_transfers_working(fault_record):
     toks = [prompt(40 + 8 * i, start=i) for i in range(4)]
     wants = [reference(t, 6) for t in toks]
     with Pair(Side("prefill-0", timeout_s=2.0), Side("decode-0", timeout_s=5.0)) as pair:
         data_port = pair.p.connector.worker.producer.data_port
-        holder = JunkHolder(data_port, 200)
+        holder = JunkHolder("127.0.0.1", data_port, 200)
         holder.start()
         try:
             assert holder.opened.wait(30)  # the junk is in place (and churning) before D's first ATTACH
