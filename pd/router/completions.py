@@ -85,7 +85,8 @@ class CompletionEndpoints:
         prompts = [self._checked_prompt(self._tokenizer.encode(p) if isinstance(p, str) else list(p), req.max_tokens)
                    for p in req.prompts]
         return Job(prompts, req.sampling(req.max_tokens), req.stop_strings, req.stream,
-                   CompletionFormat(self._config.model.name, req.include_usage, req.return_token_ids))
+                   CompletionFormat(self._config.model.name, req.include_usage,
+                                    prompts if req.return_token_ids else None))
 
     def _chat_job(self, body: Any) -> Job:
         req = oa.parse_chat_request(body, served_model=self._config.model.name, vocab_size=self._vocab_size)

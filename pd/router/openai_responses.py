@@ -8,9 +8,10 @@ client asked for it (`stream_options.include_usage`); every chunk's JSON has
 the fields the `openai` client reads; `usage.prompt_tokens_details.cached_tokens`
 is always present (0 when nothing was cached). With `return_token_ids` (vLLM's
 extension) the token ids come along, and are absent otherwise: completions'
-choices carry `token_ids`; chat responses carry `prompt_token_ids` (a stream: on
-its first chunk) and each choice `token_ids`; a chat stream's chunks, joined,
-carry every generated id once, in order, as the non-streamed response does.
+choices carry `prompt_token_ids` (a stream: on its first chunk) and `token_ids`;
+chat responses carry `prompt_token_ids` (a stream: on its first chunk) and each
+choice `token_ids`; a stream's chunks, joined, carry every generated id once, in
+order, as the non-streamed response does.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class CompletionChoice(_OptionalIds):
     logprobs: None = None
     finish_reason: str | None
     token_ids: list[int] | None = None  # extension: only with `return_token_ids`
+    prompt_token_ids: list[int] | None = None  # extension: only with `return_token_ids` (a stream: first chunk)
     pdkv_route: dict | None = None  # extension: where the prompt was prefilled and why, on the last chunk
 
 
@@ -161,23 +163,31 @@ def sse_error(error: APIError) -> bytes:
 
 
 class CompletionFormat:
-    """`/v1/completions` output."""
+    """`/v1/completions` output. `prompt_token_ids` (one list per prompt) is None unless the
+    client asked for the token ids (`return_token_ids`)."""
 
-    def __init__(self, model: str, include_usage: bool, return_token_ids: bool) -> None:
+    def __init__(self, model: str, include_usage: bool, prompt_token_ids: list[list[int]] | None = None) -> None:
         self.id, self.model, self.created = f"cmpl-{uuid.uuid4().hex}", model, int(time.time())
-        self._include_usage, self._return_token_ids = include_usage, return_token_ids
+        self._include_usage = include_usage
+        self._prompt_token_ids = prompt_token_ids
+        self._num_chunks = 0
 
-    def _choice(self, index: int, piece: Piece, token_ids: list[int]) -> CompletionChoice:
+    def _choice(self, index: int, piece: Piece, token_ids: list[int], with_prompt: bool) -> CompletionChoice:
+        ids = self._prompt_token_ids
         return CompletionChoice(index=index, text=piece.text, finish_reason=piece.finish_reason,
-                                token_ids=token_ids if self._return_token_ids else None, pdkv_route=piece.route)
+                                token_ids=token_ids if ids is not None else None,
+                                prompt_token_ids=ids[index] if ids is not None and with_prompt else None,
+                                pdkv_route=piece.route)
 
     def first_chunk(self) -> bytes | None:
         return None
 
     def chunks(self, piece: Piece) -> list[bytes]:
-        """One chunk per token event, even when its text is held back (a stop string may start there)."""
+        """One chunk per token event, even when its text is held back (a stop string may start there);
+        the first carries the prompt's ids when they were asked for."""
         body = Completion(id=self.id, created=self.created, model=self.model,
-                          choices=[self._choice(0, piece, list(piece.token_ids))])
+                          choices=[self._choice(0, piece, list(piece.token_ids), self._num_chunks == 0)])
+        self._num_chunks += 1
         return [sse(body, with_usage=self._include_usage)]
 
     def usage_chunk(self, usage: Usage) -> bytes | None:
@@ -186,7 +196,7 @@ class CompletionFormat:
         return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
 
     def response(self, outputs: list[tuple[str, str | None, list[int]]], usage: Usage) -> dict:
-        choices = [self._choice(i, Piece(text, (), reason), ids) for i, (text, reason, ids) in enumerate(outputs)]
+        choices = [self._choice(i, Piece(text, (), reason), ids, True) for i, (text, reason, ids) in enumerate(outputs)]
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
                           usage=usage).model_dump(mode="json", exclude_none=False)
 

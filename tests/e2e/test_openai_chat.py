@@ -163,6 +163,31 @@ def test_chat_return_token_ids(url):
     assert result.choices[0].model_extra["token_ids"] == choice["token_ids"]
 
 
+def test_completions_return_prompt_token_ids(url):
+    """vLLM's extension on /v1/completions: each choice carries its prompt's ids (a stream: on its
+    first chunk only) and the generated ids; a text prompt's ids are the tokenizer's."""
+    tokenizer = load_tokenizer(None)
+    text = "The capital of France is"
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = post(url, "completions", dict(body, prompt=[text, "Hello"])).json()
+    first, second = whole["choices"]
+    assert first["prompt_token_ids"] == tokenizer.encode(text) and second["prompt_token_ids"] == tokenizer.encode("Hello")
+    ids = post(url, "completions", dict(body, prompt=[[5, 6, 7]])).json()["choices"][0]
+    assert ids["prompt_token_ids"] == [5, 6, 7]
+    assert len(first["token_ids"]) == 8 and tokenizer.decode(first["token_ids"]) == first["text"]
+    chunks = []
+    with requests.post(f"{url}/v1/completions", json=dict(body, prompt=text, stream=True), stream=True,
+                       timeout=60) as resp:
+        assert resp.status_code == 200, resp.text
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tokenizer.encode(text)
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == first["token_ids"]
+    plain = post(url, "completions", dict(body, prompt=text, return_token_ids=False)).json()["choices"][0]
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain
+
+
 def test_chat_token_ids_absent_unless_asked(urls):
     body = dict(WITH_IDS, return_token_ids=False)
     whole = post(urls["pd"], "chat/completions", body).json()
