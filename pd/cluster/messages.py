@@ -88,6 +88,7 @@ class StepTiming(StrictModel):
     num_loaded_tokens: int = Field(ge=0)
     num_loaded_blocks: int = Field(ge=0)
     num_loaded_bytes: int = Field(ge=0)
+    num_batched_tokens: int = Field(0, ge=0)  # other requests' tokens in the steps that computed this prompt
 
 
 class TokenEvent(StrictModel):

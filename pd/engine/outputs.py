@@ -53,7 +53,9 @@ class RequestTiming:
     """Where a request's time to first token went on this engine (seconds, perf_counter):
     waiting for admission, loading its prompt KV from a remote engine (0 when nothing was
     loaded), then computing until its first token. Token counts say what was computed and
-    what was loaded, so a router can fit per-token costs from them."""
+    what was loaded, and how many tokens of other requests shared its steps (the batch), so a
+    router can fit per-token costs from them: `compute_s` is the time of steps that computed
+    `num_computed_tokens + num_batched_tokens` tokens."""
 
     queue_s: float
     load_s: float
@@ -61,6 +63,7 @@ class RequestTiming:
     num_computed_tokens: int  # prompt tokens this engine computed (not cached, not loaded)
     num_loaded_tokens: int  # prompt tokens whose KV arrived through the connector
     num_loaded_blocks: int
+    num_batched_tokens: int = 0  # other requests' tokens in the steps that computed this one's prompt
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -97,6 +100,7 @@ class RequestState:
     num_loaded_tokens: int = 0
     num_loaded_blocks: int = 0
     timed: bool = False  # the first token's output carried the timing
+    num_batched_tokens: int = 0  # other requests' tokens in the steps of this one's prompt, to its first token
 
     def take_timing(self, num_prompt_tokens: int) -> RequestTiming | None:
         """The timing, once: on the first output with a token (None after, or if never admitted)."""
@@ -111,7 +115,7 @@ class RequestState:
             compute_from = self.load_ended_s
         num_computed = max(1, num_prompt_tokens - (self.num_cached_tokens or 0) - self.num_loaded_tokens)
         return RequestTiming(self.admitted_s - self.arrived_s, load_s, now - compute_from, num_computed,
-                             self.num_loaded_tokens, self.num_loaded_blocks)
+                             self.num_loaded_tokens, self.num_loaded_blocks, self.num_batched_tokens)
 
 
 @dataclasses.dataclass

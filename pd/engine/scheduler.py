@@ -241,12 +241,15 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         if connector_output is not None:
             outputs.extend(self._apply_connector_output(connector_output))
+        num_step_tokens = sum(len(chunk.token_ids) for chunk in sched.chunks)
         for chunk in sched.chunks:
             state = self.requests.get(chunk.request_id)
             if state is None or state.request.is_finished() or state.request.status != RequestStatus.RUNNING:
                 continue  # finished or reset while the step ran
             req = state.request
             req.num_computed_tokens += len(chunk.token_ids)
+            if not state.timed:  # the batch its prompt shared: what its compute time also paid for
+                state.num_batched_tokens += num_step_tokens - len(chunk.token_ids)
             if not chunk.needs_logits:
                 continue
             token = sampled[chunk.request_id]

@@ -89,7 +89,8 @@ class Router:
             self.pool.add(endpoint)
         self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
         self._colocated = config.topology.mode is Mode.COLOCATED
-        self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size)
+        self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size,
+                                    config.scheduler.max_num_batched_tokens)
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery,
                                      self.planner)
         self._failed_polls: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """The prefill planner against the two fixed policies, side by side, in one run.
 
-`python -m pd.tools.planner_bench [--num-requests 24 --loads 1,4 --links fast,throttled ...]`
+`python -m pd.tools.planner_bench [--num-requests 48 --loads 1,4 --links fast,throttled ...]`
 
 For each link (fast: loopback; throttled: `transfer.emulated_link` of the deploy config,
 `--bandwidth-mbps` / `--latency-ms`) and each policy (`router.planner.mode`:
@@ -23,7 +23,7 @@ tokens) one after another while two interactive clients send short ones (64..512
 meanwhile, so short prompts arrive while a long one is prefilling or decoding. Random
 token ids (no prefix sharing: prefix caching is off). The model is random-weight, 2 layers,
 hidden 128 (`ARCH`): a prefill of 8k tokens takes about 2 s on one CPU core, and each
-link's run takes about 2.5 minutes.
+link's run takes about 3 minutes.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ WORKER_START_TIMEOUT_S = 120.0
 
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
-    num_requests: int = 24
+    num_requests: int = 48
     loads: tuple[int, ...] = (1, 4)
     links: tuple[str, ...] = ("fast", "throttled")
     min_len: int = 64

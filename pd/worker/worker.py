@@ -237,7 +237,8 @@ def _wire_timing(timing, page_size_bytes: int) -> StepTiming | None:
     return StepTiming(queue_s=max(0.0, timing.queue_s), load_s=max(0.0, timing.load_s),
                       compute_s=max(0.0, timing.compute_s), num_computed_tokens=timing.num_computed_tokens,
                       num_loaded_tokens=timing.num_loaded_tokens, num_loaded_blocks=timing.num_loaded_blocks,
-                      num_loaded_bytes=timing.num_loaded_blocks * page_size_bytes)
+                      num_loaded_bytes=timing.num_loaded_blocks * page_size_bytes,
+                      num_batched_tokens=timing.num_batched_tokens)
 
 
 def _reason_name(reason: FinishReason | None) -> WireFinishReason | None:

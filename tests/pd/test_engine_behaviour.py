@@ -242,3 +242,30 @@ def test_shutdown_unblocks_generate():
     eng.step()  # applies the abort that generate() queued on its way out
     assert not eng.has_unfinished_requests()
     assert_all_free(eng.kv_cache_manager)
+
+
+def test_timing_counts_the_batch_a_prompt_shared():
+    """The first token's timing says what the request computed and what other requests' tokens
+    shared its steps (the planner fits per-token costs from both)."""
+    eng = Engine(engine_config(FULL_MODEL, max_num_batched_tokens=64))
+    eng.add_request("alone", list(range(1, 11)), SamplingParams(max_tokens=40, ignore_eos=True))
+    first = eng.step()
+    timing = first[0].timing
+    assert timing is not None and timing.num_computed_tokens == 10 and timing.num_batched_tokens == 0
+    assert timing.compute_s > 0 and timing.load_s == 0
+    # "alone" now decodes one token per step beside the 150-token prompt: 63 + 63 + 24 tokens over 3 steps.
+    eng.add_request("long", list(range(100, 250)), GREEDY)  # (no prefix shared with the others)
+    timings = {}
+    for _ in range(3):
+        for o in eng.step():
+            if o.timing is not None:
+                timings[o.request_id] = o.timing
+            assert o.request_id != "alone" or o.timing is None  # the timing comes once, on the first token
+    assert timings["long"].num_computed_tokens == 150 and timings["long"].num_batched_tokens == 3
+    # Two prompts admitted in one step share it: each counts the other's tokens and the decode's.
+    eng.add_request("a", [7] * 20, GREEDY)
+    eng.add_request("b", [9] * 30, GREEDY)
+    got = {o.request_id: o.timing for o in eng.step() if o.timing is not None}
+    assert got["a"].num_batched_tokens == 30 + 2 and got["b"].num_batched_tokens == 20 + 2  # "alone", "long"
+    drain(eng)
+    assert_all_free(eng.kv_cache_manager)

@@ -186,3 +186,35 @@ def test_equal_figures_spread_over_the_less_busy_workers():
                                                                              Candidate("d2", 0, 8)])
     assert plan.chosen.kind is Kind.REMOTE
     assert (plan.chosen.prefill.worker_id, plan.chosen.decode.worker_id) == ("p2", "d2")
+
+
+def test_the_fit_separates_a_prompt_from_the_batch_it_shared():
+    """Samples whose steps also computed other requests' tokens (z) cost more; the fit learns the
+    prompt's own curve and the per-token cost of the batch, and a prediction for a worker with
+    decodes running counts one of their tokens per step of the prompt."""
+    per_batch_token = 4e-5
+    figures = CostFigures(FitSettings(window=128, min_samples=4, max_num_batched_tokens=2048))
+    rng = random.Random(2)
+    for _ in range(4):
+        for n in (1, 64, 256, 1024, 2048, 4096, 8192):
+            for z in (0, 3, 40, 600):
+                figures.observe_compute("w", n, (_prefill_s(n) + per_batch_token * z) * (1 + rng.uniform(-0.01, 0.01)),
+                                        0.0, num_batched_tokens=z)
+    costs = figures.worker("w")
+    coefs = costs.prefill.coefficients()
+    assert coefs is not None and coefs[3] == pytest.approx(per_batch_token, rel=0.1)
+    assert costs.prefill_s(3000) == pytest.approx(_prefill_s(3000), rel=0.03)
+    # 8 requests running, none waiting for its first token: 8 decode tokens in each of 4 steps of 8k.
+    assert costs.prefill_s(8000, num_running=8) == pytest.approx(_prefill_s(8000) + per_batch_token * 32, rel=0.03)
+    pending = costs.add_pending(500)  # one of the 8 is still prefilling: it is the wait, not the batch
+    assert costs.prefill_s(8000, num_running=8) == pytest.approx(_prefill_s(8000) + per_batch_token * 28, rel=0.03)
+    costs.remove_pending(pending)
+
+
+def test_a_batch_that_seems_to_make_steps_cheaper_is_ignored():
+    fit = WindowFit(2, min_samples=4)
+    for n, z in ((100, 0), (100, 50), (400, 0), (400, 50), (1600, 0), (1600, 50)):
+        fit.add(n, _prefill_s(n) - (1e-4 * z if n == 1600 else 0.0), z)  # noise that reads as "batch is free"
+    coefs = fit.coefficients()
+    assert coefs is not None and coefs[3] == 0.0
+    assert fit.predict(1600, 1000) == fit.predict(1600)

@@ -151,3 +151,52 @@ def test_learned_figures_converge_to_what_workers_and_link_do(mode, link):
             print(f"pull: learned {learned * 1e3:.2f} ms, connector {measured * 1e3:.2f} ms")
             assert abs(learned - measured) <= PULL_TOLERANCE * measured + 0.005, (learned, measured)
         dep.wait_all_free()
+
+
+SLOW = {"bandwidth_mbps": 20.0, "latency_ms": 20.0}
+FLIP_LINKS = [pytest.param(None, "remote", id="fast-goes-remote"),
+              pytest.param(SLOW, "local", id="very-slow-stays-local",
+                           marks=pytest.mark.skipif(not HAS_LINK, reason="needs transfer.emulated_link (slowlink)"))]
+
+
+@pytest.mark.parametrize("link, want", FLIP_LINKS)
+def test_long_prompts_beside_a_decode_flip_with_the_link(link, want):
+    """While D decodes three long streams, a long prompt prefilled on D would stall them: on a fast
+    link the planner sends it to P, on a very slow one (20 Mbit/s, 20 ms) the pull costs more
+    than the stall and it stays on D."""
+    import threading
+
+    overrides = {"transfer__emulated_link": link, "transfer__data_path": "tcp"} if link else {}
+    with LocalDeployment(_config("planner", cache__enable_prefix_caching=False, **overrides)) as dep:
+        for rnd in range(4):  # the cold start samples every figure; then the model decides
+            for n in (17, 128, 512):
+                _complete(dep.url, _prompt(n, 100 + rnd))
+        first_tokens = [threading.Event() for _ in range(3)]
+        errors: list[str] = []
+
+        def long_decode(i: int) -> None:
+            body = {"model": "pdkv-tiny", "prompt": _prompt(17, 9 + i), "max_tokens": 900, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            try:
+                with requests.post(dep.url + "/v1/completions", json=body, timeout=TIMEOUT_S * 4, stream=True) as r:
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: {"):
+                            first_tokens[i].set()
+            except requests.RequestException as exc:
+                errors.append(repr(exc))
+            finally:
+                first_tokens[i].set()
+
+        decodes = [threading.Thread(target=long_decode, args=(i,), daemon=True) for i in range(3)]
+        for thread in decodes:
+            thread.start()
+        assert all(e.wait(TIMEOUT_S) for e in first_tokens) and not errors, errors
+        routes = [_complete(dep.url, _prompt(1000, 200 + i))["pdkv_route"] for i in range(3)]
+        for thread in decodes:
+            thread.join(TIMEOUT_S * 4)
+        assert not any(t.is_alive() for t in decodes) and not errors, errors
+        for r in routes:
+            options = [(o["kind"], o["predicted_ttft_s"]) for o in r["options"]]
+            print(f"link={link}: {r['decision']} ({r['reason']}), measured {r['ttft_s']:.3f} s, options {options}")
+        assert [r["decision"] for r in routes] == [want] * 3, routes
+        dep.wait_all_free()

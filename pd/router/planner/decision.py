@@ -139,8 +139,9 @@ class Decider:
         num_bytes = f.pull_bytes(num_pulled)
         pull = None if num_bytes is None else f.link(prefill.worker_id, decode.worker_id).pull.predict(num_bytes)
         num_p_tokens = max(1, num_tokens - prefill.hit_tokens)
-        d_step = d_costs.prefill.predict(1)
-        parts = _sum(p_costs.wait_s(), p_costs.prefill.predict(num_p_tokens), pull, d_costs.wait_s(), d_step)
+        d_step = d_costs.prefill_s(1, decode.num_running)
+        parts = _sum(p_costs.wait_s(), p_costs.prefill_s(num_p_tokens, prefill.num_running), pull,
+                     d_costs.wait_s(), d_step)
         link = f.link(prefill.worker_id, decode.worker_id).pull
         inside = p_costs.prefill.covers(num_p_tokens) and num_bytes is not None and link.covers(num_bytes)
         return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0, inside,
@@ -149,7 +150,7 @@ class Decider:
     def _local(self, num_tokens: int, decode: Candidate) -> Option:
         costs = self.figures.worker(decode.worker_id)
         num_d_tokens = max(1, num_tokens - decode.hit_tokens)
-        compute = costs.prefill.predict(num_d_tokens)
+        compute = costs.prefill_s(num_d_tokens, decode.num_running)
         parts = _sum(costs.wait_s(), compute)
         stall = self.settings.tpot_weight * decode.num_running * (compute or 0.0)
         return Option(Kind.LOCAL, None, decode, num_tokens, _plus(parts, self.figures.residual_s(Kind.LOCAL.value)),

@@ -3,8 +3,11 @@
 Every figure comes from measurement (`pd.cluster.messages.StepTiming` on a worker's
 first event): nothing is configured or guessed. Per worker, the seconds it takes to
 compute a request's prompt up to its first token, as a quadratic in the tokens it
-computed (a decode worker's 1-token admission steps after a pull are samples of the
-same curve); per P->D pair, the seconds a pull takes as a line in the bytes pulled
+computed plus a linear term in the tokens of other requests that shared its steps (the
+batch: the decodes running beside it, other prompts' chunks); a decode worker's 1-token
+admission steps after a pull are samples of the same curve. A prediction counts the
+decodes running on the worker in each of the prompt's steps (`ceil(n / step budget)`
+steps); other prompts pending there are the wait, not the batch. Per P->D pair, the seconds a pull takes as a line in the bytes pulled
 (fixed latency + bytes / bandwidth); the KV bytes per block; the work each
 worker still has ahead (router-side: the requests sent to it that have not produced
 their first token yet, each costed by the curve, less the time spent on them); and,
@@ -35,6 +38,7 @@ class FitSettings:
     window: int = 256
     min_samples: int = 4
     block_size: int = 16  # tokens per KV block (KV moves in whole blocks)
+    max_num_batched_tokens: int = 2048  # a worker's step budget: a prompt of n tokens takes ceil(n / it) steps
 
 
 class WorkerCosts:
@@ -42,6 +46,7 @@ class WorkerCosts:
 
     def __init__(self, settings: FitSettings) -> None:
         self.prefill = WindowFit(2, settings.window, settings.min_samples)
+        self._step_budget = max(1, settings.max_num_batched_tokens)
         self._pending: dict[int, tuple[int, float]] = {}  # ticket -> (tokens to compute, sent at)
         self._tickets = itertools.count()
         self.last_queue_s = 0.0
@@ -49,6 +54,18 @@ class WorkerCosts:
     @property
     def num_pending_tokens(self) -> int:
         return sum(n for n, _ in self._pending.values())
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def prefill_s(self, num_tokens: int, num_running: int = 0) -> float | None:
+        """Predicted seconds to compute `num_tokens` prompt tokens to the first token while the
+        worker runs `num_running` requests (router-side, in flight): those not still waiting for
+        their own first token decode a token in each of the prompt's steps."""
+        num_decodes = max(0, num_running - self.num_pending)
+        num_steps = -(-max(1, num_tokens) // self._step_budget)
+        return self.prefill.predict(num_tokens, num_decodes * num_steps)
 
     def add_pending(self, num_tokens: int) -> int:
         ticket = next(self._tickets)
@@ -112,9 +129,10 @@ class CostFigures:
         return costs
 
     # -- samples ----------------------------------------------------------
-    def observe_compute(self, worker_id: str, num_computed_tokens: int, compute_s: float, queue_s: float) -> None:
+    def observe_compute(self, worker_id: str, num_computed_tokens: int, compute_s: float, queue_s: float,
+                        num_batched_tokens: int = 0) -> None:
         costs = self.worker(worker_id)
-        costs.prefill.add(max(1, num_computed_tokens), compute_s)
+        costs.prefill.add(max(1, num_computed_tokens), compute_s, num_batched_tokens)
         costs.last_queue_s = queue_s
 
     def observe_pull(self, prefill_id: str, decode_id: str, num_blocks: int, num_bytes: int, seconds: float) -> None:

@@ -1,11 +1,15 @@
 """Least-squares fits of seconds against a size, over a bounded window of recent samples.
 
-`WindowFit(degree)` fits y = a + b*x (+ c*x^2) to its last `window` samples. Guarantees:
+`WindowFit(degree)` fits y = a + b*x (+ c*x^2) (+ d*z) to its last `window` samples, where
+`z` is an optional second size that costs linearly (for a prefill: the tokens of other
+requests that shared its steps, the batch). Guarantees:
 - `predict` is None until `min_samples` samples are in (a figure is never guessed);
 - with fewer distinct sizes than coefficients, the fit drops to a lower degree (one
   distinct size: the mean), so a narrow sample set never gives a wild curve;
 - predictions are never negative, and beyond the largest sampled size never below the
-  value there (extrapolation of a curve that dips would make a larger prompt look cheaper).
+  value there (extrapolation of a curve that dips would make a larger prompt look cheaper);
+- the `z` term is fitted only when the samples' `z` vary, and never with a negative
+  coefficient (more work in the batch never makes a step cheaper): without it, d = 0.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ class WindowFit:
             raise ValueError("window must be >= 2 and min_samples >= 1")
         self.degree = degree
         self.min_samples = min_samples
-        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
-        self._coefs: np.ndarray | None = None  # a, b[, c]; None: refit on the next read
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=window)
+        self._coefs: np.ndarray | None = None  # a, b, c, d; None: refit on the next read
 
     @property
     def num_samples(self) -> int:
@@ -33,19 +37,20 @@ class WindowFit:
     def ready(self) -> bool:
         return len(self._samples) >= self.min_samples
 
-    def add(self, x: float, y: float) -> None:
-        self._samples.append((float(x), float(y)))
+    def add(self, x: float, y: float, z: float = 0.0) -> None:
+        self._samples.append((float(x), float(y), float(z)))
         self._coefs = None
 
     def coefficients(self) -> list[float] | None:
-        """[a, b] or [a, b, c] (zeros above the degree the samples support); None before `ready`."""
+        """[a, b, c, d] (zeros for the terms the degree or the samples do not support); None before
+        `ready`."""
         if not self.ready:
             return None
         if self._coefs is None:
             self._coefs = self._fit()
         return [float(c) for c in self._coefs]
 
-    def predict(self, x: float) -> float | None:
+    def predict(self, x: float, z: float = 0.0) -> float | None:
         coefs = self.coefficients()
         if coefs is None:
             return None
@@ -53,7 +58,7 @@ class WindowFit:
         value = _poly(coefs, x)
         if x > top:  # beyond the samples a dipping curve must not make a larger prompt look cheaper
             value = max(value, _poly(coefs, top))
-        return max(0.0, value)
+        return max(0.0, value + coefs[3] * max(0.0, float(z)))
 
     def covers(self, x: float) -> bool:
         """Whether `x` lies within the sampled sizes (a prediction there interpolates)."""
@@ -64,27 +69,37 @@ class WindowFit:
         return {"num_samples": self.num_samples, "coefficients": coefs}
 
     def _max_x(self) -> float:
-        return max(x for x, _ in self._samples)
+        return max(x for x, _, _ in self._samples)
 
     def _fit(self) -> np.ndarray:
-        xs = np.array([x for x, _ in self._samples])
-        ys = np.array([y for _, y in self._samples])
-        num_distinct = len(np.unique(xs))
-        degree = min(self.degree, num_distinct - 1)
-        out = np.zeros(3)
-        if degree == 0:
-            out[0] = ys.mean()
-            return out
-        scale = max(1.0, float(np.abs(xs).max()))  # conditioning: fit on x / scale
-        design = np.vander(xs / scale, degree + 1, increasing=True)
-        coefs, *_ = np.linalg.lstsq(design, ys, rcond=None)
-        for power, c in enumerate(coefs):
-            out[power] = c / scale ** power
-        if out[1] < 0 and out[2] <= 0:  # a falling curve (noise over a narrow range): the samples say "flat"
-            out[:] = 0.0
-            out[0] = ys.mean()
-        return out
+        xs, ys, zs = (np.array(column) for column in zip(*self._samples, strict=True))
+        if len(np.unique(zs)) > 1:
+            out = _lstsq(xs, ys, self.degree, zs)
+            if out[3] >= 0:
+                return out
+        return _lstsq(xs, ys, self.degree, None)
+
+
+def _lstsq(xs: np.ndarray, ys: np.ndarray, degree: int, zs: np.ndarray | None) -> np.ndarray:
+    """[a, b, c, d] by least squares: the polynomial in x up to `degree` (lower where the x are too
+    few distinct), plus d*z when `zs` is given."""
+    degree = min(degree, len(np.unique(xs)) - 1)
+    out = np.zeros(4)
+    scale = max(1.0, float(np.abs(xs).max()))  # conditioning: fit on x / scale (and z / its scale)
+    columns = [(xs / scale) ** power for power in range(degree + 1)]
+    z_scale = max(1.0, float(np.abs(zs).max())) if zs is not None else 1.0
+    if zs is not None:
+        columns.append(zs / z_scale)
+    coefs, *_ = np.linalg.lstsq(np.stack(columns, axis=1), ys, rcond=None)
+    for power in range(degree + 1):
+        out[power] = coefs[power] / scale ** power
+    if zs is not None:
+        out[3] = coefs[-1] / z_scale
+    if degree > 0 and out[1] < 0 and out[2] <= 0:  # a falling curve (noise over a narrow range): "flat"
+        out[:3] = 0.0
+        out[0] = (ys - out[3] * (zs if zs is not None else 0.0)).mean()
+    return out
 
 
 def _poly(coefs: list[float], x: float) -> float:
-    return sum(c * x ** power for power, c in enumerate(coefs))
+    return coefs[0] + coefs[1] * x + coefs[2] * x * x

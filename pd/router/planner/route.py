@@ -29,9 +29,11 @@ _FIXED = {"always_disaggregate": Kind.REMOTE, "always_local": Kind.LOCAL}
 
 
 class RoutePlanner:
-    def __init__(self, settings: PlannerSection | None = None, metrics=None, block_size: int = 16) -> None:
+    def __init__(self, settings: PlannerSection | None = None, metrics=None, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.settings = settings or PlannerSection()
-        self.figures = CostFigures(FitSettings(self.settings.window, self.settings.min_samples, block_size))
+        self.figures = CostFigures(FitSettings(self.settings.window, self.settings.min_samples, block_size,
+                                               max_num_batched_tokens))
         self.decider = Decider(self.figures, DecisionSettings(self.settings.exploration_rate,
                                                               self.settings.tpot_weight, self.settings.seed))
         self._metrics = metrics
@@ -73,7 +75,8 @@ class RoutePlanner:
         """A worker's timing of one request; `source_id` the P worker its KV was pulled from."""
         if timing is None:
             return
-        self.figures.observe_compute(worker_id, timing.num_computed_tokens, timing.compute_s, timing.queue_s)
+        self.figures.observe_compute(worker_id, timing.num_computed_tokens, timing.compute_s, timing.queue_s,
+                                     timing.num_batched_tokens)
         if source_id is not None and timing.num_loaded_bytes > 0:
             self.figures.observe_pull(source_id, worker_id, timing.num_loaded_blocks, timing.num_loaded_bytes,
                                       timing.load_s)
