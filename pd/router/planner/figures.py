@@ -7,11 +7,11 @@ computed plus a linear term in the tokens of other requests that shared its step
 batch: the decodes running beside it, other prompts' chunks); a decode worker's 1-token
 admission steps after a pull are samples of the same curve. A prediction counts the
 decodes running on the worker in each of the prompt's steps (`ceil(n / step budget)`
-steps); other prompts pending there are the wait, not the batch. Per P->D pair, the seconds a pull takes as a line in the bytes pulled
-(fixed latency + bytes / bandwidth); the KV bytes per block; the work each
-worker still has ahead (router-side: the requests sent to it that have not produced
-their first token yet, each costed by the curve, less the time spent on them); and,
-per decision kind, the residual between the measured TTFT and the sum of the parts
+steps); other prompts pending there are the wait, not the batch. Per P->D pair, the
+seconds a pull takes as a line in the bytes pulled (fixed latency + bytes / bandwidth);
+the KV bytes per block; the work each worker still has ahead (router-side: the requests
+sent to it that have not produced their first token yet, each costed by the curve, less
+the time spent on them); and, per decision kind, the residual between the measured TTFT and the sum of the parts
 (router hops, HTTP), as the median of the recent ones, taken only from predictions
 that read every curve within its sampled sizes (an extrapolation's miss is the fit's,
 not overhead, and would weigh on every short prompt after it).
