@@ -146,6 +146,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        state.restart_compute()
         self.waiting.appendleft(state)
         self.stats.num_preemptions += 1
         logger.debug("preempted %s (preemption #%d)", req.request_id, req.num_preemptions)
@@ -197,6 +198,7 @@ class Scheduler:
                 self.remote_waiting.append(state)
                 continue
             req.status = RequestStatus.RUNNING
+            state.mark_admitted()
             self.running.append(state)
             chunks.append(self._chunk(state, num_new))
             budget -= num_new
@@ -224,6 +226,7 @@ class Scheduler:
                 self.mgr.free(req)
                 req.num_computed_tokens = 0
                 state.skip_connector_load = True
+                state.restart_compute()
                 self.stats.num_load_failures_recomputed += 1
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
@@ -367,6 +370,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 state.skip_connector_load = True
+                state.restart_compute()
                 self.waiting.appendleft(state)
                 self.stats.num_load_failures_recomputed += 1
         return outputs

@@ -269,3 +269,26 @@ def test_timing_counts_the_batch_a_prompt_shared():
     assert got["a"].num_batched_tokens == 30 + 2 and got["b"].num_batched_tokens == 20 + 2  # "alone", "long"
     drain(eng)
     assert_all_free(eng.kv_cache_manager)
+
+
+def test_timing_restarts_when_the_computed_prompt_is_dropped():
+    """A preempted request (or a failed load recomputed) reports the compute of its last attempt only:
+    its batch count starts again and its compute time runs from the re-admission."""
+    import time
+
+    from pd.engine.outputs import RequestState
+
+    state = RequestState(request=None, params=GREEDY, generator=None)
+    state.admitted_s = time.perf_counter()
+    state.num_batched_tokens = 50
+    time.sleep(0.05)
+    state.restart_compute()
+    assert state.num_batched_tokens == 0
+    time.sleep(0.05)  # back in the queue: no compute of its prompt either
+    state.mark_admitted()
+    state.num_batched_tokens += 7
+    timing = state.take_timing(num_prompt_tokens=30)
+    assert timing is not None and timing.num_batched_tokens == 7 and timing.num_computed_tokens == 30
+    assert timing.compute_s < 0.05 and time.perf_counter() - state.admitted_s >= 0.1
+    state.restart_compute()  # after the first token: nothing to restart
+    assert state.num_batched_tokens == 7

@@ -218,3 +218,19 @@ def test_a_batch_that_seems_to_make_steps_cheaper_is_ignored():
     coefs = fit.coefficients()
     assert coefs is not None and coefs[3] == 0.0
     assert fit.predict(1600, 1000) == fit.predict(1600)
+
+
+def test_a_batch_that_follows_the_prompt_length_is_not_fitted_apart():
+    """With a steady number of decodes, the batch is that number times the prompt's steps: the
+    polynomial in n explains it, so its coefficient cannot be told from theirs and stays 0 (the
+    curve then holds the cost at that batch)."""
+    fit = WindowFit(2, min_samples=4)
+    rng = random.Random(3)
+    for _ in range(4):
+        for n in range(100, 401, 25):
+            z = 8 * -(-n // 64)
+            fit.add(n, (0.002 + 2e-5 * n + 1e-6 * z) * (1 + rng.uniform(-0.01, 0.01)), z)
+    coefs = fit.coefficients()
+    assert coefs is not None and coefs[3] == 0.0
+    assert fit.predict(300) == pytest.approx(0.002 + 2e-5 * 300 + 1e-6 * 40, rel=0.03)
+    assert fit.covers(300, 10_000)  # without a z term, any batch reads the same curve

@@ -180,7 +180,9 @@ def test_long_prompts_beside_a_decode_flip_with_the_link(link, want):
             try:
                 with requests.post(dep.url + "/v1/completions", json=body, timeout=TIMEOUT_S * 4, stream=True) as r:
                     for line in r.iter_lines():
-                        if line.startswith(b"data: {"):
+                        if line.startswith(b"data: {") and b'"error"' in line:
+                            errors.append(line.decode(errors="replace"))
+                        elif line.startswith(b"data: {"):
                             first_tokens[i].set()
             except requests.RequestException as exc:
                 errors.append(repr(exc))

@@ -143,7 +143,7 @@ class Decider:
         parts = _sum(p_costs.wait_s(), p_costs.prefill_s(num_p_tokens, prefill.num_running), pull,
                      d_costs.wait_s(), d_step)
         link = f.link(prefill.worker_id, decode.worker_id).pull
-        inside = p_costs.prefill.covers(num_p_tokens) and num_bytes is not None and link.covers(num_bytes)
+        inside = p_costs.covers(num_p_tokens, prefill.num_running) and num_bytes is not None and link.covers(num_bytes)
         return Option(kind, prefill, decode, num_tokens, _plus(parts, f.residual_s(kind.value)), parts, 0.0, inside,
                       self._queue_cost(d_step))
 
@@ -154,7 +154,7 @@ class Decider:
         parts = _sum(costs.wait_s(), compute)
         stall = self.settings.tpot_weight * decode.num_running * (compute or 0.0)
         return Option(Kind.LOCAL, None, decode, num_tokens, _plus(parts, self.figures.residual_s(Kind.LOCAL.value)),
-                      parts, stall, costs.prefill.covers(num_d_tokens), self._queue_cost(compute))
+                      parts, stall, costs.covers(num_d_tokens, decode.num_running), self._queue_cost(compute))
 
     def _queue_cost(self, d_seconds: float | None) -> float:
         """The expected wait of the requests that reach a D while it spends `d_seconds` on this one:

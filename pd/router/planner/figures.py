@@ -63,9 +63,15 @@ class WorkerCosts:
         """Predicted seconds to compute `num_tokens` prompt tokens to the first token while the
         worker runs `num_running` requests (router-side, in flight): those not still waiting for
         their own first token decode a token in each of the prompt's steps."""
+        return self.prefill.predict(num_tokens, self.batch_tokens(num_tokens, num_running))
+
+    def covers(self, num_tokens: int, num_running: int = 0) -> bool:
+        """Whether `prefill_s` reads the curve within its sampled prompt sizes and batches."""
+        return self.prefill.covers(num_tokens, self.batch_tokens(num_tokens, num_running))
+
+    def batch_tokens(self, num_tokens: int, num_running: int) -> int:
         num_decodes = max(0, num_running - self.num_pending)
-        num_steps = -(-max(1, num_tokens) // self._step_budget)
-        return self.prefill.predict(num_tokens, num_decodes * num_steps)
+        return num_decodes * -(-max(1, num_tokens) // self._step_budget)
 
     def add_pending(self, num_tokens: int) -> int:
         ticket = next(self._tickets)

@@ -8,14 +8,18 @@ requests that shared its steps, the batch). Guarantees:
   distinct size: the mean), so a narrow sample set never gives a wild curve;
 - predictions are never negative, and beyond the largest sampled size never below the
   value there (extrapolation of a curve that dips would make a larger prompt look cheaper);
-- the `z` term is fitted only when the samples' `z` vary, and never with a negative
-  coefficient (more work in the batch never makes a step cheaper): without it, d = 0.
+- the `z` term is fitted only when the samples' `z` vary apart from `x` (a `z` that the
+  polynomial in `x` explains, such as a steady number of decodes times a prompt's steps,
+  cannot be told from the `x` terms), and never with a negative coefficient (more work in
+  the batch never makes a step cheaper): without it, d = 0.
 """
 from __future__ import annotations
 
 import collections
 
 import numpy as np
+
+MIN_Z_SHARE = 0.1  # of z's variance left after regressing it on the x terms, for d to be fitted
 
 
 class WindowFit:
@@ -60,9 +64,13 @@ class WindowFit:
             value = max(value, _poly(coefs, top))
         return max(0.0, value + coefs[3] * max(0.0, float(z)))
 
-    def covers(self, x: float) -> bool:
-        """Whether `x` lies within the sampled sizes (a prediction there interpolates)."""
-        return bool(self._samples) and float(x) <= self._max_x()
+    def covers(self, x: float, z: float = 0.0) -> bool:
+        """Whether `x` (and `z`, where the fit has a `z` term) lie within the sampled sizes (a
+        prediction there interpolates)."""
+        if not self._samples or float(x) > self._max_x():
+            return False
+        coefs = self.coefficients()
+        return coefs is None or coefs[3] == 0.0 or float(z) <= max(s[2] for s in self._samples)
 
     def describe(self) -> dict:
         coefs = self.coefficients()
@@ -88,6 +96,8 @@ def _lstsq(xs: np.ndarray, ys: np.ndarray, degree: int, zs: np.ndarray | None) -
     scale = max(1.0, float(np.abs(xs).max()))  # conditioning: fit on x / scale (and z / its scale)
     columns = [(xs / scale) ** power for power in range(degree + 1)]
     z_scale = max(1.0, float(np.abs(zs).max())) if zs is not None else 1.0
+    if zs is not None and not _varies_apart(columns, zs / z_scale):
+        zs = None
     if zs is not None:
         columns.append(zs / z_scale)
     coefs, *_ = np.linalg.lstsq(np.stack(columns, axis=1), ys, rcond=None)
@@ -99,6 +109,15 @@ def _lstsq(xs: np.ndarray, ys: np.ndarray, degree: int, zs: np.ndarray | None) -
         out[:3] = 0.0
         out[0] = (ys - out[3] * (zs if zs is not None else 0.0)).mean()
     return out
+
+
+def _varies_apart(columns: list[np.ndarray], z: np.ndarray) -> bool:
+    """Whether `z` keeps at least `MIN_Z_SHARE` of its variance once the `columns` (the x terms)
+    explain what they can of it."""
+    base = np.stack(columns, axis=1)
+    coefs, *_ = np.linalg.lstsq(base, z, rcond=None)
+    residual, spread = z - base @ coefs, z - z.mean()
+    return float(residual @ residual) > MIN_Z_SHARE * float(spread @ spread)
 
 
 def _poly(coefs: list[float], x: float) -> float:
