@@ -81,11 +81,8 @@ class WindowFit:
 
     def _fit(self) -> np.ndarray:
         xs, ys, zs = (np.array(column) for column in zip(*self._samples, strict=True))
-        if len(np.unique(zs)) > 1:
-            out = _lstsq(xs, ys, self.degree, zs)
-            if out[3] >= 0:
-                return out
-        return _lstsq(xs, ys, self.degree, None)
+        out = _lstsq(xs, ys, self.degree, zs)  # (a z that does not vary apart from x gets no term)
+        return out if out[3] >= 0 else _lstsq(xs, ys, self.degree, None)
 
 
 def _lstsq(xs: np.ndarray, ys: np.ndarray, degree: int, zs: np.ndarray | None) -> np.ndarray:
