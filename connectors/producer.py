@@ -19,6 +19,7 @@ Threads (all daemon, all with timeouts, none ended by bad input):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import socket
 import threading
@@ -113,7 +114,7 @@ class Producer:
         # a connection that does not finish the ZMTP greeting in time is dropped
         self._router.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_timeout_s * 1000))
         if self.config.port:
-            self._router.bind(f"tcp://{self.config.host}:{self.config.port}")
+            _bind_fixed(self._router, f"tcp://{self.config.host}:{self.config.port}")
             self.port = self.config.port
         else:
             self.port = self._router.bind_to_random_port(f"tcp://{self.config.host}")
@@ -367,3 +368,21 @@ class Producer:
         if msg_type is not MsgType.CREDIT or msg["half"] not in (0, 1) or not busy[msg["half"]]:
             raise MalformedMessage("expected a credit for a busy half")
         busy[msg["half"]] = False
+
+
+REBIND_WAIT_S = 5.0  # how long a fixed port may stay taken by a just-closed socket of this process
+
+
+def _bind_fixed(sock: zmq.Socket, endpoint: str) -> None:
+    """Binds a fixed endpoint, retrying EADDRINUSE for a bounded time: libzmq releases a closed
+    socket's listener asynchronously, so a producer restarted at the same address in one process
+    (a restarted engine) can find its own old listener still there for a few milliseconds."""
+    deadline = time.monotonic() + REBIND_WAIT_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)

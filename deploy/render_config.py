@@ -2,7 +2,8 @@
 
     python deploy/render_config.py deploy/gpu-2p2d-k8s.yaml /tmp/pdkv.yaml
 
-`router.api_key` is taken from the environment variable PDKV_API_KEY (set in a
+`router.api_key` is taken from the environment variable PDKV_API_KEY, and
+`router.admin_key` (for /pd/* and a protected /metrics) from PDKV_ADMIN_KEY (each set in a
 pod from a Kubernetes Secret with `valueFrom.secretKeyRef`), so the YAML in the
 repository and in the cluster's objects carries no key. The result is validated
 with pdkv's config schema before it is written (mode 0600); the key is never printed.
@@ -18,15 +19,17 @@ import yaml
 from pd.cluster.config import ConfigError, DeployConfig
 
 API_KEY_ENV = "PDKV_API_KEY"
+ADMIN_KEY_ENV = "PDKV_ADMIN_KEY"
 
 
 def render(source: Path, target: Path) -> DeployConfig:
     data = yaml.safe_load(source.read_text()) or {}
-    key = os.environ.get(API_KEY_ENV, "")
-    if key:
-        data.setdefault("router", {})["api_key"] = key
-    elif (data.get("router") or {}).get("api_key"):
-        raise ConfigError(f"{source}: router.api_key is a literal; leave it out and set {API_KEY_ENV}")
+    for field, env in (("api_key", API_KEY_ENV), ("admin_key", ADMIN_KEY_ENV)):
+        key = os.environ.get(env, "")
+        if key:
+            data.setdefault("router", {})[field] = key
+        elif (data.get("router") or {}).get(field):
+            raise ConfigError(f"{source}: router.{field} is a literal; leave it out and set {env}")
     config = DeployConfig.from_dict(data)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

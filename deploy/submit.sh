@@ -19,8 +19,8 @@
 #           cluster's Python must already have pdkv's dependencies (e.g. deploy/Dockerfile's image).
 #   wheel   for a cluster where pdkv is not installed: builds pdkv's wheel here, ships it with
 #           deploy/ as the working_dir, and has Ray's pip runtime_env install it (with the extras in
-#           PDKV_EXTRAS, default "model") into the job's own virtualenv on every node; pip fetches
-#           whichever dependencies that node's Python lacks.
+#           PDKV_EXTRAS, e.g. "serve"; default none) into the job's own virtualenv on every node; pip
+#           fetches whichever dependencies that node's Python lacks.
 set -euo pipefail
 
 CONFIG="${1:-deploy/local.yaml}"
@@ -54,7 +54,8 @@ case "$INSTALL" in
     python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$WORKING_DIR" . >&2
     cp -r deploy "$WORKING_DIR/deploy"
     WHEEL="$(cd "$WORKING_DIR" && ls pdkv-*.whl)"
-    RUNTIME_ENV="{\"pip\": [\"\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$WHEEL[${PDKV_EXTRAS:-model}]\"]}" ;;
+    EXTRAS="${PDKV_EXTRAS:+[$PDKV_EXTRAS]}"
+    RUNTIME_ENV="{\"pip\": [\"\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$WHEEL$EXTRAS\"]}" ;;
   *) echo "submit.sh: PDKV_INSTALL must be 'source' or 'wheel', got '$INSTALL'" >&2; exit 2 ;;
 esac
 echo "submitting $CONFIG to $ADDRESS (RAY_AUTH_MODE=$RAY_AUTH_MODE, PDKV_INSTALL=$INSTALL)" >&2

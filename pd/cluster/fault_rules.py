@@ -4,6 +4,10 @@ Points (`WORKER_POINTS`, used with `connectors.faults` rule syntax):
 - `worker.request_received`: a generate request was accepted, before the engine sees it;
 - `worker.prefill_done`: a prefill worker has its answer (kv_transfer_params) but has not sent it;
 - `worker.decode_token`: a worker is about to stream a token event (`after=N` picks the N+1-th);
+- `engine.step` (`kill` only): the engine step computing this request raises, as a bad input would
+  (hit once per request a worker takes; the request fails, the engine goes on);
+- `engine.loop` (`kill` only): the engine's step loop dies while computing this request, as a bug
+  in the loop would (the worker reports itself unhealthy; under Ray the actor restarts);
 plus every `connectors.fault_points.LINK_POINTS` point (fired by a FaultLink in
 front of the producer a decode worker pulls from).
 
@@ -16,7 +20,8 @@ from connectors.fault_points import LINK_POINTS
 from connectors.faults import FaultAction, FaultPlan, FaultSpecError
 
 WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
-ALL_POINTS = WORKER_POINTS | LINK_POINTS
+ENGINE_POINTS = frozenset({"engine.step", "engine.loop"})
+ALL_POINTS = WORKER_POINTS | ENGINE_POINTS | LINK_POINTS
 WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
 
 
@@ -27,4 +32,6 @@ def parse_worker_faults(spec: str | None) -> FaultPlan | None:
         for rule in plan.rules:
             if rule.point in WORKER_POINTS and rule.action not in WORKER_ACTIONS:
                 raise FaultSpecError(f"fault rule {rule}: worker points take {[a.value for a in WORKER_ACTIONS]}")
+            if rule.point in ENGINE_POINTS and rule.action is not FaultAction.KILL:
+                raise FaultSpecError(f"fault rule {rule}: engine points take kill only")
     return plan

@@ -11,6 +11,14 @@ A batch travels as a ZMQ multipart message `[TOPIC, payload, mac]`:
   secret. Nothing is pickled; `decode_batch` refuses anything that does not
   verify or does not have exactly this shape (`BatchError`, with the reason).
 
+A heartbeat travels the same way with payload `{"v": 1, "engine_id", "worker_id",
+"seq", "heartbeat": true}` and no events: `seq` (0 before the first batch) is the
+last batch published before it, so a subscriber behind it has lost batches.
+
+The stream itself is ZMQ CURVE (`curve_keys`): the publisher's key pair and the one
+client key pair it admits are both derived from the deployment secret, so only a
+holder of the secret completes the handshake, and nothing is sent in clear.
+
 The hash seed is derived from the deployment secret too (unless
 `PDKV_HASH_SEED` is set), so every worker and the router hash a prompt alike,
 and nobody without the secret can predict a block's hash.
@@ -23,6 +31,8 @@ import hmac
 import os
 
 import msgpack
+import zmq
+from zmq.utils import z85
 
 from kvcache.hashing import HASH_SEED_ENV, BlockHasher
 
@@ -46,6 +56,16 @@ class EventBatch:
     worker_id: str
     seq: int
     events: list  # [[kind, group, [hash bytes]]]
+    heartbeat: bool = False  # no events: `seq` is the publisher's latest
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE keys of a deployment's KV event stream (publisher = server, router = client)."""
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
 
 
 def _key(secret: str | bytes, purpose: bytes) -> bytes:
@@ -55,6 +75,13 @@ def _key(secret: str | bytes, purpose: bytes) -> bytes:
 
 def event_key(secret: str | bytes) -> bytes:
     return _key(secret, b"pdkv-kv-events-v1")
+
+
+def curve_keys(secret: str | bytes) -> CurveKeys:
+    """Both key pairs, derived from the secret (any 32 bytes are a Curve25519 secret key)."""
+    server_secret = z85.encode(_key(secret, b"pdkv-kv-events-curve-server-v1"))
+    client_secret = z85.encode(_key(secret, b"pdkv-kv-events-curve-client-v1"))
+    return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
 
 
 def deployment_hash_seed(secret: str | bytes) -> str:
@@ -73,6 +100,12 @@ def hashing_identity(hasher: BlockHasher, groups: list[dict]) -> dict:
 def encode_batch(key: bytes, batch: EventBatch) -> list[bytes]:
     payload = msgpack.packb({"v": WIRE_VERSION, "engine_id": batch.engine_id, "worker_id": batch.worker_id,
                              "seq": batch.seq, "events": batch.events}, use_bin_type=True)
+    return [TOPIC, payload, hmac.new(key, payload, hashlib.sha256).digest()]
+
+
+def encode_heartbeat(key: bytes, engine_id: str, worker_id: str, seq: int) -> list[bytes]:
+    payload = msgpack.packb({"v": WIRE_VERSION, "engine_id": engine_id, "worker_id": worker_id, "seq": seq,
+                             "heartbeat": True}, use_bin_type=True)
     return [TOPIC, payload, hmac.new(key, payload, hashlib.sha256).digest()]
 
 
@@ -103,9 +136,16 @@ def _checked_body(body) -> tuple:
     engine_id, worker_id, seq, events = (body.get(k) for k in ("engine_id", "worker_id", "seq", "events"))
     if not isinstance(engine_id, str) or not isinstance(worker_id, str):
         raise BatchError("malformed", "engine_id and worker_id must be strings")
+    heartbeat = body.get("heartbeat", False)
+    if heartbeat is True and events is None and set(body) == {"v", "engine_id", "worker_id", "seq", "heartbeat"}:
+        if type(seq) is not int or seq < 0:
+            raise BatchError("malformed", "a heartbeat's seq must be a non-negative integer")
+        return engine_id, worker_id, seq, [], True
+    if heartbeat is not False:
+        raise BatchError("malformed", "a heartbeat has exactly v, engine_id, worker_id, seq and heartbeat")
     if type(seq) is not int or seq < 1:
         raise BatchError("malformed", "seq must be a positive integer")
-    return engine_id, worker_id, seq, checked_events(events)
+    return engine_id, worker_id, seq, checked_events(events), False
 
 
 def checked_events(events) -> list:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # the router uses these models too, and it never imports torc
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 BlockId = Annotated[int, Field(ge=0, lt=1 << 31)]
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_CACHE_SALT_CHARS = 1024
+
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]  # pydantic refuses lone surrogates
 
 
 class Sampling(StrictModel):
@@ -73,6 +76,9 @@ class GenerateRequest(StrictModel):
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     sampling: Sampling = Field(default_factory=Sampling)
     kv_transfer_params: KVTransferParams | None = None
+    # enters the first block's hash (kvcache.hashing): prompts share cached blocks only under equal salts;
+    # the router sets it (the client's `cache_salt`, or a tenant's derived one), the same on P and D
+    cache_salt: CacheSalt | None = None
 
 
 class StepTiming(StrictModel):

@@ -3,8 +3,10 @@
 With `--address` or `RAY_ADDRESS` it joins that Ray cluster; with neither it
 starts an embedded local Ray instance. It starts the worker actors, then the
 router (in this process, on its own event-loop thread), prints the router's
-URL and serves until SIGINT/SIGTERM. `--run-load` instead runs a short load
-(`pd.tools.loadgen`) against the fresh deployment, prints the report and exits.
+URL and serves until SIGINT/SIGTERM, to it, to its process group or to each of its
+processes: it then exits within 10 s and leaves no process behind (`pd.deploy.teardown`).
+`--run-load` instead runs a short load (`pd.tools.loadgen`) against the fresh deployment,
+prints the report and exits.
 
 `Deployment` is the same thing as a library object (tests, benchmarks):
 `start()` returns the URL, `stop()` tears everything down and is idempotent.
@@ -17,7 +19,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +30,9 @@ import ray
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
+from pd.deploy.restarts import WorkerRestarts
 from pd.deploy.samples import print_sample_answers
+from pd.deploy.teardown import ShutdownGuard
 from pd.engine.gguf import resolve_checkpoint
 from pd.router.server import Router
 
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 ROUTER_START_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 1800.0
+# a signalled stop: requests in progress get DRAIN_S, everything (workers, Ray) ends within STOP_DEADLINE_S,
+# and the process exits within 10 s of the signal whatever was signalled (see pd.deploy.teardown)
+DRAIN_S = 2.0
+STOP_DEADLINE_S = 5.5
 
 
 class Deployment:
@@ -52,6 +59,7 @@ class Deployment:
         self.workers: list[StartedWorker] = []
         self.placement = None  # the workers' placement group (topology.placement), if any
         self.router: Router | None = None
+        self.restarts: WorkerRestarts | None = None
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -67,6 +75,9 @@ class Deployment:
             self._thread.start()
             self.router = Router(self.config, [w.endpoint for w in self.workers], self.secret)
             self.url = self.run_coro(self.router.start(), ROUTER_START_TIMEOUT_S)
+            # workers Ray restarts (max_restarts) come back into the rotation at their new URL
+            self.restarts = WorkerRestarts(self.router, self.workers, self.config.router.health_interval_s)
+            self.run_coro(self.restarts.start(), 10.0)
         except BaseException:
             self.stop()
             raise
@@ -90,10 +101,17 @@ class Deployment:
                 return audits
             time.sleep(0.2)
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 2.0) -> None:
+        """`drain_s`: how long requests in progress get to finish (see `Router.stop`)."""
+        if self.restarts is not None and self._loop is not None:
+            try:
+                self.run_coro(self.restarts.stop(), 10.0)
+            except Exception:  # noqa: BLE001 - keep tearing down
+                logger.exception("restart watch stop failed")
+            self.restarts = None
         if self.router is not None and self._loop is not None:
             try:
-                self.run_coro(self.router.stop(), 10.0)
+                self.run_coro(self.router.stop(drain_s), drain_s + 8.0)
             except Exception:  # noqa: BLE001 - keep tearing down
                 logger.exception("router stop failed")
             self.router = None
@@ -170,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers
+    shutdown = ShutdownGuard()
+    shutdown.install()  # before Ray starts: its processes' orphans re-parent to this one
     init_ray(args.address, args.num_cpus, args.object_store_mb)
+    shutdown.install()  # again: ray.init put its own SIGTERM handler (abort, no cleanup) in this process
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         # an embedded instance never grows: fail now rather than wait for resources that cannot come
         short = resource_shortfall(config, ray.cluster_resources())
@@ -178,12 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
             print(f"error: {short}", file=sys.stderr)
             return 2
-    stop_event = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop_event.set())
     deployment = Deployment(config)
     try:
-        url = deployment.start()
+        url = _start_or_stop_request(deployment, shutdown)
+        if url is None:
+            return 0
         topo = config.topology
         shape = (f"{topo.num_prefill}P{topo.num_decode}D" if topo.mode.value == "disaggregated"
                  else f"colocated x{topo.num_colocated}")
@@ -200,13 +220,56 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {wid}: {detail}", flush=True)
             return rc if not leaks else 1
         print("press Ctrl-C to stop", flush=True)
-        while not stop_event.wait(0.5):
-            pass
+        while not shutdown.requested.wait(0.5):
+            shutdown.track()  # Ray's processes, remembered while they are still our descendants
         print("shutting down", flush=True)
         return 0
     finally:
-        deployment.stop()
+        _stop_bounded(deployment, shutdown)
+
+
+def _start_or_stop_request(deployment: Deployment, shutdown: ShutdownGuard) -> str | None:
+    """Starts the deployment; None when a stop was asked for first (a start can take minutes)."""
+    result: dict = {}
+    done = threading.Event()
+
+    def start() -> None:
+        try:
+            result["url"] = deployment.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=start, name="pd-start", daemon=True).start()
+    while not done.wait(0.2):
+        shutdown.track()
+        if shutdown.requested.is_set():
+            return None
+    if "error" in result:
+        raise result["error"]
+    return result["url"]
+
+
+def _stop_bounded(deployment: Deployment, shutdown: ShutdownGuard) -> None:
+    """The clean stop (drain, workers, Ray) within STOP_DEADLINE_S of now; past it, or when it
+    leaves processes behind (Ray's, after a signal to the whole group), they are killed. A stop
+    that did not finish ends the process here: Ray's exit hooks would wait on the same dead peers."""
+    deadline = time.monotonic() + STOP_DEADLINE_S
+    shutdown.track()
+
+    def clean_stop() -> None:
+        deployment.stop(drain_s=DRAIN_S)
         ray.shutdown()
+
+    finished = shutdown.run_bounded(clean_stop, deadline)
+    num_killed = shutdown.kill_remaining()
+    if num_killed:
+        logger.warning("killed %d process(es) the clean stop left behind", num_killed)
+    if not finished:
+        sys.stdout.flush()
+        logging.shutdown()
+        os._exit(0 if shutdown.requested.is_set() else 1)
 
 
 def _run_load(url: str, args: argparse.Namespace, config: DeployConfig) -> int:
@@ -238,8 +301,11 @@ def _run_load(url: str, args: argparse.Namespace, config: DeployConfig) -> int:
         load_args += ["--plot", args.plot]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if config.router.api_key:
-        env["OPENAI_API_KEY"] = config.router.api_key  # in the environment, not on a command line others can read
+    api_key = next(iter(config.router.tenant_keys().values()), None)  # the first tenant's (api_key, else api_keys)
+    if api_key:
+        env["OPENAI_API_KEY"] = api_key  # in the environment, not on a command line others can read
+    if config.router.admin_key:
+        env["PDKV_ADMIN_KEY"] = config.router.admin_key  # the load run's metrics scrape refreshes /pd/workers
     try:
         return subprocess.run([sys.executable, "-m", "pd.loadgen", *load_args], env=env,
                               timeout=LOAD_TIMEOUT_S).returncode

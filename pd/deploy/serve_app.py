@@ -28,15 +28,18 @@ from pd.cluster.config import DeployConfig
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PDKV_API_KEY"
+ADMIN_KEY_ENV = "PDKV_ADMIN_KEY"
 ROUTER_RESOURCE = "pdkv_router"
 
 
 def config_from_file(path: str) -> DeployConfig:
-    """The deployment config at `path`, with `router.api_key` from PDKV_API_KEY when that is set."""
+    """The deployment config at `path`, with `router.api_key` from PDKV_API_KEY and
+    `router.admin_key` from PDKV_ADMIN_KEY when those are set."""
     data = yaml.safe_load(Path(path).read_text()) or {}
-    key = os.environ.get(API_KEY_ENV)
-    if key:
-        data.setdefault("router", {})["api_key"] = key
+    for field, env in (("api_key", API_KEY_ENV), ("admin_key", ADMIN_KEY_ENV)):
+        key = os.environ.get(env)
+        if key:
+            data.setdefault("router", {})[field] = key
     return DeployConfig.from_dict(data)
 
 

@@ -6,7 +6,7 @@ kernel reads every K and V element once, straight from the pages through the
 block table, with no padding between requests of different lengths.
 
 It is built on first use with torch's cpp_extension (needs a C++ compiler;
-the build is cached under ~/.cache/torch_extensions). When the build fails
+the build is cached under ~/.cache/pdkv/kernels, see `build_directory()`). When the build fails
 or the dtype is not float32, `load()` returns None and callers keep the torch
 path, which is the reference.
 
@@ -18,9 +18,13 @@ per-layer Python or small torch ops.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import pathlib
 import threading
+import time
 
 import torch
 
@@ -35,6 +39,44 @@ _module = None
 _failed = False
 
 
+_NAME = "pdkv_paged_decode_v11"
+BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
+
+
+def build_directory() -> pathlib.Path:
+    """Where the kernels are built and cached: `$PDKV_KERNEL_CACHE`, else ~/.cache/pdkv/kernels/<name>."""
+    root = os.environ.get("PDKV_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkv", "kernels")
+    return pathlib.Path(root) / _NAME
+
+
+@contextlib.contextmanager
+def _build_lock(directory: pathlib.Path, wait_s: float):
+    """One builder at a time across processes. torch's own lock is a file created with O_EXCL,
+    which stays behind when its holder is killed mid-build (a Ctrl-C during the first start), and
+    every later start then waits on it forever. An flock dies with its holder; holding it, any
+    torch lock file left in the directory is stale and goes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.flock", "w") as handle:
+        deadline, logged = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process is building {directory} for over {wait_s:.0f} s") from None
+                if not logged:
+                    logger.info("waiting for another process that builds the fused CPU kernels in %s", directory)
+                    logged = True
+                time.sleep(0.2)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load():
     """The compiled module, or None when it cannot be built here."""
     global _module, _failed
@@ -43,12 +85,16 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                _module = load_inline(
-                    name="pdkv_paged_decode_v11", cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
-                    functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
-                               "packed_linear", "packed_rows"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                directory = build_directory()
+                with _build_lock(directory, BUILD_WAIT_S):
+                    if not (directory / f"{_NAME}.so").exists():
+                        logger.info("building the fused CPU kernels once into %s (a minute or two)", directory)
+                    _module = load_inline(
+                        name=_NAME, cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
+                        functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
+                                   "packed_linear", "packed_rows"],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory), verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
                 logger.warning("fused CPU decode attention unavailable, using the torch path: %s", exc)
                 _failed = True

@@ -9,7 +9,12 @@ Guarantees:
   at the start of the next step (an abort is reported in that step's outputs);
 - only the step (one thread at a time) touches the scheduler, the KV cache
   manager, the page pool and the connector;
-- every request ends with exactly one output with `finished=True`.
+- every request ends with exactly one output with `finished=True`;
+- an exception while computing a step fails only the requests that caused it
+  (`pd.engine.step_isolation`): each gets an error output, its blocks are freed
+  and the others go on in the same step. Should the loop thread still die, every
+  waiting caller gets the error, `dead` says why, new requests are refused and
+  `on_death` is called once.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput, RequestSta
 from pd.engine.runner import ModelRunner
 from pd.engine.sampling import SamplingParams, sample
 from pd.engine.scheduler import Scheduler
+from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
 from pd.engine.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -89,6 +95,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the loop thread as it dies
+        self.fault_marks = FaultMarks()  # request ids that fault plans make fail (none by default)
         self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}  # totals since start
         self.last_timing = dict(self.timing)  # of the latest step
         logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
@@ -97,12 +105,13 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | str,
                     sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
         params = sampling_params or SamplingParams()
         ids = as_token_ids(prompt_token_ids, self.tokenizer, self.model_config.vocab_size)
         self.check_fits(len(ids), params.max_tokens, request_id)
         req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
-                      kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None)
+                      kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
+                      cache_salt=cache_salt)
         state = RequestState(req, params, params.make_generator())
         with self._lock:
             if self._dead is not None:
@@ -154,7 +163,8 @@ class Engine:
             if connector is not None and sched.connector_metadata is not None:
                 connector.bind_connector_metadata(sched.connector_metadata)
                 connector.start_load_kv()
-            sampled = self._execute(sched)
+            self.fault_marks.check(sched.chunks, LOOP)  # a fault plan's stand-in for a bug in the loop
+            sampled, failed = self._execute(sched)
             connector_output = None
             if connector is not None:
                 connector.wait_for_save()
@@ -165,6 +175,8 @@ class Engine:
                 connector_output = ConnectorOutput(set(sending), set(recving), invalid,
                                                    dict(connector.get_load_failures()))
             t2 = time.perf_counter()
+            if failed:
+                self._fail_chunks(sched, failed)
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
             t3 = time.perf_counter()
@@ -216,22 +228,34 @@ class Engine:
                     self.connector.abort_lease(arg)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> dict[str, int]:
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
+        """(sampled token per request, error per request whose chunk failed)."""
         if not sched.chunks:
-            return {}
-        logits = self.runner.execute(sched.chunks)
-        ids = [c.request_id for c in sched.chunks if c.needs_logits]
+            return {}, {}
+        return execute_isolated(self._run_chunks, sched.chunks, self.config.block_size)
+
+    def _run_chunks(self, chunks: list) -> dict[str, int]:
+        self.fault_marks.check(chunks, STEP)
+        logits = self.runner.execute(chunks)
+        ids = [c.request_id for c in chunks if c.needs_logits]
         if not ids:
             return {}
         states = [self.scheduler.requests[rid] for rid in ids]
         tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
         return dict(zip(ids, tokens, strict=True))
 
+    def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:
+        for chunk in sched.chunks:
+            if chunk.request_id in failed:
+                written = uncomputed_block_ids(chunk, self.config.block_size)
+                self.scheduler.fail_request(chunk.request_id, failed[chunk.request_id], written)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             for out in outputs:
                 if out.finished:
                     self._active_ids.discard(out.request_id)
+                    self.fault_marks.forget(out.request_id)
                 target = self._listeners.get(out.request_id)
                 if target is not None:
                     self._notify(target, out)
@@ -271,6 +295,16 @@ class Engine:
                 self._dead = exc
                 for target in self._listeners.values():
                     self._notify(target, exc)
+            if self.on_death is not None:
+                try:
+                    self.on_death(exc)
+                except Exception:  # noqa: BLE001 - the loop is gone either way
+                    logger.exception("engine on_death callback failed")
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the step loop died (None while it runs, or before it starts)."""
+        return self._dead
 
     def shutdown(self) -> None:
         """Stop the loop thread and the connector; idempotent."""
@@ -287,14 +321,15 @@ class Engine:
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
                        sampling_params: SamplingParams | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs as steps produce them; aborts it if the consumer stops early."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._listeners[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params)
+            self.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params, cache_salt)
             self.start()
             while not finished:
                 out = await queue.get()

@@ -1,15 +1,29 @@
 """Sampling parameters and the sampler.
 
-Greedy when temperature == 0; otherwise temperature, then top-k, then top-p
-(nucleus) filtering, drawn with a per-request torch.Generator. With a seed the
-draw sequence of a request depends only on its seed and its logits, never on
-which other requests share the batch.
+Greedy when the temperature is below `MIN_TEMPERATURE` (as vLLM does: dividing
+by a temperature that rounds to 0 in float32 gives inf/nan); otherwise
+temperature, then top-k, then top-p (nucleus) filtering, drawn with a
+per-request torch.Generator. With a seed the draw sequence of a request
+depends only on its seed and its logits, never on which other requests share
+the batch.
+
+Guarantees of `sample`: it never raises for any parameters `SamplingParams`
+accepts and any logits (nan and inf included), and every token it returns is
+a valid index into the row. The filtered distribution always keeps at least
+the most likely token (a top_p smaller than any representable mass keeps
+exactly that one); a row whose distribution is still not finite and positive
+before the draw is sampled greedily instead, and logged.
 """
 from __future__ import annotations
 
 import dataclasses
-
+import logging
 import torch
+
+logger = logging.getLogger(__name__)
+
+# Below this temperature sampling is greedy: logits / T overflows float32 long before T reaches 0.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +41,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # (also refuses nan)
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -38,7 +52,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: a temperature too small to divide by, or top_k of 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def make_generator(self) -> torch.Generator | None:
         """The request's private RNG (None for greedy)."""
@@ -53,27 +68,58 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits (1-D, float32) with top-k / top-p outside set to -inf."""
-    scaled = logits / params.temperature
-    if params.top_k and params.top_k < scaled.shape[-1]:
+    """Temperature-scaled logits (1-D, float64) with top-k / top-p outside set to -inf.
+
+    The row's maximum is subtracted before scaling, so the most likely token scores exactly 0
+    and no finite logit overflows, whatever the temperature; that token is never masked (ties:
+    the lowest index, as argmax).
+    Expects a finite row (`sample` checks)."""
+    row = logits.double()
+    scaled = (row - row.max()) / max(params.temperature, MIN_TEMPERATURE)
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_vals, order = torch.sort(scaled, descending=True)
+        sorted_vals, order = torch.sort(scaled, descending=True, stable=True)
         probs = torch.softmax(sorted_vals, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p, and always the top token: a top_p below
+        # the smallest representable mass would otherwise drop every token
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[0] = False
         sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_vals)
     return scaled
 
 
+def _greedy_token(row: torch.Tensor) -> int:
+    """Argmax that treats nan as the lowest score (a valid index for any row)."""
+    return int(torch.argmax(torch.nan_to_num(row.double(), nan=float("-inf"))).item())
+
+
+def _draw(row: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One sampled token of a (CPU) row, or the greedy one when the distribution is unusable."""
+    if not bool(torch.isfinite(row).all()):
+        logger.warning("non-finite logits: sampled greedily")
+        return _greedy_token(row)
+    probs = torch.softmax(filter_logits(row, params), dim=-1)
+    total = float(probs.sum())
+    if not (bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) and total > 0):
+        logger.warning("sampling distribution is not finite and positive (%s): sampled greedily", params)
+        return _greedy_token(row)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` (R, vocab); greedy rows in one argmax."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    """One token per row of `logits` (R, vocab); greedy rows in one argmax. Never raises."""
+    tokens = torch.argmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
-        probs = torch.softmax(filter_logits(logits[row].float().cpu(), p), dim=-1)  # generators live on the CPU
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        cpu_row = logits[row].float().cpu()  # generators live on the CPU
+        try:
+            tokens[row] = _draw(cpu_row, p, gen)
+        except Exception:  # noqa: BLE001 - one row's draw must not take the step (and the batch) down
+            logger.exception("sampling failed for %s: sampled greedily", p)
+            tokens[row] = _greedy_token(cpu_row)
     return tokens

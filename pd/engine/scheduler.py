@@ -85,6 +85,16 @@ class Scheduler:
         self._finish(state, RequestStatus.FINISHED_ABORTED)
         return RequestOutput(request_id, [], True, FinishReason.ABORT)
 
+    def fail_request(self, request_id: str, error: str, written_block_ids: set[int]) -> None:
+        """Finish a request whose step failed, with `error`. The blocks that step was writing
+        (`written_block_ids`) leave the prefix cache first: their pages hold no valid KV."""
+        state = self.requests.get(request_id)
+        if state is None or state.request.is_finished():
+            return
+        if written_block_ids:
+            self.mgr.evict_blocks(sorted(written_block_ids))
+        self._finish(state, RequestStatus.FINISHED_ERROR, error)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.remote_waiting or self.held)
 

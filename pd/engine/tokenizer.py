@@ -94,6 +94,7 @@ class ByteTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=True)
 
 
+_GIL_FREE_ENCODE_CHARS = 16 * 1024  # texts this long are encoded without holding the GIL
 _SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -176,13 +177,20 @@ class HFTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         if not self._explicit_bos_eos:
-            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids = list(self._backend.encode(text, add_special_tokens=False).ids)
+            return self._encode_ids(text, add_special_tokens)
+        ids: list[Any] = self._encode_ids(text, False)  # the ids below are set whenever their flag is
         if add_special_tokens and self.add_bos_token:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos_token:
             ids.append(self.eos_token_id)
         return ids
+
+    def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) < _GIL_FREE_ENCODE_CHARS:
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # `encode_batch` runs without the GIL (`encode` holds it): a long text tokenized on a thread
+        # then leaves the process's event loop free. Same ids either way.
+        return list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(t) for t in token_ids]

@@ -162,31 +162,35 @@ class WorkerPool:
     def healthy(self, role: Role) -> list[WorkerLoad]:
         return [w for w in self._loads.values() if w.healthy and w.endpoint.role.serves(role)]
 
-    def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None) -> WorkerLoad:
-        return self.pick_with_hit(role, prompt_token_ids)[0]
+    def pick(self, role: Role, prompt_token_ids: Sequence[int] | None = None,
+             cache_salt: str | None = None) -> WorkerLoad:
+        return self.pick_with_hit(role, prompt_token_ids, cache_salt=cache_salt)[0]
 
-    def candidates(self, role: Role, prompt_token_ids: Sequence[int] | None = None
-                   ) -> list[tuple[WorkerLoad, int | None]]:
+    def candidates(self, role: Role, prompt_token_ids: Sequence[int] | None = None,
+                   cache_salt: str | None = None) -> list[tuple[WorkerLoad, int | None]]:
         """Every healthy worker of `role` with the prompt's predicted prefix hit on it (None
         without an exact index entry); records nothing."""
         candidates = self.healthy(role)
-        hits = self._hits(candidates, prompt_token_ids)
+        hits = self._hits(candidates, prompt_token_ids, cache_salt)
         return [(w, hits.get(w.endpoint.worker_id)) for w in candidates]
 
-    def _hits(self, candidates: list[WorkerLoad], prompt_token_ids: Sequence[int] | None) -> dict[str, int | None]:
+    def _hits(self, candidates: list[WorkerLoad], prompt_token_ids: Sequence[int] | None,
+              cache_salt: str | None = None) -> dict[str, int | None]:
+        """Predicted hits, hashed as the workers hash this prompt: with its cache salt on the first
+        block, so a prompt under one salt never counts blocks cached under another."""
         if self.index is None or not prompt_token_ids or not candidates:
             return {}
-        hashes = self.index.prompt_hashes(prompt_token_ids)
+        hashes = self.index.prompt_hashes(prompt_token_ids, cache_salt=cache_salt)
         return self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
 
     def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None,
-                      preferred: str | None = None) -> tuple[WorkerLoad, int | None]:
+                      preferred: str | None = None, cache_salt: str | None = None) -> tuple[WorkerLoad, int | None]:
         """(the chosen worker, its predicted prefix hit in tokens: None without an exact index entry);
         `preferred` (a worker id, the planner's choice) wins over the policy while it is healthy."""
         candidates = self.healthy(role)
         if not candidates:
             raise NoWorkerAvailable(f"no healthy {role.value} worker is available")
-        hits = self._hits(candidates, prompt_token_ids)
+        hits = self._hits(candidates, prompt_token_ids, cache_salt)
         load = next((w for w in candidates if w.endpoint.worker_id == preferred), None)
         if load is None:
             load = self._policy.choose(candidates, hits)
@@ -201,10 +205,10 @@ class WorkerPool:
         return load, predicted
 
     def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "",
-                preferred: str | None = None) -> WorkerLoad:
+                preferred: str | None = None, cache_salt: str | None = None) -> WorkerLoad:
         """Picks a worker (`preferred` if healthy, else by the policy) and counts one more request
         in flight on it (and its prompt tokens still to compute, when `prompt_token_ids` are given)."""
-        load, predicted = self.pick_with_hit(role, prompt_token_ids, preferred)
+        load, predicted = self.pick_with_hit(role, prompt_token_ids, preferred, cache_salt)
         load.num_in_flight += 1
         queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
         load.num_queued_tokens += queued
@@ -231,6 +235,16 @@ class WorkerPool:
             load.num_good_probes = 0
             load.lost.set()
             logger.warning("worker %s (%s) left the rotation: %s", worker_id, load.endpoint.url, reason)
+
+    def replace_endpoint(self, endpoint: WorkerEndpoint, reason: str) -> None:
+        """The worker restarted at a new address (same id and role): it stays out of the rotation
+        until that address passes `num_readmit_probes` probes."""
+        load = self._loads[endpoint.worker_id]
+        if load.endpoint.role is not endpoint.role:
+            raise ValueError(f"worker {endpoint.worker_id} cannot change role on restart")
+        self.mark_dead(endpoint.worker_id, reason)
+        load.endpoint, load.num_good_probes = endpoint, 0
+        logger.warning("worker %s now at %s (%s)", endpoint.worker_id, endpoint.url, reason)
 
     def dead(self) -> list[WorkerLoad]:
         return [w for w in self._loads.values() if not w.healthy]

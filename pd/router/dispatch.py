@@ -7,8 +7,9 @@ the serving worker's `TokenEvent`s (`pd.cluster.messages`):
   naming the blocks it keeps; (2) the least-loaded D worker gets the prompt and
   those params, pulls the blocks and decodes the whole output (P's single
   token is discarded, so D's sampling alone defines the output);
-- local prefill (the planner's choice, pd.router.planner, or `always_local`): the D
-  worker gets the prompt without transfer params and computes it itself;
+- local prefill (the planner's choice, pd.router.planner, or `always_local`, and in every
+  mode when no prefill worker can run the prompt): the D worker gets the prompt without
+  transfer params and computes it itself;
 - colocated: one worker does both.
 
 Which of the first two a request takes is `router.planner.mode`'s call; the
@@ -23,6 +24,11 @@ Guarantees:
   the rotation; a call waiting on a worker the health loop takes out stops at
   once; a failure before any token was produced is retried once on another
   worker;
+- degrade, don't refuse: a prompt that no prefill worker can run (none healthy, or the
+  ones tried were unreachable before answering) is prefilled on a decode worker, while the
+  request's deadline (`request_timeout_s` from its arrival) is ahead; a P that answered
+  with an error (possibly caused by the request itself) is not worked around. The request
+  fails with 503 only when no decode worker is healthy either;
 - a failure after tokens were produced, where the worker is gone, continues
   the request on another worker of the role (migration, see
   pd.router.recovery): the caller sees one uninterrupted stream; after
@@ -49,7 +55,7 @@ from collections.abc import AsyncGenerator
 
 from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling, TokenEvent
 from pd.router.metrics import RouterMetrics
-from pd.router.planner.decision import Kind, Option, Reason
+from pd.router.planner.decision import Kind, Option, Plan, Reason
 from pd.router.planner.explain import RouteNote
 from pd.router.planner.route import RoutePlanner
 from pd.router.openai_api import APIError, server_error
@@ -60,6 +66,15 @@ from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
 logger = logging.getLogger(__name__)
 
 _REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
+
+
+class _PrefillLost(Exception):
+    """No prefill worker could run the request before it answered (none healthy, or each one
+    tried was unreachable): the decode worker may prefill it itself."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class _WorkerLostMidStream(Exception):
@@ -97,10 +112,13 @@ class Dispatcher:
         self._aborts: set[asyncio.Task] = set()  # lease aborts in flight (kept: a bare task may be collected)
 
     async def stream_tokens(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
-                            note: RouteNote | None = None) -> AsyncGenerator[TokenEvent, None]:
+                            note: RouteNote | None = None,
+                            cache_salt: str | None = None) -> AsyncGenerator[TokenEvent, None]:
         """The serving worker's events; `finish_reason` is set on the last one only. `note`, when
-        given, is filled with where the request went and why (pd.router.planner.explain)."""
-        request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
+        given, is filled with where the request went and why (pd.router.planner.explain);
+        `cache_salt` goes with the request to every worker and into the routing's hit predictions."""
+        request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                                  cache_salt=cache_salt)
         note = note if note is not None else RouteNote()
         started = time.perf_counter()
         if self._colocated:
@@ -110,36 +128,44 @@ class Dispatcher:
                     self._first_event(note, None, started, event)
                     yield event
             return
-        plan = self._planner.decide(self._pool, prompt_token_ids)
-        steer = plan is not None and plan.reason is not Reason.FIXED  # the planner picked the workers too
-        if plan is not None:
-            self._planner.note(plan, note)
-        chosen = plan.chosen if plan is not None else None
-        d_id = chosen.decode.worker_id if chosen is not None and steer else None
-        if chosen is not None and chosen.kind is Kind.LOCAL:  # D prefills itself: no P, no transfer
-            decoded: list[WorkerLoad] = []
-            async with contextlib.aclosing(self._migrating(Role.DECODE, request, _Leg(
-                    d_id, chosen.num_prefill_tokens, None, decoded))) as events:
+        plan = self._planner.decide(self._pool, prompt_token_ids, cache_salt)
+        if plan is None:  # no healthy decode worker: nothing can serve (a P alone cannot decode for us)
+            raise server_error("no healthy decode worker is available", status=503, code="no_worker_available")
+        self._planner.note(plan, note)
+        chosen = plan.chosen
+        if chosen.kind is Kind.LOCAL:  # D prefills itself: no P, no transfer
+            async with contextlib.aclosing(self._local(request, plan, note, started)) as events:
                 async for event in events:
-                    self._first_event(note, chosen, started, event, decoded)
                     yield event
             return
+        steer = plan.reason is not Reason.FIXED  # the planner picked the workers too
+        d_id = chosen.decode.worker_id if steer else None
         prefill = request.model_copy(update={"sampling": sampling.model_copy(update={"max_tokens": 1}),
                                              "kv_transfer_params": _REMOTE_DECODE})
         prefilled: list[WorkerLoad] = []  # every P this request was sent to
-        p_id = chosen.prefill.worker_id if chosen is not None and steer and chosen.prefill else None
-        num_p_tokens = chosen.num_prefill_tokens if chosen is not None else len(prompt_token_ids)
+        p_id = chosen.prefill.worker_id if steer and chosen.prefill else None
+        num_p_tokens = chosen.num_prefill_tokens
         lease_resolved = False  # D finished, or produced a token (it has loaded or released P's blocks)
         try:
             params, num_cached = None, 0
-            async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(p_id, num_p_tokens, None, prefilled),
-                                                     keep_params=True)) as answers:
-                async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
-                    pass
+            try:
+                async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(p_id, num_p_tokens, None,
+                                                                                     prefilled),
+                                                         keep_params=True)) as answers:
+                    async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
+                        pass
+            except _PrefillLost as lost:  # degrade, don't refuse: D prefills the prompt itself
+                lease_resolved = True  # `_run` already aborted the prefill on every P it tried
+                fallback = self._fallback(request, lost.error, started)
+                self._planner.note(fallback, note)
+                async with contextlib.aclosing(self._local(request, fallback, note, started, learn=False)) as events:
+                    async for event in events:
+                        yield event
+                return
             self._metrics.record_prefill_hop(time.perf_counter() - started)
             note.prefill_worker = prefilled[-1].endpoint.worker_id
             decode = request.model_copy(update={"kv_transfer_params": params})
-            decoded = []
+            decoded: list[WorkerLoad] = []
             leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded)
             async with contextlib.aclosing(self._migrating(Role.DECODE, decode, leg)) as events:
                 async for event in events:
@@ -150,6 +176,33 @@ class Dispatcher:
             if not lease_resolved:
                 for url in dict.fromkeys(load.endpoint.url for load in prefilled):
                     self._abort_later(url, request_id)
+
+    async def _local(self, request: GenerateRequest, plan: Plan, note: RouteNote, started: float,
+                     learn: bool = True) -> AsyncGenerator[TokenEvent, None]:
+        """The request prefilled and decoded on one D: the planner's, or the policy's when the
+        plan's kind is the mode's or the only one left (no prefill worker). Its TTFT feeds the
+        planner only when `learn` (a fallback's TTFT holds the time lost on the prefill worker)."""
+        chosen = plan.chosen
+        d_id = chosen.decode.worker_id if plan.reason not in (Reason.FIXED, Reason.NO_PREFILL) else None
+        decoded: list[WorkerLoad] = []
+        async with contextlib.aclosing(self._migrating(Role.DECODE, request, _Leg(
+                d_id, chosen.num_prefill_tokens, None, decoded))) as events:
+            async for event in events:
+                self._first_event(note, chosen if learn else None, started, event, decoded)
+                yield event
+
+    def _fallback(self, request: GenerateRequest, error: APIError, started: float) -> Plan:
+        """The local plan for a request whose prefill was lost, or `error` when none fits: no
+        healthy D, or the request's deadline (`request_timeout_s` from its arrival) has passed."""
+        elapsed = time.perf_counter() - started
+        if elapsed >= self._recovery.request_timeout_s:
+            raise error
+        plan = self._planner.fallback(self._pool, list(request.prompt_token_ids), request.cache_salt)
+        if plan is None:
+            raise error
+        logger.warning("request %s: %s; prefilling on a decode worker instead (%.2fs in)", request.request_id,
+                       error.message, elapsed)
+        return plan
 
     def _first_event(self, note: RouteNote, chosen: Option | None, started: float, event: TokenEvent,
                      decoded: list[WorkerLoad] | None = None) -> None:
@@ -218,7 +271,12 @@ class Dispatcher:
         leg = leg or _Leg()
         figures = self._planner.figures
         for attempt in (1, 2):
-            load = self._acquire(role, request, leg.preferred if attempt == 1 else None)
+            try:
+                load = self._acquire(role, request, leg.preferred if attempt == 1 else None)
+            except APIError as exc:
+                if keep_params:  # no prefill worker left to try
+                    raise _PrefillLost(exc) from None
+                raise
             worker_id = load.endpoint.worker_id
             if leg.acquired is not None:
                 leg.acquired.append(load)
@@ -251,6 +309,8 @@ class Dispatcher:
                 lost = exc.worker_unreachable and exc.cause is not CallCause.TIMEOUT
                 if produced and lost and migratable:
                     raise _WorkerLostMidStream(_api_error(load, exc)) from None
+                if keep_params and lost and attempt == 2:
+                    raise _PrefillLost(_api_error(load, exc)) from None
                 if produced or attempt == 2 or not lost:
                     raise _api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", request.request_id, role.value)
@@ -260,7 +320,8 @@ class Dispatcher:
 
     def _acquire(self, role: Role, request: GenerateRequest, preferred: str | None = None) -> WorkerLoad:
         try:
-            return self._pool.acquire(role, list(request.prompt_token_ids), request.request_id, preferred)
+            return self._pool.acquire(role, list(request.prompt_token_ids), request.request_id, preferred,
+                                      request.cache_salt)
         except NoWorkerAvailable as exc:
             raise server_error(str(exc), status=503, code="no_worker_available") from None
 

@@ -1,13 +1,19 @@
 """Feeds the router's `KVIndex` from every worker's KV event stream.
 
 One ZMQ SUB socket per worker (its endpoint comes from the worker's health /
-stats answer, `kv_events`), read by one asyncio task. Each batch is verified
-(HMAC under the deployment secret, strict msgpack shape): one that fails is
-dropped and counted, and never touches the index. A gap, a restart (new engine
-id or a new endpoint in the worker's stats) or a worker whose published seq
-stays ahead of the index for two polls sends that worker to DEGRADED and
-starts a resync over the worker's replay endpoint (batches after our seq, else
-a snapshot). A worker that leaves the rotation loses its entries.
+stats answer, `kv_events`), read by one asyncio task. The socket is a CURVE
+client with the key pair derived from the deployment secret, the only one the
+worker's publisher admits (`pd.worker.kv_gate`). Each batch is verified (HMAC
+under the deployment secret, strict msgpack shape): one that fails is dropped
+and counted, and never touches the index. A gap (a missed seq, or a heartbeat
+whose seq is ahead of the index: lost trailing batches show within one
+heartbeat), a restart (new engine id or a new endpoint in the worker's stats)
+or a worker whose published seq stays ahead of the index for two polls sends
+that worker to DEGRADED and starts a resync over the worker's replay endpoint
+(batches after our seq, else a snapshot; always a snapshot once the index
+dropped the worker's entries). A worker over its index share stays DEGRADED:
+it is resynchronised again only when its poll says its cache fits in the share.
+A worker that leaves the rotation loses its entries.
 
 Guarantees: every wait has a timeout; no exception in one worker's stream
 stops another's; `close()` cancels every task and closes every socket.
@@ -22,7 +28,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from pd.cluster.kv_wire import TOPIC, BatchError, decode_batch, event_key
+from pd.cluster.kv_wire import TOPIC, BatchError, curve_keys, decode_batch, event_key
 from pd.router.kv_index import IndexState, KVIndex
 from pd.router.worker_client import WorkerCallError, WorkerClient
 
@@ -48,6 +54,7 @@ class KVFeed:
     def __init__(self, index: KVIndex, secret: str, client: WorkerClient, metrics) -> None:
         self.index = index
         self._key = event_key(secret)
+        self._curve = curve_keys(secret)
         self._client = client
         self._metrics = metrics
         self._ctx = zmq.asyncio.Context.instance()
@@ -61,6 +68,9 @@ class KVFeed:
         self._close_stream(worker_id)
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.client_secret)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
         sock.connect(info["endpoint"])
         stream = _Stream(worker_id, url, info["endpoint"], sock, asyncio.create_task(self._read(worker_id, sock)))
@@ -79,6 +89,11 @@ class KVFeed:
         described = self.index.describe(worker_id) or {}
         if described.get("engine_id") not in (None, info.get("engine_id")):
             self.request_resync(worker_id, "new engine id")
+            return
+        if described.get("over_share"):  # a snapshot is worth fetching only once the cache fits
+            copies = info.get("num_cached_copies")
+            if isinstance(copies, int) and copies <= self.index.share():
+                self.request_resync(worker_id, f"cache of {copies} blocks fits in the share again")
             return
         ours, theirs = described.get("seq", 0), int(info.get("seq", 0))
         # the worker was at `lagging_seq` one poll ago and we still are not: its batches were lost
@@ -134,7 +149,7 @@ class KVFeed:
             described = self.index.describe(wid)
             if described is None:
                 return
-            after = described["seq"] if described["engine_id"] is not None and attempt == 0 else None
+            after = self.index.resume_seq(wid) if attempt == 0 else None
             path = "/internal/kv_events" + (f"?after={after}" if after is not None else "")
             try:
                 answer = await self._client.get_json(stream.url, path, timeout_s=RESYNC_TIMEOUT_S)
@@ -143,6 +158,9 @@ class KVFeed:
                     now = self.index.describe(wid)
                     logger.info("kv index: worker %s EXACT again at seq %s", wid,
                                 now["seq"] if now is not None else None)
+                    return
+                if (self.index.describe(wid) or {}).get("over_share"):
+                    logger.info("kv index: worker %s stays DEGRADED: its cache is over the index's share", wid)
                     return
             except (WorkerCallError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("kv index: resync of %s failed: %s", wid, exc)

@@ -8,15 +8,24 @@ resynchronised by a worker's replay or snapshot answer (`resync`).
 Per worker the index is in one of two states:
 - EXACT: every batch since the last resync arrived, in order, from the same
   engine: the entries are the worker's cache (as of its last published step);
-- DEGRADED: a gap (missed seq), a restart (new engine id), a capacity overflow
-  or no resync yet. Its entries are not trusted: `prefix_hits` reports None for
-  it (routed by load alone) until a replay or snapshot brings it back to EXACT.
+- DEGRADED: a gap (missed seq, or a heartbeat whose seq is ahead of ours), a
+  restart (new engine id), a capacity overflow or no resync yet. Its entries
+  are not trusted: `prefix_hits` reports None for it (routed by load alone)
+  until a replay or snapshot brings it back to EXACT.
 A worker that leaves (`drop_worker`, a dead worker) loses all its entries.
 
+Copies: the block pool reports, as vLLM does, one "stored" per cached copy of a
+hash and one "removed" per copy that leaves (two requests that computed the same
+prefix at once hold two blocks with one hash). The index counts copies per
+(hash, group): a hash is held until its last copy is removed. A "removed" for a
+hash the index does not hold changes nothing. A snapshot lists a hash once per copy.
+
 Memory is bounded: at most `max_entries` (hash, worker, group) entries in all,
-`max_entries // num_workers` per worker; a worker over its share is DEGRADED and
-its entries are dropped. An entry is one 32-byte digest in one set, about
-100 bytes in CPython, so the default 1,000,000 entries is about 100 MB.
+`max_entries // num_workers` per worker. A worker over its share is DEGRADED, its
+entries are dropped, and it stays DEGRADED: only a snapshot that fits in the
+share (`resync`) brings it back, never a replay onto the emptied entries. An
+entry is one 32-byte digest and its copy count in one dict, about 100 bytes in
+CPython, so the default 1,000,000 entries is about 100 MB.
 
 Hashes are computed with the workers' own `BlockHasher` (same algorithm, seed,
 block size, extra keys); `check_identity` refuses a worker whose hashing
@@ -27,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import EventBatch
@@ -54,9 +63,11 @@ class _WorkerCache:
     seq: int = 0
     state: IndexState = IndexState.DEGRADED
     reason: str = "not synchronised yet"
-    groups: dict[int, set[bytes]] = dataclasses.field(default_factory=dict)
+    groups: dict[int, dict[bytes, int]] = dataclasses.field(default_factory=dict)  # hash -> copies
     num_entries: int = 0
     pending: list[EventBatch] = dataclasses.field(default_factory=list)
+    needs_snapshot: bool = True  # entries dropped (or never loaded): a replay cannot rebuild them
+    over_share: bool = False  # its last snapshot, or its entries, did not fit in its share
 
 
 class KVIndex:
@@ -99,11 +110,24 @@ class KVIndex:
         if w is None:
             return None
         return {"state": w.state.value, "num_entries": w.num_entries, "seq": w.seq, "engine_id": w.engine_id,
-                "reason": w.reason if w.state is IndexState.DEGRADED else None}
+                "reason": w.reason if w.state is IndexState.DEGRADED else None, "over_share": w.over_share}
+
+    def resume_seq(self, worker_id: str) -> int | None:
+        """The seq a replay may start after, or None when only a snapshot can resynchronise."""
+        w = self._workers.get(worker_id)
+        return None if w is None or w.needs_snapshot or w.engine_id is None else w.seq
+
+    def share(self) -> int:
+        """Entries each worker may hold (`max_entries // num_workers`)."""
+        return self.max_entries // max(1, len(self._workers))
 
     def hashes(self, worker_id: str) -> dict[int, set[bytes]]:
         """A copy of the worker's indexed hashes per group."""
         return {g: set(hs) for g, hs in self._workers[worker_id].groups.items() if hs}
+
+    def copies(self, worker_id: str) -> dict[int, dict[bytes, int]]:
+        """A copy of the worker's indexed hashes per group, with how many blocks hold each."""
+        return {g: dict(hs) for g, hs in self._workers[worker_id].groups.items() if hs}
 
     def holders(self, block_hash: bytes) -> dict[str, set[int]]:
         """worker id -> the groups in which it holds `block_hash` (EXACT workers only)."""
@@ -128,8 +152,10 @@ class KVIndex:
             return "unknown_worker"
         if w.engine_id is not None and batch.engine_id != w.engine_id:
             self._degrade(w, f"restart: engine {w.engine_id} -> {batch.engine_id}")
-            w.pending = [batch]
+            w.pending = [] if batch.heartbeat else [batch]
             return "restart"
+        if batch.heartbeat:
+            return self._heartbeat(w, batch)
         if w.state is IndexState.DEGRADED:
             if len(w.pending) < MAX_PENDING_BATCHES:
                 w.pending.append(batch)
@@ -153,14 +179,24 @@ class KVIndex:
         engine_id = answer["engine_id"]
         if "snapshot" in answer:
             snap = answer["snapshot"]
-            w.groups, w.num_entries = {}, 0
+            groups: dict[int, dict[bytes, int]] = {}
             for g, hexes in snap["groups"].items():
-                w.groups[int(g)] = {bytes.fromhex(h) for h in hexes}
-                w.num_entries += len(hexes)
+                held = groups.setdefault(int(g), {})
+                for h in hexes:
+                    key = bytes.fromhex(h)
+                    held[key] = held.get(key, 0) + 1
             w.seq, w.engine_id = int(snap["seq"]), engine_id
+            num_entries = sum(len(hs) for hs in groups.values())
+            if num_entries > self.share():  # stays DEGRADED, holding nothing, as documented
+                self._drop_entries(w, f"snapshot of {num_entries} entries is over the index's share "
+                                      f"of {self.share()}")
+                w.pending = [b for b in w.pending if b.engine_id == engine_id and b.seq > w.seq]
+                return False
+            w.groups, w.num_entries = groups, num_entries
+            w.needs_snapshot = w.over_share = False
         else:
-            if engine_id != w.engine_id:
-                return False  # batches of another engine than ours: ask for a snapshot
+            if engine_id != w.engine_id or w.needs_snapshot:
+                return False  # batches of another engine, or onto dropped entries: ask for a snapshot
             for b in answer["batches"]:
                 if b["seq"] == w.seq + 1:
                     self._apply_events(w, [[k, g, [bytes.fromhex(h) for h in hs]] for k, g, hs in b["events"]])
@@ -174,38 +210,49 @@ class KVIndex:
             w.pending = stale
             return False  # another restart happened meanwhile
         w.pending = []
-        if stale or self._over_cap(w):
+        if stale or w.needs_snapshot:
             return False
         w.state, w.reason = IndexState.EXACT, ""
         return True
+
+    def _heartbeat(self, w: _WorkerCache, batch: EventBatch) -> str:
+        """A heartbeat follows every batch published before it: a seq ahead of ours means lost batches."""
+        if w.state is IndexState.EXACT and batch.seq > w.seq:
+            self._degrade(w, f"gap: heartbeat at seq {batch.seq}, index at seq {w.seq}")
+            return "gap"
+        return "heartbeat"
 
     def _apply_events(self, w: _WorkerCache, events: Iterable) -> None:
         for kind, group, hashes in events:
             if kind == "cleared":
                 w.groups, w.num_entries = {}, 0
                 continue
-            held = w.groups.setdefault(group, set())
+            held = w.groups.setdefault(group, {})
             before = len(held)
             if kind == "stored":
-                held.update(hashes)
+                for h in hashes:
+                    held[h] = held.get(h, 0) + 1
             else:
-                held.difference_update(hashes)
+                for h in hashes:
+                    n = held.get(h)
+                    if n is not None and n > 1:
+                        held[h] = n - 1
+                    elif n is not None:
+                        del held[h]
             w.num_entries += len(held) - before
-        if self._over_cap(w):
-            self._degrade(w, f"over the index's share of {self._share()} entries")
+        if w.num_entries > self.share():
+            self._drop_entries(w, f"over the index's share of {self.share()} entries")
 
-    def _share(self) -> int:
-        return self.max_entries // max(1, len(self._workers))
-
-    def _over_cap(self, w: _WorkerCache) -> bool:
-        return w.num_entries > self._share()
+    def _drop_entries(self, w: _WorkerCache, reason: str) -> None:
+        """Over the share: DEGRADED, holding nothing, until a snapshot that fits."""
+        self._degrade(w, reason)
+        w.groups, w.num_entries = {}, 0
+        w.needs_snapshot = w.over_share = True
 
     def _degrade(self, w: _WorkerCache, reason: str) -> None:
         if w.state is IndexState.EXACT:
             logger.warning("kv index: worker %s DEGRADED: %s", w.worker_id, reason)
         w.state, w.reason = IndexState.DEGRADED, reason
-        if self._over_cap(w):
-            w.groups, w.num_entries = {}, 0
 
     def mark_degraded(self, worker_id: str, reason: str) -> None:
         w = self._workers.get(worker_id)
@@ -243,7 +290,7 @@ class KVIndex:
         return out
 
 
-def _agreed_hit(held: dict[int, set[bytes]], groups: list[dict], hashes: Sequence[bytes],
+def _agreed_hit(held: Mapping[int, Container[bytes]], groups: list[dict], hashes: Sequence[bytes],
                 max_blocks: int, block_size: int) -> int:
     """Blocks of the longest prefix every group holds (full attention: every block; sliding
     window: the blocks its window still needs; Mamba: the last block)."""
@@ -257,7 +304,7 @@ def _agreed_hit(held: dict[int, set[bytes]], groups: list[dict], hashes: Sequenc
         limit = agreed
 
 
-def _group_hit(held: set[bytes], spec: dict, hashes: Sequence[bytes], limit: int, block_size: int) -> int:
+def _group_hit(held: Container[bytes], spec: dict, hashes: Sequence[bytes], limit: int, block_size: int) -> int:
     kind = spec.get("kind")
     if kind == "full_attention":
         n = 0

@@ -17,13 +17,14 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
-from pd.cluster.messages import Sampling
+from pd.cluster.messages import CacheSalt, Sampling
 from pd.cluster.schema import describe
 
 MAX_STOP_SEQUENCES = 8
@@ -108,9 +109,37 @@ def _in_vocab(token_id: int, info: ValidationInfo) -> int:
     return token_id
 
 
+# A lone surrogate (U+D800-U+DFFF) is valid in JSON ("\\ud800") and in a Python str but has no UTF-8 form:
+# text carrying one would fail later, in the tokenizer or wherever it is encoded, so it is refused here.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_problem(text: str) -> str | None:
+    """Why `text` is not encodable Unicode text (None when it is)."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (f"must be valid Unicode text: it holds a lone surrogate (U+{ord(found.group()):04X}) at character "
+            f"{found.start()}, which has no UTF-8 encoding")
+
+
+def _encodable(text: Any) -> Any:
+    """Runs before pydantic's own string checks (theirs fail on a surrogate with a vaguer message)."""
+    problem = surrogate_problem(text) if isinstance(text, str) else None
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
 TokenId = Annotated[int, Field(ge=0), AfterValidator(_in_vocab)]
-NonEmpty = Annotated[str, Field(min_length=1)]
-Stop = str | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_SEQUENCES)] | tuple[NonEmpty, ...]
+Text = Annotated[str, BeforeValidator(_encodable)]  # every client string: encodable as UTF-8
+NonEmpty = Annotated[str, Field(min_length=1), BeforeValidator(_encodable)]
+# What a client may send as `prompt` (the JSON schema of the plain validator below, which checks it itself)
+_IdList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptInput = (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | _IdList
+               | Annotated[list[_IdList], Field(min_length=1)])
+Stop = (Text | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_SEQUENCES)]
+        | Annotated[tuple[NonEmpty, ...], Field(max_length=MAX_STOP_SEQUENCES)])
 
 
 class _Strict(BaseModel):
@@ -124,7 +153,7 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     """Fields common to both endpoints; `null` means "the default" for each of them."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=MAX_NEW_TOKENS)
@@ -134,10 +163,12 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # extension (as in vLLM): the output also carries the token ids (completions: each choice's generated
     # ids; chat: the prompt's ids and each choice's generated ids)
     return_token_ids: bool = False
+    # as in vLLM: enters the first block's hash, so prompts share cached blocks only with equal salts
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -202,7 +233,7 @@ class CompletionRequest(_SamplingRequest):
     def _unsupported_fields(cls) -> dict[str, Callable[[Any], bool]]:
         return COMPLETION_UNSUPPORTED
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
     @classmethod
     def _prompt(cls, raw: Any, info: ValidationInfo) -> tuple[str | tuple[int, ...], ...]:
         vocab_size = (info.context or {}).get("vocab_size", 1 << 62)
@@ -218,11 +249,15 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(raw, str):
             if not raw:
                 raise ValueError("must not be empty")
-            return (raw,)
+            return (_encodable(raw),)
         if isinstance(raw, list) and raw:
             if all(isinstance(p, str) for p in raw):
                 if not all(raw):
                     raise ValueError("must not contain empty strings")
+                for i, p in enumerate(raw):
+                    problem = surrogate_problem(p)
+                    if problem is not None:
+                        raise _Refused(f"prompt[{i}]", None, f"'prompt[{i}]': {problem}")
                 return tuple(raw)
             if all(isinstance(p, list) for p in raw):
                 return tuple(token_ids(p) for p in raw)
@@ -243,13 +278,13 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def rendered(self) -> dict:
         """The message as a chat template sees it (`developer` is the newer name of `system`)."""

@@ -37,13 +37,20 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None  # None (left out): router.report_cached_tokens is off
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = 0) -> Usage:
+        details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+                   total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler):
+        out = handler(self)
+        if out.get("prompt_tokens_details", 0) is None:
+            del out["prompt_tokens_details"]
+        return out
 
 
 class _OptionalIds(BaseModel):

@@ -9,7 +9,11 @@ Guarantees:
 - `continuation` asks for exactly the tokens not yet sent: the prompt plus the sent
   tokens as the new prompt, `max_tokens` reduced by what was sent, and no
   `kv_transfer_params` (the new worker computes that prompt itself), so a greedy
-  stream continues with the tokens an undisturbed run would have produced.
+  stream continues with the tokens an undisturbed run would have produced;
+- `health_report` answers `ok` (200) while every role has a healthy worker,
+  `degraded` (200, naming what is missing) while the deployment still serves every
+  request (no prefill worker: decode workers prefill locally), and `unavailable`
+  (503) only when no worker can serve.
 """
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pd.cluster.messages import GenerateRequest, TokenEvent
-from pd.router.choice import NUM_READMIT_PROBES, WorkerLoad
+from pd.router.choice import NUM_READMIT_PROBES, Role, WorkerLoad, WorkerPool
 from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
 
 MIGRATION_LIMIT = 2
 FIRST_BYTE_TIMEOUT_S = 10.0
 MAX_FAILED_POLLS = 2
 STATS_TIMEOUT_S = 10.0
+READMIT_INTERVAL_S = 0.25
+REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +40,19 @@ class RecoverySettings:
     """`migration_limit`: how often one request may move to another worker after tokens were
     sent; `first_byte_timeout_s`: how long a worker may take to answer a call's headers (a
     live one does at once); a worker leaves the rotation after `max_failed_polls` failed
-    health polls in a row and comes back after `num_readmit_probes` good ones."""
+    health polls in a row and comes back after `num_readmit_probes` good ones, probed every
+    `readmit_interval_s` while it is out (faster than the poll of healthy workers: a stalled
+    worker that answers again is back within `num_readmit_probes` x that, plus one probe);
+    `request_timeout_s` is a request's deadline: a request whose prefill worker is lost falls
+    back to prefilling on its decode worker only while the deadline is ahead."""
 
     migration_limit: int = MIGRATION_LIMIT
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     max_failed_polls: int = MAX_FAILED_POLLS
     num_readmit_probes: int = NUM_READMIT_PROBES
     stats_timeout_s: float = STATS_TIMEOUT_S
+    readmit_interval_s: float = READMIT_INTERVAL_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:
@@ -48,7 +60,7 @@ class RecoverySettings:
         for name in ("max_failed_polls", "num_readmit_probes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("first_byte_timeout_s", "stats_timeout_s"):
+        for name in ("first_byte_timeout_s", "stats_timeout_s", "readmit_interval_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -94,4 +106,24 @@ def continuation(request: GenerateRequest, sent_token_ids: list[int], num_migrat
     sampling = request.sampling.model_copy(update={"max_tokens": request.sampling.max_tokens - len(sent_token_ids)})
     return GenerateRequest(request_id=f"{request.request_id}-m{num_migrations}",
                            prompt_token_ids=list(request.prompt_token_ids) + list(sent_token_ids),
-                           sampling=sampling, kv_transfer_params=None)
+                           sampling=sampling, kv_transfer_params=None, cache_salt=request.cache_salt)
+
+
+def health_report(pool: WorkerPool, colocated: bool) -> tuple[dict, int]:
+    """The router's `/health` body and status: `ok`, `degraded` (serving, with `missing_roles`
+    and what the router does instead in `reason`) or `unavailable` (503, why in `reason`)."""
+    roles = (Role.BOTH,) if colocated else (Role.PREFILL, Role.DECODE)
+    missing = [r.value for r in roles if not pool.healthy(r)]
+    serving = Role.BOTH if colocated else Role.DECODE
+    reason = None
+    if not pool.healthy(serving):
+        status = "unavailable"
+        reason = f"no healthy {serving.value} worker: nothing can serve"
+    elif missing:
+        status = "degraded"
+        reason = "no healthy prefill worker: decode workers prefill locally"
+    else:
+        status = "ok"
+    body = {"status": status, "missing_roles": missing, "reason": reason,
+            "workers": {w.endpoint.worker_id: w.healthy for w in pool.all()}}
+    return body, 503 if status == "unavailable" else 200

@@ -5,12 +5,15 @@ pd.router.completions), `GET /v1/models[/{id}]`, `GET /health`,
 `GET /metrics` (Prometheus text, from the last worker poll) and
 `GET /pd/workers` (each worker's last stats, its KV index state, EXACT or
 DEGRADED, and size, and the prefill planner's figures for it; `?refresh=1` polls
-now, pool audits included) and `GET /pd/planner` (the planner's mode and all its
-figures, pd.router.planner).
+now, pool audits included, at most once per `refresh_min_interval_s`, see
+pd.router.refresh) and `GET /pd/planner` (the planner's mode and all its
+figures, pd.router.planner). Who may call what (API keys on /v1/, the admin key
+alone on /pd/* and a protected /metrics) and each tenant's cache salt: pd.router.tenancy.
 
 Guarantees:
 - client input is validated before any worker is touched; errors are
   OpenAI-style JSON with a proper status code (400 bad input, 401 bad key,
+  403 an API key on an admin endpoint, 429 too many waiting refreshes,
   404 unknown model or route, 500 a bug here, 502/503/504 worker trouble),
   never aiohttp's plain-text pages;
 - client-supplied `kv_transfer_params` are dropped (never forwarded);
@@ -19,16 +22,20 @@ Guarantees:
 - a background health loop polls every worker: a failed health probe
   (`max_failed_polls` polls in a row) takes it out of the rotation, and calls
   waiting on it stop at once; a worker out of the rotation keeps being probed
-  and comes back after `num_readmit_probes` good probes in a row (settings:
-  pd.router.recovery.RecoverySettings);
+  (every `readmit_interval_s`, faster than the poll) and comes back after
+  `num_readmit_probes` good probes in a row (settings:
+  pd.router.recovery.RecoverySettings); an on-demand refresh counts toward
+  neither (how often a client asks must not decide a worker's liveness);
 - a `/metrics` scrape serves the figures of the last poll: it never calls a
-  worker, so scrapers cost the workers nothing.
+  worker, so scrapers cost the workers nothing;
+- a client costs bounded connections and time: header, body and idle timeouts and
+  connection caps per peer and in total (`pd.cluster.http_guard`, `router.connections`);
+  `stop()` drains requests in progress, then ends the streams still running cleanly.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 from aiohttp import web
@@ -37,10 +44,12 @@ from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, AdmissionLimits
 from pd.router.completions import CompletionEndpoints, error_response, internal_error
 from pd.router.openai_responses import model_card, models_response
+from pd.router.openapi import openapi_handler
 from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.http_guard import ConnectionGuard, GuardedSite, GuardLimits
 from pd.router.dispatch import Dispatcher
 from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
-from pd.router.recovery import RecoverySettings
+from pd.router.recovery import RecoverySettings, health_report
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
 from pd.engine.tokenizer import Tokenizer, load_tokenizer
 from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
@@ -48,6 +57,8 @@ from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import deployment_hash_seed
 from pd.router.kv_feed import KVFeed
 from pd.router.kv_index import KVIndex
+from pd.router.refresh import RefreshBusy, RefreshLimiter
+from pd.router.tenancy import Tenancy
 from pd.router.planner.route import RoutePlanner
 
 logger = logging.getLogger(__name__)
@@ -87,7 +98,7 @@ class Router:
                                num_readmit_probes=self.recovery.num_readmit_probes)
         for endpoint in endpoints:
             self.pool.add(endpoint)
-        self._key_paths = ("/v1/", "/pd/", "/metrics") if metrics_require_key else ("/v1/", "/pd/")
+        self.tenancy = Tenancy(rc, secret, metrics_require_key)  # API keys, the admin key, cache salts
         self._colocated = config.topology.mode is Mode.COLOCATED
         self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size,
                                     config.scheduler.max_num_batched_tokens)
@@ -98,7 +109,10 @@ class Router:
         self.gate = AdmissionGate(
             lambda: rc.max_in_flight_per_worker * max(1, sum(len(self.pool.healthy(r)) for r in serving)),
             AdmissionLimits(rc.max_queued_requests, rc.queue_timeout_s, rc.retry_after_s))
-        self.endpoints = CompletionEndpoints(config, self.tokenizer, self.dispatcher, self.metrics, self.gate)
+        self.endpoints = CompletionEndpoints(config, self.tokenizer, self.dispatcher, self.metrics, self.gate,
+                                             tenancy=self.tenancy)
+        self._refresh = RefreshLimiter(lambda: self.poll_workers(audit=True, readmit=False, on_demand=True),
+                                       rc.refresh_min_interval_s)
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task | None = None
         self.url: str | None = None
@@ -106,7 +120,11 @@ class Router:
     # -- life cycle -------------------------------------------------------
     async def start(self, host: str | None = None, port: int | None = None) -> str:
         await self.client.open()
-        app = web.Application(middlewares=[self._api_key], client_max_size=self.config.router.max_body_bytes)
+        # header/body/idle timeouts and connection caps (pd.cluster.http_guard): the guard's middleware
+        # runs after the key check, so a refused request's body is never read
+        self.conn_guard = ConnectionGuard(GuardLimits.from_section(self.config.router.connections), "router")
+        app = web.Application(middlewares=[self._api_key, self.conn_guard.middleware],
+                              client_max_size=self.config.router.max_body_bytes)
         app.add_routes([
             web.post("/v1/completions", self.endpoints.completions),
             web.post("/v1/chat/completions", self.endpoints.chat),
@@ -116,17 +134,20 @@ class Router:
             web.get("/metrics", self._metrics),
             web.get("/pd/workers", self._workers),
             web.get("/pd/planner", self._planner),
+            web.get("/openapi.json", openapi_handler(self.config, self.endpoints.vocab_size)),
         ])
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0,
+                                     **self.conn_guard.runner_options())
         await self._runner.setup()
         host = host or self.config.router.host
-        site = web.TCPSite(self._runner, host, self.config.router.port if port is None else port)
+        site = GuardedSite(self._runner, self.conn_guard, host, self.config.router.port if port is None else port)
         await site.start()
         bound = self._runner.addresses[-1][1]
         self.url = f"http://{host}:{bound}"
         await self._subscribe_kv_events()
         await self.poll_workers()
         self._health_task = asyncio.create_task(self._health_loop())
+        self.endpoints.tune_process()  # GC and GIL settings that keep the loop free while a large body parses
         return self.url
 
     async def _subscribe_kv_events(self) -> None:
@@ -144,7 +165,9 @@ class Router:
             if health.get("kv_events"):
                 self.kv_feed.connect(load.endpoint.worker_id, load.endpoint.url, health["kv_events"])
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 2.0) -> None:
+        """Closes the port, gives requests in progress `drain_s` to finish (streams still running
+        then end with an error event and `data: [DONE]`), then tears down."""
         if self.kv_feed is not None:
             await self.kv_feed.close()
         if self._health_task is not None:
@@ -152,26 +175,50 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()  # no new connections while the ones in progress drain
+            await self.conn_guard.drain(drain_s)
             await self._runner.cleanup()
             self._runner = None
         await self.dispatcher.drain()
+        self.endpoints.close()
         await self.client.close()
 
     async def _health_loop(self) -> None:
+        """A full poll every `health_interval_s`; in between, while a worker is out of the
+        rotation, a probe of it every `readmit_interval_s` (a resumed worker is back quickly)."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.router.health_interval_s
+        next_poll = loop.time() + interval
         while True:
-            await asyncio.sleep(self.config.router.health_interval_s)
+            wake = next_poll if not self.pool.dead() else min(next_poll, loop.time() + self.recovery.readmit_interval_s)
+            await asyncio.sleep(max(0.0, wake - loop.time()))
             try:
-                await self.poll_workers()
+                if loop.time() >= next_poll:
+                    next_poll = loop.time() + interval
+                    await self.poll_workers()
+                else:
+                    await self._probe_out_of_rotation()
             except Exception:  # the loop must outlive any single bad poll
                 logger.exception("worker poll failed")
 
-    async def poll_workers(self, audit: bool = False, readmit: bool = True) -> None:
+    async def _probe_out_of_rotation(self) -> None:
+        """One probe of each worker out of the rotation, counted toward its re-admission."""
+        loads = self.pool.dead()
+        results = await asyncio.gather(*(self._probe(w) for w in loads))
+        for load, error in zip(loads, results, strict=True):
+            if self.pool.record_probe(load.endpoint.worker_id, error is None):
+                self._failed_polls[load.endpoint.worker_id] = 0
+
+    async def poll_workers(self, audit: bool = False, readmit: bool = True, on_demand: bool = False) -> None:
         """Refreshes every healthy worker's stats (with a pool audit, taken under the
         engine's step lock, only when `audit`) and probes the others. Liveness is the health
         probe alone (a slow stats answer from a busy worker is not a death): a worker whose
         probe fails `max_failed_polls` times in a row leaves the rotation; one out of it is
         re-admitted after `num_readmit_probes` good probes in a row, counted only when
-        `readmit` (the health loop's paced polls, not on-demand refreshes)."""
+        `readmit` (the health loop's paced polls, not on-demand refreshes). An `on_demand` poll
+        (`?refresh=1`) counts nothing toward either: how often clients ask must not decide liveness."""
+        readmit = readmit and not on_demand
         loads = [w for w in self.pool.all() if w.healthy or readmit]
         results = await asyncio.gather(*(self._poll_one(w, audit) if w.healthy else self._probe(w) for w in loads))
         for load, error in zip(loads, results, strict=True):
@@ -183,6 +230,9 @@ class Router:
             if error is None:
                 self._failed_polls[worker_id] = 0
                 continue
+            if on_demand:
+                logger.warning("on-demand poll: worker %s did not answer (not counted): %s", worker_id, error)
+                continue
             self._failed_polls[worker_id] = self._failed_polls.get(worker_id, 0) + 1
             limit = self.recovery.max_failed_polls
             if self._failed_polls[worker_id] >= limit:
@@ -191,6 +241,15 @@ class Router:
             for load in self.pool.all():
                 if not load.healthy:
                     self.kv_feed.drop(load.endpoint.worker_id)
+
+    def replace_endpoint(self, endpoint: WorkerEndpoint, reason: str = "restarted") -> None:
+        """A worker that came back at a new URL (`pd.deploy.restarts`): out of the rotation, its KV
+        index entries gone, until its new address passes the re-admission probes (its index then
+        starts from a snapshot of its fresh engine)."""
+        self.pool.replace_endpoint(endpoint, reason)
+        self._failed_polls.pop(endpoint.worker_id, None)
+        if self.kv_feed is not None:
+            self.kv_feed.drop(endpoint.worker_id)
 
     async def _probe(self, load) -> str | None:
         """None when the worker's health probe answered; else why not."""
@@ -223,10 +282,9 @@ class Router:
     # -- middleware -------------------------------------------------------
     @web.middleware
     async def _api_key(self, request: web.Request, handler):
-        key = self.config.router.api_key
-        if key and request.path.startswith(self._key_paths):
-            if not _authorized(request.headers.get("Authorization", ""), key):
-                return error_response(oa.APIError(401, "invalid or missing API key", code="invalid_api_key"))
+        refused = self.tenancy.authorize(request)  # API keys on /v1/, the admin key on /pd/* (pd.router.tenancy)
+        if refused is not None:
+            return error_response(refused)
         try:
             return await handler(request)
         except oa.APIError as exc:
@@ -250,11 +308,8 @@ class Router:
         return web.json_response(model_card(model_id, self.config.scheduler.max_model_len))
 
     async def _health(self, request: web.Request) -> web.Response:
-        roles = (Role.BOTH,) if self._colocated else (Role.PREFILL, Role.DECODE)
-        missing = [r.value for r in roles if not self.pool.healthy(r)]
-        body = {"status": "ok" if not missing else "unavailable", "missing_roles": missing,
-                "workers": {w.endpoint.worker_id: w.healthy for w in self.pool.all()}}
-        return web.json_response(body, status=200 if not missing else 503)
+        body, status = health_report(self.pool, self._colocated)  # ok, degraded (serving) or unavailable
+        return web.json_response(body, status=status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         # The last poll's figures: polling here would let every scraper load every worker.
@@ -265,24 +320,22 @@ class Router:
                 for w in self.pool.all()]
 
     async def _workers(self, request: web.Request) -> web.Response:
+        headers = {}
         if request.query.get("refresh"):
-            await self.poll_workers(audit=True, readmit=False)
+            try:  # paced and shared (pd.router.refresh): at most one poll per refresh_min_interval_s
+                started = await self._refresh.refresh()
+            except RefreshBusy as exc:
+                return error_response(oa.APIError(429, str(exc), err_type="rate_limit_error",
+                                                  code="refresh_rate_limited"), {"Retry-After": str(exc.retry_after_s)})
+            headers = {"X-PDKV-Poll-Started": f"{started:.6f}", "X-PDKV-Polls": str(self._refresh.num_polls)}
         body = {w.endpoint.worker_id: {"role": w.endpoint.role.value, "url": w.endpoint.url, "healthy": w.healthy,
                                        "num_in_flight": w.num_in_flight, "num_queued_tokens": w.num_queued_tokens,
                                        "kv_index": (self.kv_index.describe(w.endpoint.worker_id)
                                                     if self.kv_index else None),
                                        "planner": self.planner.figures.describe_worker(w.endpoint.worker_id),
                                        "stats": w.stats} for w in self.pool.all()}
-        return web.json_response(body)
+        return web.json_response(body, headers=headers)
 
     async def _planner(self, request: web.Request) -> web.Response:
         return web.json_response(self.planner.describe())
-
-
-def _authorized(header: str, key: str) -> bool:
-    try:
-        given = header.encode("utf-8")
-    except UnicodeEncodeError:  # a non-UTF-8 header arrives as surrogate escapes: not our key
-        return False
-    return hmac.compare_digest(given, f"Bearer {key}".encode())
 

@@ -49,6 +49,8 @@ class WorkerCallError(RuntimeError):
 
     @classmethod
     def for_status(cls, status: int, message: str) -> WorkerCallError:
+        if status == 503:  # the worker cannot serve (e.g. its engine died): nothing started there, try another
+            return cls(CallCause.CONNECT, message, status)
         return cls(CallCause.REFUSED if 400 <= status < 500 else CallCause.HTTP_ERROR, message, status)
 
     @property

@@ -6,6 +6,8 @@ records each prompt's tokens on the undisturbed deployment, then for `--duration
 - SIGKILLs a decode worker (`--kill-after-s` into the load),
 - holds `--junk` unauthenticated connections on the prefill worker's data port,
 - sends unauthenticated REFUSE frames with varied reasons to its side channel (`--refuse-rate`/s),
+- holds `--router-idle` idle connections on the router's port (past its connection cap the
+  router closes the least recently used; the holder opens them again),
 and samples the RSS of the router (this process) and of every worker. It prints a short report:
 requests by status, how many were token-identical to the reference, RSS before / peak / after per
 process, and the pools' audit; it exits 1 when the run broke the contract of
@@ -56,6 +58,7 @@ class LoadFaultsSettings:
     victim: str = "decode-0"
     num_junk: int = 70
     refuse_rate: float = 300.0
+    num_router_idle: int = 10_000
     num_prompts: int = 24
     max_tokens: int = 24
     request_timeout_s: float = 60.0
@@ -67,8 +70,8 @@ class LoadFaultsSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.kill_after_s < self.duration_s:
             raise ValueError(f"kill_after_s must be in [0, duration_s), got {self.kill_after_s}")
-        if self.num_junk < 0 or self.refuse_rate < 0:
-            raise ValueError("num_junk and refuse_rate must be >= 0")
+        if self.num_junk < 0 or self.refuse_rate < 0 or self.num_router_idle < 0:
+            raise ValueError("num_junk, refuse_rate and num_router_idle must be >= 0")
 
 
 def make_prompts(num: int) -> list[str]:
@@ -224,7 +227,9 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
             "num_clients": settings.num_clients, "duration_s": settings.duration_s,
             "request_timeout_s": settings.request_timeout_s, "api_key": api_key,
             "kv_host": dep.config.transfer.host, "data_port": ports["data"], "num_junk": settings.num_junk,
-            "side_port": ports["side_channel"], "refuse_rate": settings.refuse_rate}
+            "side_port": ports["side_channel"], "refuse_rate": settings.refuse_rate,
+            "router_host": dep.url.split("//", 1)[1].rsplit(":", 1)[0], "router_port": int(dep.url.rsplit(":", 1)[1]),
+            "num_router_idle": settings.num_router_idle}
     proc = _start_driver(spec)
     report = LoadFaultsReport(num_clients=settings.num_clients, duration_s=settings.duration_s, rows=[],
                               reference=reference, rss=tracks, max_rss_growth_mb=settings.max_rss_growth_mb,
@@ -249,6 +254,7 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
     report.junk = {"held": settings.num_junk, "min_open": result["junk_min_open"], "opened": result["junk_opened"],
                    "closed_by_peer": result["junk_closed_by_peer"]}
     report.refuse_sent = result["refuse_sent"]
+    report.router_idle = {**result["router_idle"], "router": dep.router.conn_guard.figures()}
     report.num_migrations, report.num_redispatches = events.num_migrations, events.num_redispatches
 
     report.pools = dep.pool_audits(timeout_s=30.0)
@@ -280,6 +286,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-after-s", type=float, default=d.kill_after_s)
     parser.add_argument("--junk", type=int, default=d.num_junk, help="junk connections held on P's data port")
     parser.add_argument("--refuse-rate", type=float, default=d.refuse_rate, help="REFUSE frames a second")
+    parser.add_argument("--router-idle", type=int, default=d.num_router_idle,
+                        help="idle connections held on the router's port")
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--max-rss-growth-mb", type=float, default=d.max_rss_growth_mb)
@@ -297,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = LoadFaultsSettings(num_clients=args.clients, duration_s=args.duration_s,
                                       kill_after_s=args.kill_after_s, num_junk=args.junk,
-                                      refuse_rate=args.refuse_rate, num_prompts=args.num_prompts,
+                                      refuse_rate=args.refuse_rate, num_router_idle=args.router_idle,
+                                      num_prompts=args.num_prompts,
                                       max_tokens=args.max_tokens, max_rss_growth_mb=args.max_rss_growth_mb)
         config = default_config(args.config)
     except (ConfigError, ValueError, OSError) as exc:

@@ -6,7 +6,9 @@ It reads one JSON spec on stdin and, for `duration_s`, runs at once:
 - `num_junk` unauthenticated connections held on a producer's data port (a quarter idle, the
   rest trickling a frame byte by byte; one the producer closes is opened again);
 - unauthenticated REFUSE frames to the producer's side channel at `refuse_rate` a second,
-  each with a new reason (and a line break in it), from a new ZMQ identity every 200 frames.
+  each with a new reason (and a line break in it), from a new ZMQ identity every 200 frames;
+- `num_router_idle` idle connections held on the router's port (one the router closes, at its
+  keep-alive timeout or past its connection cap, is opened again).
 
 It writes JSON lines on stdout: `{"event": "started"}` when the load begins, then one
 `{"event": "result", ...}` with a row per request. Apart from the load it is the harness, so it
@@ -29,7 +31,7 @@ import zmq
 
 from connectors import wire
 from connectors.wire import MsgType
-from pd.tools.junk_connections import JunkHolder
+from pd.tools.junk_connections import HTTP_TRICKLE, JunkHolder
 from pd.tools.sse_stream import SSEStream
 
 RETRY_AFTER_CAP_S = 5.0
@@ -52,6 +54,9 @@ class DriverSpec:
     num_junk: int = 0
     side_port: int = 0
     refuse_rate: float = 0.0
+    router_host: str = "127.0.0.1"
+    router_port: int = 0
+    num_router_idle: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> DriverSpec:
@@ -143,9 +148,11 @@ async def run_driver(spec: DriverSpec, on_started=None) -> dict:
     stop = threading.Event()
     junk = JunkHolder(spec.kv_host, spec.data_port, spec.num_junk, stop) if spec.num_junk else None
     refuse = RefuseSender(spec.kv_host, spec.side_port, spec.refuse_rate, stop) if spec.refuse_rate else None
-    for thread in (junk, refuse):
-        if thread is not None:
-            thread.start()
+    router_idle = (JunkHolder(spec.router_host, spec.router_port, spec.num_router_idle, stop, payload=HTTP_TRICKLE,
+                              kinds="idle") if spec.num_router_idle else None)
+    injectors = [t for t in (junk, refuse, router_idle) if t is not None]  # threads beside the load, one per fault
+    for thread in injectors:
+        thread.start()
     rows: list[dict] = []
     t0 = time.monotonic()
     try:
@@ -157,14 +164,16 @@ async def run_driver(spec: DriverSpec, on_started=None) -> dict:
             await asyncio.gather(*(_client(session, spec, i, deadline, rows) for i in range(spec.num_clients)))
     finally:
         stop.set()
-        for thread in (junk, refuse):
-            if thread is not None:
-                thread.join(10)
+        for thread in injectors:
+            thread.join(10)
     return {"rows": rows, "seconds": round(time.monotonic() - t0, 3),
             "junk_opened": junk.num_opened if junk else 0,
             "junk_closed_by_peer": junk.num_closed_by_peer if junk else 0,
             "junk_min_open": junk.min_open if junk else 0,
-            "refuse_sent": refuse.num_sent if refuse else 0}
+            "refuse_sent": refuse.num_sent if refuse else 0,
+            "router_idle": ({"held": spec.num_router_idle, "opened": router_idle.num_opened,
+                             "closed_by_peer": router_idle.num_closed_by_peer, "min_open": router_idle.min_open,
+                             "max_open": router_idle.max_open} if router_idle else {})}
 
 
 def _emit(obj: dict) -> None:

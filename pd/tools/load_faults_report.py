@@ -45,6 +45,7 @@ class LoadFaultsReport:
     num_redispatches: int = 0
     junk: dict = dataclasses.field(default_factory=dict)
     refuse_sent: int = 0
+    router_idle: dict = dataclasses.field(default_factory=dict)  # the holder's counts, "router": the guard's
     refused_counted: dict = dataclasses.field(default_factory=dict)
     metrics_lines: tuple[int, int] = (0, 0)  # router /metrics before, after
     transfer: dict = dataclasses.field(default_factory=dict)  # the surviving decode workers' loads
@@ -96,6 +97,7 @@ class LoadFaultsReport:
                 "victim": self.victim, "killed_at_s": self.killed_at_s,
                 "victim_in_flight_at_kill": self.victim_in_flight_at_kill, "migrations": self.num_migrations,
                 "redispatches": self.num_redispatches, "junk": self.junk, "refuse_sent": self.refuse_sent,
+                "router_idle": self.router_idle,
                 "refused_counted": self.refused_counted, "metrics_lines": list(self.metrics_lines),
                 "transfer": self.transfer,
                 "pools_all_free": {w: bool(a.get("all_free")) for w, a in self.pools.items()},
@@ -114,6 +116,7 @@ class LoadFaultsReport:
             f"  junk on P's data port: {self.junk.get('held', 0)} held (never fewer than "
             f"{self.junk.get('min_open', 0)} open), {self.junk.get('opened', 0)} opened, "
             f"{self.junk.get('closed_by_peer', 0)} closed by P",
+            _router_idle_line(self.router_idle),
             f"  REFUSE frames sent: {self.refuse_sent}; P counted {self.refused_counted}; router /metrics "
             f"{self.metrics_lines[0]} -> {self.metrics_lines[1]} lines",
             f"  KV loads on the surviving decode workers: {self.transfer}",
@@ -133,3 +136,13 @@ class LoadFaultsReport:
 def _brief(row: dict) -> str:
     return (f"status {row['status']}, {len(row['token_ids'])} tokens, done={row['done']}, hung={row['hung']}, "
             f"errors={row['errors'][:1]}, exception={row['exception']}")
+
+
+def _router_idle_line(held: dict) -> str:
+    if not held.get("held"):
+        return "  no idle connections held on the router"
+    guard = held.get("router", {})
+    return (f"  idle connections on the router: {held['held']} held ({held.get('max_open', 0)} open at most, "
+            f"{held.get('opened', 0)} opened, {held.get('closed_by_peer', 0)} closed by the router: "
+            f"{guard.get('evicted', 0)} past its cap of {guard.get('max_connections', '?')}, "
+            f"{guard.get('idle_closed', 0)} at its keep-alive timeout)")

@@ -15,7 +15,7 @@ openai|openai-chat, --model, --tokenizer, --dataset-name, --dataset-path,
 --metric-percentiles, --num-warmups, --ignore-eos, --temperature, --seed,
 --save-result, --save-detailed, --result-dir, --result-filename, --label,
 --disable-tqdm. The API key comes from OPENAI_API_KEY, as in vLLM.
-pdkv only: --api-key, --plot FILE, --timeout, --dataset-name custom|multi_turn,
+pdkv only: --api-key, --admin-key, --plot FILE, --timeout, --dataset-name custom|multi_turn,
 --multi-turn-num-turns.
 
 Arrivals: gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness)); burstiness
@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict:
                                                                        first.expected_output_len))
                                           for _ in range(args.num_warmups)))
             print(f"warm-up: {sum(r.success for r in warm)}/{len(warm)} requests completed", file=sys.stderr)
-        before = await scrape_metrics(session, base_url, args.api_key)
+        before = await scrape_metrics(session, base_url, args.admin_key or args.api_key)
         delays = arrival_delays(len(dataset), args.request_rate, args.burstiness, args.seed)
         conversations = _Conversations()
         bar = tqdm(total=len(dataset), desc="requests", disable=args.disable_tqdm, file=sys.stderr)
@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace) -> dict:
         records = await asyncio.gather(*(one(i) for i in range(len(dataset))))
         duration = time.perf_counter() - start
         bar.close()
-        after = await scrape_metrics(session, base_url, args.api_key)
+        after = await scrape_metrics(session, base_url, args.admin_key or args.api_key)
     metrics = compute_metrics(records, duration, args.goodput, args.percentile_metrics, args.metric_percentiles)
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend,
               "backend": args.backend, "label": args.label, "model_id": model, "tokenizer_id": tok.name,
@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    p.add_argument("--admin-key", default=os.environ.get("PDKV_ADMIN_KEY"),
+                   help="pdkv: a router's admin key, for the worker refresh before each metrics scrape "
+                        "(/pd/workers?refresh=1) and a protected /metrics (default: $PDKV_ADMIN_KEY, else the API key)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (tokenizer.json); default: byte tokenizer")
     p.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
     p.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT JSON file; custom: a JSONL file")

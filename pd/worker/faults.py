@@ -53,6 +53,10 @@ class WorkerFaults:
             die()
         await asyncio.sleep(rule.seconds)
 
+    def engine_marks(self) -> list[str]:
+        """The engine points (`step`, `loop`) due for the request a worker just took; one hit each."""
+        return [point.split(".", 1)[1] for point in ("engine.step", "engine.loop") if self.plan.fire(point)]
+
     def route(self, params: dict | None) -> dict | None:
         """Points a remote-prefill request's pull at a FaultLink in front of its producer."""
         if self._link_plan is None or not params or not params.get("do_remote_prefill"):

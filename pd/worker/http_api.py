@@ -3,7 +3,7 @@
 Endpoints (all require `Authorization: Bearer <deployment secret>`):
 - `POST /internal/generate`: a `pd.cluster.messages.GenerateRequest` (JSON) in, NDJSON out:
   one `TokenEvent` per line, the last one with `finished: true`;
-- `GET /internal/health`: liveness and identity;
+- `GET /internal/health`: liveness and identity (503 while the worker cannot serve, e.g. its engine died);
 - `GET /internal/stats`: engine, KV cache and transfer figures (`?audit=1`: with a pool audit);
 - `POST /internal/reset_prefix_cache`: drops cached blocks that nothing references;
 - `GET /internal/kv_events?after=N`: the KV event batches after seq N, or a snapshot of every
@@ -16,7 +16,9 @@ Guarantees:
   the engine, so its blocks are freed;
 - bad input gets a 400 JSON error naming the field; a wrong or missing secret
   gets 401 before any body is read;
-- `stop()` closes the listening socket and every open stream.
+- `stop()` closes the listening socket and every open stream;
+- a client costs bounded connections and time: header, body and idle timeouts and connection
+  caps (`pd.cluster.http_guard`, settings `router.connections`, with the worker's keep-alive).
 """
 from __future__ import annotations
 
@@ -29,11 +31,17 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pd.cluster.http_guard import ConnectionGuard, GuardedSite, GuardLimits
 from pd.cluster.messages import TokenEvent
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class WorkerUnavailable(RuntimeError):
+    """This worker cannot take requests now (its engine died): answered 503, so the router
+    tries another worker and takes this one out."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -54,9 +62,11 @@ class JobHandler(Protocol):
 
 
 class WorkerHTTPServer:
-    def __init__(self, worker: JobHandler, secret: str) -> None:
+    def __init__(self, worker: JobHandler, secret: str, limits: GuardLimits | None = None) -> None:
+        """`limits`: what one client may hold open (default: `GuardLimits()`'s, with a worker's keep-alive)."""
         self._worker = worker
         self._secret = secret.encode()
+        self._limits = limits or GuardLimits(keepalive_timeout_s=75.0)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -75,7 +85,10 @@ class WorkerHTTPServer:
         return await handler(request)
 
     async def start(self, host: str, port: int = 0) -> int:
-        app = web.Application(middlewares=[self._auth], client_max_size=MAX_BODY_BYTES)
+        # timeouts and connection caps (pd.cluster.http_guard), after the secret check: a refused
+        # request's body is never read
+        self.conn_guard = ConnectionGuard(self._limits, "worker-http")
+        app = web.Application(middlewares=[self._auth, self.conn_guard.middleware], client_max_size=MAX_BODY_BYTES)
         app.add_routes([
             web.post("/internal/generate", self._generate),
             web.get("/internal/health", self._health),
@@ -84,9 +97,10 @@ class WorkerHTTPServer:
             web.get("/internal/kv_events", self._kv_events),
             web.post("/internal/abort", self._abort),
         ])
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0,
+                                     **self.conn_guard.runner_options())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = GuardedSite(self._runner, self.conn_guard, host, port)
         await site.start()
         self.port = self._runner.addresses[-1][1]  # port 0 -> the one the OS picked
         return self.port
@@ -97,7 +111,8 @@ class WorkerHTTPServer:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response(self._worker.health())
+        health = self._worker.health()  # 503 unless serving (e.g. its engine loop died): probes fail at once
+        return web.json_response(health, status=200 if health.get("status") == "ok" else 503)
 
     async def _stats(self, request: web.Request) -> web.Response:
         audit = request.query.get("audit") in ("1", "true")
@@ -135,6 +150,8 @@ class WorkerHTTPServer:
             job = self._worker.parse_job(body)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return _error(400, "body must be JSON")
+        except WorkerUnavailable as exc:
+            return _error(503, str(exc))
         except ValueError as exc:
             self._worker.release_remote(body)  # the producer must not keep blocks for a refused request
             return _error(400, str(exc))

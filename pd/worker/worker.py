@@ -12,6 +12,9 @@ Guarantees:
 - every request that enters `generate` leaves the engine: it finishes, or it
   is aborted when its consumer stops listening (`abort`);
 - `stats()` never raises: a failing part is reported as an error string;
+- an engine whose step loop died makes `health()` say `error` at once (the HTTP API then
+  answers 503, so the router takes the worker out) and calls `on_engine_death`, which under
+  Ray ends the process so that the actor restarts;
 - `stop()` is idempotent and releases the HTTP port, the engine thread and
   the connector's sockets.
 """
@@ -21,19 +24,20 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
 from pd.cluster.config import DeployConfig, Mode
+from pd.cluster.http_guard import GuardLimits
 from pd.cluster.messages import FinishReason as WireFinishReason
 from pd.cluster.messages import GenerateRequest, KVTransferParams, StepTiming, TokenEvent
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
 from pd.engine.sampling import SamplingParams
-from pd.worker.http_api import WorkerHTTPServer
+from pd.worker.http_api import WorkerHTTPServer, WorkerUnavailable
 
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
@@ -70,14 +74,17 @@ class GenerateJob:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     kv_transfer_params: dict | None
+    cache_salt: str | None = None  # the prefix cache's salt for the first block (pd.cluster.messages)
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, on_engine_death: Callable[[BaseException], None] | None = None) -> None:
         self.spec = spec
+        self._on_engine_death = on_engine_death
         self._engine: Engine | None = None
         self._connector: KVConnector | None = None
-        self._http = WorkerHTTPServer(self, spec.secret)
+        self._http = WorkerHTTPServer(self, spec.secret,
+                                      GuardLimits.from_section(spec.config.router.connections, worker=True))
         self._started_at = time.time()
         self._num_aborted = 0
         self._num_rejected = 0
@@ -101,11 +108,18 @@ class Worker:
             self._kv_events = KVEventPublisher(self.spec.worker_id, self._engine.config.engine_id,
                                                self.spec.secret, self.spec.host)
             self._engine.kv_event_sink = self._kv_events.publish
+        self._engine.on_death = self._engine_died
         self._engine.start()
         port = await self._http.start(self.spec.host, port)
         self.url = f"http://{self.spec.host}:{port}"
         logger.info("worker %s (%s) serving on %s", self.spec.worker_id, self.spec.role.value, self.url)
         return self.url
+
+    def _engine_died(self, exc: BaseException) -> None:
+        logger.error("worker %s: engine step loop died (%s: %s); reporting unhealthy", self.spec.worker_id,
+                     type(exc).__name__, exc)
+        if self._on_engine_death is not None:
+            self._on_engine_death(exc)
 
     async def stop(self) -> None:
         await self._http.stop()
@@ -120,7 +134,11 @@ class Worker:
     # -- requests ---------------------------------------------------------
     def parse_job(self, body: Any) -> GenerateJob:
         """Validates an internal generate request (`GenerateRequest`) against this worker's role
-        and capacity; raises ValueError naming the field. The one check at the worker's edge."""
+        and capacity; raises ValueError naming the field. The one check at the worker's edge.
+        Raises WorkerUnavailable once the engine's loop died."""
+        dead = self._engine.dead if self._engine is not None else None
+        if dead is not None:
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: engine step loop died: {type(dead).__name__}")
         try:
             request = GenerateRequest.model_validate(body)
         except ValidationError as exc:
@@ -134,7 +152,7 @@ class Worker:
         if self._engine is not None:
             self._engine.check_fits(len(request.prompt_token_ids), sampling.max_tokens, request.request_id)
         return GenerateJob(request.request_id, tuple(request.prompt_token_ids), sampling.to_params(),
-                           params.to_dict() if params is not None else None)
+                           params.to_dict() if params is not None else None, request.cache_salt)
 
     def release_remote(self, body: Any) -> None:
         """Tells the producer named in a refused request's kv_transfer_params to free its
@@ -152,8 +170,10 @@ class Worker:
         if faults is not None:
             await faults.at("worker.request_received")
             params = faults.route(params)
+            for where in faults.engine_marks():
+                engine.fault_marks.mark(job.request_id, where)
         async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
-                                         kv_transfer_params=params):
+                                         kv_transfer_params=params, cache_salt=job.cache_salt):
             if faults is not None:
                 await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
                                 else "worker.decode_token")
@@ -203,7 +223,10 @@ class Worker:
     def health(self) -> dict:
         from pd.worker.wiring import kv_listen_ports
 
-        return {"status": "ok" if self._engine is not None else "stopped", "worker_id": self.spec.worker_id,
+        dead = self._engine.dead if self._engine is not None else None
+        status = "stopped" if self._engine is None else "error" if dead is not None else "ok"
+        return {"status": status, "worker_id": self.spec.worker_id,
+                "engine_error": f"{type(dead).__name__}: {dead}" if dead is not None else None,
                 "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
                 "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
 

@@ -66,13 +66,15 @@ def stream_events(url: str, prompt, **body) -> list[dict]:
     return events
 
 
-def worker_reports(url: str) -> dict:
-    resp = requests.get(f"{url}/pd/workers", params={"refresh": "1"}, timeout=HTTP_TIMEOUT_S)
+def worker_reports(url: str, admin_key: str | None = None) -> dict:
+    """`/pd/workers?refresh=1` (with `router.admin_key`, where the deployment has one)."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    resp = requests.get(f"{url}/pd/workers", params={"refresh": "1"}, headers=headers, timeout=HTTP_TIMEOUT_S)
     resp.raise_for_status()
     return resp.json()
 
 
-def wait_all_free(url: str, timeout_s: float = 30.0) -> dict:
+def wait_all_free(url: str, timeout_s: float = 30.0, admin_key: str | None = None) -> dict:
     """Polls the workers' pool audits until every healthy worker's pool is all free.
 
     P workers free their blocks when D reports the pull done, which lands a
@@ -80,7 +82,7 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict:
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        reports = worker_reports(url)
+        reports = worker_reports(url, admin_key)
         audits = {wid: r["stats"].get("audit", {}) for wid, r in reports.items() if r["healthy"]}
         if audits and all(a.get("all_free") for a in audits.values()):
             assert all(a.get("consistent") for a in audits.values()), audits

@@ -1,8 +1,10 @@
-"""The router's KV index on a real Ray deployment (2P2D actors, real HTTP, real ZMQ PUB/SUB):
-after a shared-prefix run, the index holds exactly each worker's cached hashes, and the
-predicted hit agreed with the worker's reported hit on every request (P and D)."""
+"""The router's KV index on a real Ray deployment (2P2D actors, real HTTP, real ZMQ CURVE PUB/SUB):
+after a shared-prefix run with duplicate copies (greedy twins), the index holds exactly each
+worker's cached hashes, copy for copy, and the predicted hit agreed with the worker's reported
+hit on every request (P and D)."""
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -62,10 +64,19 @@ def test_index_is_every_workers_cache_and_predictions_hold(deployment):
         cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
         _wait_caught_up(dep)  # the next choice sees this request's blocks
     assert sum(cached) > 0
+    for _ in range(2):  # greedy twins: D decodes the same tokens into other blocks (two copies)
+        out = complete(dep.url, SHARED * 3 + "twins", max_tokens=40, ignore_eos=True)
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        _wait_caught_up(dep)
     snaps = _wait_caught_up(dep)
-    for wid, snap in snaps.items():
-        theirs = {int(g): {bytes.fromhex(h) for h in hs} for g, hs in snap["groups"].items() if hs}
-        assert dep.router.kv_index.hashes(wid) == theirs, wid
+    num_duplicated = 0
+    for wid, snap in snaps.items():  # a snapshot lists a hash once per copy
+        theirs = {int(g): dict(collections.Counter(bytes.fromhex(h) for h in hs))
+                  for g, hs in snap["groups"].items() if hs}
+        assert dep.router.kv_index.hashes(wid) == {g: set(hs) for g, hs in theirs.items()}, wid
+        assert dep.router.kv_index.copies(wid) == theirs, wid
+        num_duplicated += sum(n > 1 for hs in theirs.values() for n in hs.values())
+    assert num_duplicated > 0
     assert _counter(dep, "pdkv_prefix_hit_mispredictions_total") == 0
     for role in ("prefill", "decode"):
         assert _counter(dep, "pdkv_prefix_hit_tokens_predicted_total", role=role) == \

@@ -19,20 +19,21 @@ from pd.deploy.launch import Deployment
 from e2e_helpers import REPO, e2e_config, ray_init_kwargs
 
 API_KEY = "loadgen-test-key-" + "k" * 16
+ADMIN_KEY = "loadgen-admin-key-" + "a" * 16  # the metrics scrape's refresh (/pd/workers) takes it alone
 
 
 @pytest.fixture(scope="module")
 def keyed():
     ray.init(**ray_init_kwargs())
     try:
-        with Deployment(e2e_config("local.yaml", router__api_key=API_KEY)) as dep:
+        with Deployment(e2e_config("local.yaml", router__api_key=API_KEY, router__admin_key=ADMIN_KEY)) as dep:
             yield dep
     finally:
         ray.shutdown()
 
 
 def _loadgen(args: list[str], env_key: str | None = None, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "PDKV_ADMIN_KEY")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     if env_key:
         env["OPENAI_API_KEY"] = env_key
@@ -61,7 +62,8 @@ def test_loadgen_with_api_key_flag_and_env(keyed, tmp_path):
     assert "HTTP 401" in refused.stdout  # every request refused, and the report says why
 
     # each run its own prompts (seed): a repeat would be served from D's prefix cache, with nothing to pull
-    for seed, (name, args, env_key) in enumerate((("flag", ["--api-key", API_KEY], None), ("env", [], API_KEY))):
+    for seed, (name, args, env_key) in enumerate((("flag", ["--api-key", API_KEY, "--admin-key", ADMIN_KEY], None),
+                                                  ("env", ["--admin-key", ADMIN_KEY], API_KEY))):
         out = tmp_path / f"{name}.json"
         run = _loadgen(_small(url, str(out), "--num-warmups", "1", "--seed", str(100 + seed), *args), env_key=env_key)
         assert run.returncode == 0, run.stdout + run.stderr

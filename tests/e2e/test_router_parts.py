@@ -203,13 +203,15 @@ def test_router_api_key_and_no_workers_over_real_http():
                     assert resp.status == 200 and "pdkv_requests_total" in await resp.text()
         finally:
             await router.stop()
-        guarded = Router(config, [], "s" * 32, metrics_require_key=True)
+        guarded = Router(config.replace(router__admin_key="a" * 20), [], "s" * 32, metrics_require_key=True)
         url = await guarded.start()
         try:
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{url}/metrics") as resp:
                     assert resp.status == 401
                 async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + "k" * 20}) as resp:
+                    assert resp.status == 403  # an API key is not the admin key
+                async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + "a" * 20}) as resp:
                     assert resp.status == 200 and "vllm:num_requests_running" in await resp.text()
         finally:
             await guarded.stop()

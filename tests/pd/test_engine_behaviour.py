@@ -285,10 +285,13 @@ def test_timing_restarts_when_the_computed_prompt_is_dropped():
     state.restart_compute()
     assert state.num_batched_tokens == 0
     time.sleep(0.05)  # back in the queue: no compute of its prompt either
+    t_admit = time.perf_counter()
     state.mark_admitted()
     state.num_batched_tokens += 7
     timing = state.take_timing(num_prompt_tokens=30)
+    t_end = time.perf_counter()
     assert timing is not None and timing.num_batched_tokens == 7 and timing.num_computed_tokens == 30
-    assert timing.compute_s < 0.05 and time.perf_counter() - state.admitted_s >= 0.1
+    # counted from the last admission only (from the first it would be >= 0.1 s), whatever the machine's pace
+    assert timing.compute_s <= t_end - t_admit and time.perf_counter() - state.admitted_s >= 0.1
     state.restart_compute()  # after the first token: nothing to restart
     assert state.num_batched_tokens == 7

@@ -2,12 +2,14 @@
 KV event publisher, HTTP API) and the real Router with its KV index, over loopback."""
 from __future__ import annotations
 
+import collections
 import time
 
 from rel_deploy import SECRET, LocalDeployment
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.kv_index import IndexState
 from pd.router.server import Router
+from pd.worker.kv_events import cached_copies
 from pd.worker.worker import Worker, WorkerSpec
 
 
@@ -68,5 +70,10 @@ class KVDeployment(LocalDeployment):
 
     def cached_hashes(self, wid: str) -> dict[int, set[bytes]]:
         """The worker's actual prefix cache, read from its block pool between steps."""
+        return {g: set(hs) for g, hs in self.cached_copies(wid).items()}
+
+    def cached_copies(self, wid: str) -> dict[int, dict[bytes, int]]:
+        """The worker's prefix cache with how many blocks hold each hash (its block pool, between steps)."""
         engine = self.workers[wid]._engine
-        return engine.kv_snapshot(lambda groups: {g: set(hs) for g, hs in groups.items() if hs})
+        groups = engine.kv_snapshot(lambda groups: cached_copies(engine, groups))
+        return {g: dict(collections.Counter(hs)) for g, hs in groups.items() if hs}

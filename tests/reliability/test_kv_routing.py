@@ -99,7 +99,7 @@ def test_lost_batch_is_detected_and_healed_by_replay():
         with publisher._lock:
             publisher._sock = real
         void.close(linger=0)
-        # nothing follows the lost batch yet: the poll sees the worker's seq ahead and resyncs
+        # nothing follows the lost batch yet: the next heartbeat (or poll) shows the worker's seq ahead
         deadline = time.monotonic() + 10
         while _counter(dep, "pdkv_kv_index_resyncs_total", kind="replay") < 1 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -66,6 +66,21 @@ def _line(proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
     return json.loads(line)
 
 
+def _connect_waiting(port: int, num_connections: int) -> list[socket.socket]:
+    """Up to `num_connections` connections left waiting in a listener's backlog. The first always
+    lands (the listener has accepted nothing yet); the side channel's guard answers the first
+    failed accept by unbinding its endpoint, so later ones may be refused or reset until it binds
+    again. That refusal is the state under test, not a failure: keep what landed."""
+    conns: list[socket.socket] = []
+    for _ in range(num_connections):
+        try:
+            conns.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        except (ConnectionRefusedError, ConnectionResetError):
+            break
+    assert conns, f"no connection reached port {port}"
+    return conns
+
+
 def test_emfile_on_the_listeners_costs_no_cpu_at_idle(fault_record):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -76,8 +91,8 @@ def test_emfile_on_the_listeners_costs_no_cpu_at_idle(fault_record):
         proc.stdin.write("fill\n")
         proc.stdin.flush()
         assert _line(proc)["filled"] > 0
-        for port in (ports["port"], ports["data_port"]):
-            conns += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for port in (ports["data_port"], ports["port"]):
+            conns += _connect_waiting(port, 4)
         proc.stdin.write("measure\n")
         proc.stdin.flush()
         measured = _line(proc, timeout_s=30)

@@ -25,7 +25,7 @@ from pd.tools.load_faults_report import LoadFaultsReport, RSSTrack  # noqa: E402
 
 # streams of 48 tokens, killed 3 s in: on a loaded 2-core machine some are mid-stream then
 SMALL = LoadFaultsSettings(num_clients=40, duration_s=6.0, kill_after_s=3.0, num_junk=20, refuse_rate=200.0,
-                           num_prompts=12, max_tokens=48)
+                           num_router_idle=500, num_prompts=12, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,16 @@ def run_and_check(settings: LoadFaultsSettings, fault_record) -> LoadFaultsRepor
         assert report.refused_counted.get("other", 0) == report.refuse_sent > 0  # one bounded bucket
         assert report.metrics_lines[1] <= report.metrics_lines[0] + 20, report.metrics_lines
         assert report.junk["opened"] >= settings.num_junk
+        # the idle connections on the router were held beside the load, never past its cap
+        assert report.router_idle["opened"] >= settings.num_router_idle, report.router_idle
+        assert report.router_idle["router"]["open"] <= report.router_idle["router"]["max_connections"]
         reports = wait_all_free(dep.url)
         assert reports[settings.victim]["healthy"] is False
     rss = ", ".join(f"{'router (in the test process)' if name == 'router' else name} {t.before_mb:.0f}/{t.peak_mb:.0f}/" + (f"{t.after_mb:.0f}" if t.after_mb else "gone")
                     for name, t in report.rss.items())
     fault_record(fault=f"load + faults: {settings.num_clients} clients for {settings.duration_s:.0f}s, D SIGKILLed, "
-                       f"{settings.num_junk} junk data connections, REFUSE frames at {settings.refuse_rate:.0f}/s (1P2D)",
+                       f"{settings.num_junk} junk data connections, REFUSE frames at {settings.refuse_rate:.0f}/s, "
+                       f"{settings.num_router_idle} idle router connections (1P2D)",
                  where="router, D worker, P data port / side channel",
                  user_saw=f"{len(report.rows)} requests: {statuses}, all 429/503 with Retry-After, none hung; "
                           f"{report.num_identical()}/{served} served token-identical",

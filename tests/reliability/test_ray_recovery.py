@@ -110,7 +110,8 @@ def test_decode_worker_sigkilled_mid_stream_migrates(ray_instance, num_tokens, f
             assert s.token_ids == tokens  # one uninterrupted stream, token-identical to the undisturbed run
         assert max(killed_at) < num_tokens  # the kill landed mid-stream
         reports = wait_all_free(dep.url)
-        assert reports[victim]["healthy"] is False
+        # out of the rotation, unless Ray already restarted it (a new process, re-admitted)
+        assert reports[victim]["healthy"] is False or worker_pid(dep, victim) != pid
     fault_record(fault=f"D SIGKILLed during 8 streams of {num_tokens} tokens (1P2D)", where="D worker (Ray actor)",
                  user_saw=f"8/8 streams complete, token-identical, no error event ({seconds:.1f}s)",
                  pdkv_did=f"router migrated the streams to the other D (killed after {min(killed_at)}-"

@@ -15,7 +15,7 @@ def gate(limit=2, queued=2, timeout_s=0.2) -> AdmissionGate:
 
 def test_admits_queues_refuses_and_times_out():
     async def main():
-        g = gate()
+        g = gate(timeout_s=1.0)  # (the waiter must still queue when released: room for a descheduled process)
         assert await g.acquire(1) == 1 and await g.acquire(1) == 1
         waiter = asyncio.create_task(g.acquire(1))
         late = asyncio.create_task(g.acquire(1))

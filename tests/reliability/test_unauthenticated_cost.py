@@ -69,7 +69,9 @@ def refuse_flood_leaves_metrics_bounded(seconds: float, max_frames: int, caplog,
         records = [r for r in caplog.records if r.name.startswith("connectors")]
         lines = [r.getMessage() for r in records]
         assert all("\n" not in m and "\r" not in m and len(m) < 600 for m in lines), [m for m in lines if "\n" in m][:3]
-        assert len(records) <= 20, len(records)  # rate-limited, whatever the rate of frames
+        # rate-limited, whatever the rate of frames: two limiters ("refused", "dropped") of 5 lines per
+        # 10 s each, over however long this machine took to drain the flood
+        assert len(records) <= 2 * 5 * (int(seconds_taken // 10) + 2), (len(records), seconds_taken)
         out = pair.run("after", toks, n=6)  # good transfers go on
         assert out.tokens == want and pair.d.scheduler.stats.num_load_failures_recomputed == 0
         pair.assert_all_free()

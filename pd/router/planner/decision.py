@@ -43,6 +43,7 @@ class Reason(str, enum.Enum):
     BEST = "best"
     EXPLORE = "explore"
     COLD_START = "cold_start"
+    NO_PREFILL = "no_prefill"  # no prefill worker can run it (none healthy, or it was lost): D prefills
 
 
 @dataclasses.dataclass(frozen=True)

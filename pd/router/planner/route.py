@@ -42,24 +42,38 @@ class RoutePlanner:
     def mode(self) -> str:
         return self.settings.mode
 
-    def decide(self, pool: WorkerPool, prompt_token_ids: list[int]) -> Plan | None:
-        """The plan for this prompt; None when no plan can be made (no healthy decode worker, or
-        `always_disaggregate` without a healthy prefill worker): the dispatcher's acquire then
-        answers 503, as without a planner. In `planner` mode, no healthy P means local prefill."""
-        decodes = _candidates(pool, Role.DECODE, prompt_token_ids)
-        prefills = _candidates(pool, Role.PREFILL, prompt_token_ids)
+    def decide(self, pool: WorkerPool, prompt_token_ids: list[int], cache_salt: str | None = None) -> Plan | None:
+        """The plan for this prompt; None when no plan can be made (no healthy decode worker):
+        the dispatcher's acquire then answers 503, as without a planner. In every mode, no
+        healthy P means local prefill on D (reason `no_prefill`: degrade, don't refuse)."""
+        decodes = _candidates(pool, Role.DECODE, prompt_token_ids, cache_salt)
+        prefills = _candidates(pool, Role.PREFILL, prompt_token_ids, cache_salt)
         fixed = _FIXED.get(self.mode)
-        if not decodes or (fixed is Kind.REMOTE and not prefills):
+        if not decodes:
             return None
         self.figures.observe_arrival(sum(c.num_running for c in decodes + prefills), len(decodes))
         n = len(prompt_token_ids)
         if fixed is not None or not prefills:
-            kind = fixed or Kind.LOCAL
+            kind = fixed if prefills and fixed is not None else Kind.LOCAL
             options = self.decider.options(n, prefills, decodes, kinds=(kind,))
             known = [o for o in options if o.predicted_ttft_s is not None]
-            plan = Plan(min(known, key=rank) if known else options[0], options, Reason.FIXED)
+            plan = Plan(min(known, key=rank) if known else options[0], options,
+                        Reason.FIXED if prefills or fixed is Kind.LOCAL else Reason.NO_PREFILL)
         else:
             plan = self.decider.plan(n, prefills, decodes)
+        if self._metrics is not None:
+            self._metrics.record_plan(plan.chosen.kind.value, plan.reason.value)
+        return plan
+
+    def fallback(self, pool: WorkerPool, prompt_token_ids: list[int], cache_salt: str | None = None) -> Plan | None:
+        """The local plan for a request whose prefill worker was lost before it answered (None
+        without a healthy decode worker)."""
+        decodes = _candidates(pool, Role.DECODE, prompt_token_ids, cache_salt)
+        if not decodes:
+            return None
+        options = self.decider.options(len(prompt_token_ids), [], decodes, kinds=(Kind.LOCAL,))
+        known = [o for o in options if o.predicted_ttft_s is not None]
+        plan = Plan(min(known, key=rank) if known else options[0], options, Reason.NO_PREFILL)
         if self._metrics is not None:
             self._metrics.record_plan(plan.chosen.kind.value, plan.reason.value)
         return plan
@@ -92,6 +106,7 @@ class RoutePlanner:
                 "tpot_weight": self.settings.tpot_weight, **self.figures.describe()}
 
 
-def _candidates(pool: WorkerPool, role: Role, prompt_token_ids: list[int]) -> list[Candidate]:
+def _candidates(pool: WorkerPool, role: Role, prompt_token_ids: list[int],
+                cache_salt: str | None = None) -> list[Candidate]:
     return [Candidate(load.endpoint.worker_id, hit or 0, load.num_in_flight)
-            for load, hit in pool.candidates(role, prompt_token_ids)]
+            for load, hit in pool.candidates(role, prompt_token_ids, cache_salt)]

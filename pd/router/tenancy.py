@@ -1,0 +1,91 @@
+"""Who a request is, what it may reach, and which prefix cache it shares.
+
+`Tenancy` is built once from the router config and the deployment secret. It
+sorts a request's path into client (`/v1/`), admin (`/pd/`, and `/metrics`
+with `metrics_auth`) or open (`/health`, ...) and checks its bearer key:
+
+- client paths take an API key (`router.api_key`, tenant id "default", or any
+  of `router.api_keys`) when any is configured; `tenant(request)` names the
+  key's tenant for the endpoints;
+- admin paths take `router.admin_key` alone: an API key there gets 403, any
+  other key 401. With API keys but no admin key the admin paths are closed
+  (403); with no key at all the deployment is open, as before keys existed;
+- keys are compared in constant time, every configured key each time.
+
+Cache salts (`cache_salt`): with `prefix_cache_isolation: shared` the
+client's `cache_salt` is used as given (vLLM's semantics: two requests share
+cached blocks only with equal salts, none meaning "no salt"). With
+`per_api_key` every tenant's salt is an HMAC-SHA256 of the deployment secret
+over its tenant id (never its key) and the client's salt, if any: one tenant's
+prompts never hit another tenant's blocks, whatever salts clients send, and
+a tenant's own salt still separates its requests further.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from aiohttp import web
+
+from pd.cluster.config import RouterSection
+from pd.router.openai_api import APIError
+
+_SALT_CONTEXT = b"pdkv-cache-salt\x00"
+
+
+class Tenancy:
+    def __init__(self, config: RouterSection, secret: str, metrics_auth: bool | None = None) -> None:
+        """`metrics_auth` overrides the config's (None: `config.metrics_auth`)."""
+        metrics_auth = config.metrics_auth if metrics_auth is None else metrics_auth
+        self._api_keys = [(tenant_id, f"Bearer {key}".encode()) for tenant_id, key in config.tenant_keys().items()]
+        self._admin = f"Bearer {config.admin_key}".encode() if config.admin_key else None
+        self._admin_paths = ("/pd/", "/metrics") if metrics_auth else ("/pd/",)
+        self.per_api_key = config.prefix_cache_isolation == "per_api_key"
+        self._secret = secret.encode()
+
+    def authorize(self, request: web.Request) -> APIError | None:
+        """None when the request may go on; else the refusal to send."""
+        path = request.path
+        if path.startswith("/v1/"):
+            if not self._api_keys:
+                return None
+            if self._tenant_of(_header(request)) is None:
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+            return None
+        if not path.startswith(self._admin_paths) or (self._admin is None and not self._api_keys):
+            return None
+        given = _header(request)
+        if self._admin is not None and given is not None and hmac.compare_digest(given, self._admin):
+            return None
+        if self._admin is None or self._tenant_of(given) is not None:
+            return APIError(403, "this endpoint takes the admin key (router.admin_key), not an API key"
+                            if self._admin is not None else "admin endpoints are closed: router.admin_key is not set",
+                            err_type="permission_error", code="admin_key_required")
+        return APIError(401, "invalid or missing admin key", code="invalid_api_key")
+
+    def tenant(self, request: web.Request) -> str | None:
+        """The tenant id of the request's API key (None: no key, or none configured)."""
+        return self._tenant_of(_header(request)) if self._api_keys else None
+
+    def _tenant_of(self, given: bytes | None) -> str | None:
+        found = None
+        for tenant_id, expected in self._api_keys:  # every key, so the time does not say which matched
+            if given is not None and hmac.compare_digest(given, expected):
+                found = tenant_id
+        return found
+
+    def cache_salt(self, tenant_id: str | None, client_salt: str | None) -> str | None:
+        """The salt a request's prompt is hashed with (module docstring)."""
+        if not self.per_api_key or tenant_id is None:
+            return client_salt
+        message = _SALT_CONTEXT + tenant_id.encode() + b"\x00"
+        if client_salt is not None:
+            message += b"\x01" + client_salt.encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+def _header(request: web.Request) -> bytes | None:
+    try:
+        return request.headers.get("Authorization", "").encode("utf-8")
+    except UnicodeEncodeError:  # a non-UTF-8 header arrives as surrogate escapes: no key of ours
+        return None
