@@ -8,7 +8,10 @@ Guarantees (settings: `pd.cluster.config.ConnectionsSection`, read through `Guar
   408 and its connection is cut (the guard's middleware reads the body; handlers then find it
   in `await request.read()` / `request.json()`, not in `request.content`);
 - a connection with no request in progress and no byte of a next one closes after
-  `keepalive_timeout_s`;
+  `keepalive_timeout_s`; one whose peer stopped reading our answers (its writes paused) is cut
+  after `body_timeout_s`, busy or not;
+- a body is read only for a request that takes one (not for GET/HEAD/OPTIONS, nor for an
+  unknown route): otherwise it is answered at once and the connection closed;
 - at most `max_connections` connections are open (never more than half the process's fd soft
   limit, so the process always has fds for its own work) and at most `max_connections_per_peer`
   from one address. A connection past either cap first closes the least recently used
@@ -67,7 +70,8 @@ def fd_soft_limit() -> int:
 class _Conn:
     """One accepted connection's state, as the guard sees it."""
 
-    __slots__ = ("transport", "peer", "idle_since", "head_started_at", "num_active", "doomed", "closed")
+    __slots__ = ("transport", "peer", "idle_since", "head_started_at", "num_active", "doomed", "closed",
+                 "paused_since")
 
     def __init__(self, transport: asyncio.Transport, peer: str, now: float) -> None:
         self.transport = transport
@@ -77,6 +81,7 @@ class _Conn:
         self.num_active = 0
         self.doomed = False  # cut at the next tick (a 408 was answered)
         self.closed = False
+        self.paused_since: float | None = None  # the peer stopped reading what we write
 
 
 _REFUSED = asyncio.Protocol()  # the inner protocol of a refused connection: receives nothing
@@ -113,10 +118,12 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._conn is not None:
+            self._conn.paused_since = time.monotonic()
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
         if self._conn is not None:
+            self._conn.paused_since = None
             self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -147,7 +154,7 @@ class ConnectionGuard:
         self._handlers: set[asyncio.Task] = set()  # requests in progress
         self._draining = False
         self.counts = {"accepted": 0, "refused": 0, "evicted": 0, "idle_closed": 0, "header_timeouts": 0,
-                       "body_timeouts": 0}
+                       "body_timeouts": 0, "write_timeouts": 0}
 
     # -- wiring -----------------------------------------------------------
     def runner_options(self) -> dict[str, Any]:
@@ -201,6 +208,16 @@ class ConnectionGuard:
             conn.num_active += 1
             conn.head_started_at = None
         try:
+            if request.body_exists and (request.method in ("GET", "HEAD", "OPTIONS")
+                                        or request.match_info.http_exception is not None):
+                # A body nobody takes is never read (an open route must not hold a slot for a trickled
+                # body): answered at once, and the connection goes, since its unread body would be
+                # parsed as the next request.
+                if conn is not None:
+                    conn.doomed = True
+                if request.match_info.http_exception is not None:
+                    raise request.match_info.http_exception
+                raise web.HTTPBadRequest(reason=f"a {request.method} request takes no body")
             if request.body_exists:
                 try:
                     await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
@@ -260,7 +277,9 @@ class ConnectionGuard:
 
     def _close(self, conn: _Conn, abort: bool) -> None:
         self._drop(conn)
-        if abort:
+        # (a graceful close waits for the write buffer to drain: from a peer that never reads, forever,
+        # holding the fd outside the counts)
+        if abort or conn.transport.get_write_buffer_size() > 0:
             conn.transport.abort()
         else:
             conn.transport.close()
@@ -293,7 +312,10 @@ class ConnectionGuard:
         """Closes every connection past its header or keep-alive timeout (and those answered 408)."""
         now, lim = time.monotonic(), self.limits
         for conn in list(self._conns):
-            if conn.doomed and conn.num_active == 0:
+            if conn.paused_since is not None and now - conn.paused_since > lim.body_timeout_s:
+                self.counts["write_timeouts"] += 1  # a peer that stopped reading, busy or not: a stream nobody reads
+                self._close(conn, abort=True)
+            elif conn.doomed and conn.num_active == 0:
                 self._close(conn, abort=True)
             elif conn.num_active:
                 continue

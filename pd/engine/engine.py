@@ -51,6 +51,7 @@ __all__ = ["Engine", "PoolAudit", "RequestOutput"]
 
 IDLE_WAIT_S = 0.05  # loop thread sleep when there is nothing at all to do (woken early by new work)
 NETWORK_POLL_S = 0.001  # pause between steps when only remote transfers are pending
+MAX_FAILED_STEPS = 3  # steps in a row whose every chunk failed: the engine is broken, not a request
 
 
 class Engine:
@@ -97,6 +98,7 @@ class Engine:
         self._dead: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the loop thread as it dies
         self.fault_marks = FaultMarks()  # request ids that fault plans make fail (none by default)
+        self._num_failed_steps = 0
         self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}  # totals since start
         self.last_timing = dict(self.timing)  # of the latest step
         logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
@@ -232,7 +234,13 @@ class Engine:
         """(sampled token per request, error per request whose chunk failed)."""
         if not sched.chunks:
             return {}, {}
-        return execute_isolated(self._run_chunks, sched.chunks, self.config.block_size)
+        sampled, failed = execute_isolated(self._run_chunks, sched.chunks, self.config.block_size)
+        # Every chunk failing, step after step (a device error, memory exhausted), is the engine's fault:
+        # the loop dies, so the worker reports it and restarts instead of failing every request sent to it.
+        self._num_failed_steps = self._num_failed_steps + 1 if len(failed) == len(sched.chunks) else 0
+        if self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._num_failed_steps} engine steps in a row failed for every request in them")
+        return sampled, failed
 
     def _run_chunks(self, chunks: list) -> dict[str, int]:
         self.fault_marks.check(chunks, STEP)
@@ -245,10 +253,18 @@ class Engine:
         return dict(zip(ids, tokens, strict=True))
 
     def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:
+        bad: set[int] = set()
         for chunk in sched.chunks:
             if chunk.request_id in failed:
                 written = uncomputed_block_ids(chunk, self.config.block_size)
+                bad |= written
                 self.scheduler.fail_request(chunk.request_id, failed[chunk.request_id], written)
+        # A request outside this step can hold those pages too: a prefix hit taken on them right after
+        # their allocation (an async load admitted in the same pass). Their bytes are garbage for it too.
+        sharers = [rid for rid in self.scheduler.requests if rid not in failed
+                   and any(bad.intersection(ids) for ids in self.kv_cache_manager.get_block_ids(rid))] if bad else []
+        for rid in sharers:
+            self.scheduler.fail_request(rid, "engine step failed for a request whose KV blocks this one shares", set())
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

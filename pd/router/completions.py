@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,39 @@ class _Tally:
     route: RouteNote = dataclasses.field(default_factory=RouteNote)  # where the prompt went and why
 
 
+class _ProcessTuning:
+    """The process-wide settings of `tune_process`, held by every router of the process at once (tests and
+    benchmarks run several): set by the first holder, restored when the last one lets go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._num_holders = 0
+        self._saved: tuple[tuple[int, ...], float] | None = None
+
+    def hold(self) -> None:
+        with self._lock:
+            gc.collect()
+            gc.freeze()
+            if self._num_holders == 0:
+                self._saved = (gc.get_threshold(), sys.getswitchinterval())
+                gc.set_threshold(GC_GEN0_THRESHOLD, *self._saved[0][1:])
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            self._num_holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._num_holders -= 1
+            if self._num_holders == 0 and self._saved is not None:
+                gc.unfreeze()  # what the routers held can be collected again once they are gone
+                thresholds, interval = self._saved
+                gc.set_threshold(*thresholds)
+                sys.setswitchinterval(interval)
+                self._saved = None
+
+
+_PROCESS_TUNING = _ProcessTuning()
+
+
 class CompletionEndpoints:
     """The generation endpoints. Request bodies larger than `INLINE_BODY_BYTES` are decoded, validated,
     templated and tokenized on a bounded thread pool (`NUM_PARSE_THREADS` threads), never on the event
@@ -96,7 +130,7 @@ class CompletionEndpoints:
         self._metrics = metrics
         self._gate = gate
         self._parsers = ThreadPoolExecutor(NUM_PARSE_THREADS, thread_name_prefix="pd-router-parse")
-        self._saved_settings: tuple[tuple[int, ...], float] | None = None  # while `tune_process` holds them
+        self._tuned = False  # holds the process settings of `tune_process`
 
     def tune_process(self) -> None:
         """Called once the router is up; `close` undoes it. The parse thread shares the GIL and the
@@ -110,22 +144,17 @@ class CompletionEndpoints:
         - a thread hands the GIL on after `GIL_SWITCH_INTERVAL_S`, not Python's 5 ms: the loop, woken by a
           socket, waits that long at most (measured, 16 concurrent 1 MB bodies: a small completion's
           slowest answer 190-210 ms instead of 650-730 ms)."""
-        gc.collect()
-        gc.freeze()
-        if self._saved_settings is None:
-            self._saved_settings = (gc.get_threshold(), sys.getswitchinterval())
-            gc.set_threshold(GC_GEN0_THRESHOLD, *self._saved_settings[0][1:])
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if not self._tuned:
+            self._tuned = True
+            _PROCESS_TUNING.hold()
 
     def close(self) -> None:
         """Ends the parse thread (a request still parsing finishes first) and undoes `tune_process`."""
         self._parsers.shutdown(wait=False, cancel_futures=True)
-        gc.unfreeze()  # what this router held can be collected again once it is gone
-        if self._saved_settings is not None:
-            thresholds, interval = self._saved_settings
-            gc.set_threshold(*thresholds)
-            sys.setswitchinterval(interval)
-            self._saved_settings = None
+        if self._tuned:
+            self._tuned = False
+            _PROCESS_TUNING.release()
+
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, self._completion_job)

@@ -88,11 +88,12 @@ class RouterMetrics:
         self._hit_mispredicted = self._counter("pdkv_prefix_hit_mispredictions",
                                                "Requests whose actual prefix hit differed from the prediction", "role")
         self._kv_batches = self._counter("pdkv_kv_event_batches", "KV event batches received, by outcome "
-                                         "(applied, duplicate, buffered, gap, restart; dropped: bad_mac, malformed, "
-                                         "wrong_worker, unknown_worker)", "outcome")
+                                         "(applied, duplicate, buffered, gap, restart, heartbeat; dropped: bad_mac, "
+                                         "malformed, wrong_worker, unknown_worker)", "outcome")
         self._kv_resyncs = self._counter("pdkv_kv_index_resyncs", "KV index resynchronisations, by kind", "kind")
         self._plans = self._counter("pdkv_planner_decisions", "Where P/D requests were prefilled, by kind "
-                                    "(remote, remote_prefix, local) and reason (fixed, best, explore, cold_start)",
+                                    "(remote, remote_prefix, local) and reason (fixed, best, explore, cold_start, "
+                                    "no_prefill)",
                                     "kind", "reason")
         self._plan_error = Histogram("pdkv_planner_ttft_prediction_error_seconds",
                                      "|measured - predicted| TTFT of planned requests, by kind",

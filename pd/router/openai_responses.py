@@ -6,7 +6,8 @@ endpoint, so the generation flow (pd.router.completions) is written once.
 Guarantees: a stream carries a usage chunk (`choices: []`) only when the
 client asked for it (`stream_options.include_usage`); every chunk's JSON has
 the fields the `openai` client reads; `usage.prompt_tokens_details.cached_tokens`
-is always present (0 when nothing was cached). With `return_token_ids` (vLLM's
+is present (0 when nothing was cached) unless `router.report_cached_tokens` is false,
+which leaves `prompt_tokens_details` out. With `return_token_ids` (vLLM's
 extension) the token ids come along, and are absent otherwise: completions'
 choices carry `prompt_token_ids` (a stream: on its first chunk) and `token_ids`;
 chat responses carry `prompt_token_ids` (a stream: on its first chunk) and each

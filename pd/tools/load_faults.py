@@ -8,7 +8,12 @@ records each prompt's tokens on the undisturbed deployment, then for `--duration
 - sends unauthenticated REFUSE frames with varied reasons to its side channel (`--refuse-rate`/s),
 - holds `--router-idle` idle connections on the router's port (past its connection cap the
   router closes the least recently used; the holder opens them again),
-and samples the RSS of the router (this process) and of every worker. It prints a short report:
+- holds `--event-subscribers` never-reading subscribers on the prefill worker's KV event stream
+  (half with the deployment secret, up to the worker's cap admitted; half plain, refused),
+- sends `--poisoned` completions with poisoned sampling values (near-0 and subnormal
+  temperature and top_p, huge top_k, extreme seeds), each of which must be answered 200,
+and samples the RSS of the router (this process) and of every worker, which workers the router
+has out of its rotation, and the KV event stream's subscriber count. It prints a short report:
 requests by status, how many were token-identical to the reference, RSS before / peak / after per
 process, and the pools' audit; it exits 1 when the run broke the contract of
 `pd.tools.load_faults_report`.
@@ -32,6 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -45,6 +51,7 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT_S = 60.0
 RSS_SAMPLE_S = 0.2
+STATS_EVERY = 5  # RSS samples per probe of the KV event stream's subscriber count
 WORDS = ("fox", "dog", "river", "lamp", "cloud", "stone", "bird", "engine", "paper", "garden", "window", "clock")
 
 
@@ -59,6 +66,8 @@ class LoadFaultsSettings:
     num_junk: int = 70
     refuse_rate: float = 300.0
     num_router_idle: int = 10_000
+    num_event_subscribers: int = 100
+    num_poisoned: int = 100
     num_prompts: int = 24
     max_tokens: int = 24
     request_timeout_s: float = 60.0
@@ -70,8 +79,9 @@ class LoadFaultsSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.kill_after_s < self.duration_s:
             raise ValueError(f"kill_after_s must be in [0, duration_s), got {self.kill_after_s}")
-        if self.num_junk < 0 or self.refuse_rate < 0 or self.num_router_idle < 0:
-            raise ValueError("num_junk, refuse_rate and num_router_idle must be >= 0")
+        for name in ("num_junk", "refuse_rate", "num_router_idle", "num_event_subscribers", "num_poisoned"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def make_prompts(num: int) -> list[str]:
@@ -106,16 +116,33 @@ def read_rss_mb(pid: int) -> float | None:
 
 
 class _RSSSampler(threading.Thread):
-    def __init__(self, tracks: dict[str, RSSTrack]) -> None:
+    """Every `RSS_SAMPLE_S`: each process's RSS, and the router's rotation (`left_rotation`: worker
+    id -> seconds from `t0` it was first seen out); every `STATS_EVERY` samples `stats_probe`."""
+
+    def __init__(self, tracks: dict[str, RSSTrack], dep: Deployment, stats_probe: Callable[[], object]) -> None:
         super().__init__(daemon=True, name="rss-sampler")
         self.tracks, self.stop = tracks, threading.Event()
+        self.dep, self.stats_probe = dep, stats_probe
+        self.t0 = time.monotonic()
+        self.left_rotation: dict[str, float] = {}
 
     def run(self) -> None:
+        k = 0
         while not self.stop.wait(RSS_SAMPLE_S):
             for track in self.tracks.values():
                 mb = read_rss_mb(track.pid)
                 if mb is not None:
                     track.observe(mb)
+            assert self.dep.router is not None
+            for load in self.dep.router.pool.all():
+                if not load.healthy:
+                    self.left_rotation.setdefault(load.endpoint.worker_id, round(time.monotonic() - self.t0, 1))
+            k += 1
+            if k % STATS_EVERY == 0:
+                try:
+                    self.stats_probe()
+                except (requests.RequestException, KeyError, TypeError) as exc:
+                    logger.debug("stats probe failed: %s", exc)
 
 
 class _RouterEvents(logging.Handler):
@@ -141,8 +168,8 @@ class _Workers:
         self.urls = {w.endpoint.worker_id: w.endpoint.url for w in dep.workers}
         self._headers = {"Authorization": f"Bearer {dep.secret}"}
 
-    def get(self, worker_id: str, path: str) -> dict:
-        resp = requests.get(f"{self.urls[worker_id]}{path}", headers=self._headers, timeout=HTTP_TIMEOUT_S)
+    def get(self, worker_id: str, path: str, timeout_s: float = HTTP_TIMEOUT_S) -> dict:
+        resp = requests.get(f"{self.urls[worker_id]}{path}", headers=self._headers, timeout=timeout_s)
         resp.raise_for_status()
         return resp.json()
 
@@ -213,7 +240,19 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
     for track in tracks.values():
         track.before_mb = track.peak_mb = read_rss_mb(track.pid) or 0.0
     metrics_before = _metrics_lines(dep.url, headers)
-    refused_before = workers.get(producers[0], "/internal/stats")["transfer"].get("handshakes_refused", {})
+    stats_before = workers.get(producers[0], "/internal/stats")
+    refused_before = stats_before["transfer"].get("handshakes_refused", {})
+    kv_before = stats_before.get("kv_events") or {}
+    if settings.num_event_subscribers and not kv_before.get("endpoint"):
+        raise ValueError(f"{producers[0]} publishes no KV events (prefix caching off?)")
+    kv_seen = {"worker_id": producers[0], "before_subscribers": kv_before.get("num_subscribers", 0),
+               "max_subscribers": kv_before.get("max_subscribers", 0),
+               "peak_subscribers": kv_before.get("num_subscribers", 0)}
+
+    def probe_subscribers() -> dict:
+        info = workers.get(producers[0], "/internal/stats", timeout_s=5.0)["kv_events"]
+        kv_seen["peak_subscribers"] = max(kv_seen["peak_subscribers"], info["num_subscribers"])
+        return info
     loads_before = {wid: workers.get(wid, "/internal/stats")["transfer"] for wid in survivors}
 
     events = _RouterEvents()
@@ -221,7 +260,7 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
     router_logger.addHandler(events)
     if router_logger.getEffectiveLevel() > logging.WARNING:
         router_logger.setLevel(logging.WARNING)  # the counted records are warnings (the console's handler filters)
-    sampler = _RSSSampler(tracks)
+    sampler = _RSSSampler(tracks, dep, probe_subscribers)
     sampler.start()
     spec = {"url": dep.url, "prompts": prompts, "max_tokens": settings.max_tokens,
             "num_clients": settings.num_clients, "duration_s": settings.duration_s,
@@ -229,7 +268,9 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
             "kv_host": dep.config.transfer.host, "data_port": ports["data"], "num_junk": settings.num_junk,
             "side_port": ports["side_channel"], "refuse_rate": settings.refuse_rate,
             "router_host": dep.url.split("//", 1)[1].rsplit(":", 1)[0], "router_port": int(dep.url.rsplit(":", 1)[1]),
-            "num_router_idle": settings.num_router_idle}
+            "num_router_idle": settings.num_router_idle, "events_endpoint": kv_before.get("endpoint", ""),
+            "secret": dep.secret, "num_event_subscribers": settings.num_event_subscribers,
+            "num_poisoned": settings.num_poisoned}  # the secret goes on stdin, never on a command line
     proc = _start_driver(spec)
     report = LoadFaultsReport(num_clients=settings.num_clients, duration_s=settings.duration_s, rows=[],
                               reference=reference, rss=tracks, max_rss_growth_mb=settings.max_rss_growth_mb,
@@ -237,8 +278,9 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
     try:
         started = _read_event(proc, 120.0)
         assert started.get("event") == "started", started
-        t_load = time.monotonic()
+        t_load = sampler.t0 = time.monotonic()
         time.sleep(settings.kill_after_s)
+        kv_seen["at_kill_subscribers"] = probe_subscribers()["num_subscribers"]
         report.victim_in_flight_at_kill = next(w.num_in_flight for w in dep.router.pool.all()
                                                if w.endpoint.worker_id == settings.victim)
         os.kill(tracks[settings.victim].pid, signal.SIGKILL)
@@ -256,6 +298,7 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
     report.refuse_sent = result["refuse_sent"]
     report.router_idle = {**result["router_idle"], "router": dep.router.conn_guard.figures()}
     report.num_migrations, report.num_redispatches = events.num_migrations, events.num_redispatches
+    report.poisoned = result["poisoned"]
 
     report.pools = dep.pool_audits(timeout_s=30.0)
     sampler.stop.set()
@@ -264,7 +307,13 @@ def run_load_faults(dep: Deployment, settings: LoadFaultsSettings) -> LoadFaults
         track.after_mb = read_rss_mb(track.pid)
         if track.after_mb is not None:
             track.observe(track.after_mb)
-    refused_after = workers.get(producers[0], "/internal/stats")["transfer"].get("handshakes_refused", {})
+    report.left_rotation = dict(sampler.left_rotation)
+    stats_after = workers.get(producers[0], "/internal/stats")
+    refused_after = stats_after["transfer"].get("handshakes_refused", {})
+    kv_after = stats_after.get("kv_events") or {}
+    kv_seen.update(after_subscribers=kv_after.get("num_subscribers", 0),
+                   refused=kv_after.get("num_refused_subscribers", 0) - kv_before.get("num_refused_subscribers", 0))
+    report.event_subscribers = {**result["event_subscribers"], "worker": kv_seen}
     report.refused_counted = {k: v - refused_before.get(k, 0) for k, v in refused_after.items()
                               if v != refused_before.get(k, 0)}
     for wid in survivors:
@@ -288,6 +337,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--refuse-rate", type=float, default=d.refuse_rate, help="REFUSE frames a second")
     parser.add_argument("--router-idle", type=int, default=d.num_router_idle,
                         help="idle connections held on the router's port")
+    parser.add_argument("--event-subscribers", type=int, default=d.num_event_subscribers,
+                        help="never-reading subscribers on P's KV event stream (half with the secret)")
+    parser.add_argument("--poisoned", type=int, default=d.num_poisoned,
+                        help="completions with poisoned sampling values, spread over the run")
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts)
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--max-rss-growth-mb", type=float, default=d.max_rss_growth_mb)
@@ -306,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = LoadFaultsSettings(num_clients=args.clients, duration_s=args.duration_s,
                                       kill_after_s=args.kill_after_s, num_junk=args.junk,
                                       refuse_rate=args.refuse_rate, num_router_idle=args.router_idle,
+                                      num_event_subscribers=args.event_subscribers, num_poisoned=args.poisoned,
                                       num_prompts=args.num_prompts,
                                       max_tokens=args.max_tokens, max_rss_growth_mb=args.max_rss_growth_mb)
         config = default_config(args.config)

@@ -8,7 +8,11 @@ It reads one JSON spec on stdin and, for `duration_s`, runs at once:
 - unauthenticated REFUSE frames to the producer's side channel at `refuse_rate` a second,
   each with a new reason (and a line break in it), from a new ZMQ identity every 200 frames;
 - `num_router_idle` idle connections held on the router's port (one the router closes, at its
-  keep-alive timeout or past its connection cap, is opened again).
+  keep-alive timeout or past its connection cap, is opened again);
+- `num_event_subscribers` never-reading subscribers on a worker's KV event stream, half with the
+  deployment secret and half without (`pd.tools.load_faults_injectors.EventSubscribers`);
+- `num_poisoned` completions with poisoned sampling values, spread over the run
+  (`pd.tools.load_faults_injectors.poisoned_client`).
 
 It writes JSON lines on stdout: `{"event": "started"}` when the load begins, then one
 `{"event": "result", ...}` with a row per request. Apart from the load it is the harness, so it
@@ -32,6 +36,7 @@ import zmq
 from connectors import wire
 from connectors.wire import MsgType
 from pd.tools.junk_connections import HTTP_TRICKLE, JunkHolder
+from pd.tools.load_faults_injectors import EventSubscribers, poisoned_client
 from pd.tools.sse_stream import SSEStream
 
 RETRY_AFTER_CAP_S = 5.0
@@ -57,6 +62,10 @@ class DriverSpec:
     router_host: str = "127.0.0.1"
     router_port: int = 0
     num_router_idle: int = 0
+    events_endpoint: str = ""
+    secret: str = ""  # the deployment secret: half the event subscribers hold it
+    num_event_subscribers: int = 0
+    num_poisoned: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> DriverSpec:
@@ -150,10 +159,14 @@ async def run_driver(spec: DriverSpec, on_started=None) -> dict:
     refuse = RefuseSender(spec.kv_host, spec.side_port, spec.refuse_rate, stop) if spec.refuse_rate else None
     router_idle = (JunkHolder(spec.router_host, spec.router_port, spec.num_router_idle, stop, payload=HTTP_TRICKLE,
                               kinds="idle") if spec.num_router_idle else None)
-    injectors = [t for t in (junk, refuse, router_idle) if t is not None]  # threads beside the load, one per fault
+    subscribers = (EventSubscribers(spec.events_endpoint, spec.secret, spec.num_event_subscribers, stop)
+                   if spec.num_event_subscribers else None)
+    injectors = [t for t in (junk, refuse, router_idle, subscribers)
+                 if t is not None]  # threads beside the load, one per fault
     for thread in injectors:
         thread.start()
     rows: list[dict] = []
+    poisoned: list[dict] = []
     t0 = time.monotonic()
     try:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -161,7 +174,8 @@ async def run_driver(spec: DriverSpec, on_started=None) -> dict:
             if on_started is not None:
                 on_started()
             deadline = t0 + spec.duration_s
-            await asyncio.gather(*(_client(session, spec, i, deadline, rows) for i in range(spec.num_clients)))
+            await asyncio.gather(*(_client(session, spec, i, deadline, rows) for i in range(spec.num_clients)),
+                                 poisoned_client(session, spec, deadline, poisoned))
     finally:
         stop.set()
         for thread in injectors:
@@ -173,7 +187,8 @@ async def run_driver(spec: DriverSpec, on_started=None) -> dict:
             "refuse_sent": refuse.num_sent if refuse else 0,
             "router_idle": ({"held": spec.num_router_idle, "opened": router_idle.num_opened,
                              "closed_by_peer": router_idle.num_closed_by_peer, "min_open": router_idle.min_open,
-                             "max_open": router_idle.max_open} if router_idle else {})}
+                             "max_open": router_idle.max_open} if router_idle else {}),
+            "event_subscribers": subscribers.figures() if subscribers else {}, "poisoned": poisoned}
 
 
 def _emit(obj: dict) -> None:

@@ -3,7 +3,9 @@
 A run passes when every request was answered (200, or 429/503 with `Retry-After`), none hung,
 every 200 is a complete stream (no error event, `[DONE]`) token-identical to the undisturbed
 reference, the RSS of router and workers grew by less than the allowed bound, and every
-surviving KV pool ended all free.
+surviving KV pool ended all free; besides, every poisoned-sampling request ended answered 200
+with all its tokens, no worker but the killed one left the router's rotation, and the KV event
+stream never held more subscribers than its cap.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ class LoadFaultsReport:
     metrics_lines: tuple[int, int] = (0, 0)  # router /metrics before, after
     transfer: dict = dataclasses.field(default_factory=dict)  # the surviving decode workers' loads
     pools: dict = dataclasses.field(default_factory=dict)  # worker id -> audit, after the run
+    # the driver's never-reading subscribers; "worker": the publisher's counts (before, at the kill, after)
+    event_subscribers: dict = dataclasses.field(default_factory=dict)
+    poisoned: list[dict] = dataclasses.field(default_factory=list)  # a row per poisoned-sampling request
+    left_rotation: dict = dataclasses.field(default_factory=dict)  # worker id -> s into the load first seen out
     seconds: float = 0.0
 
     # -- verdict ----------------------------------------------------------
@@ -83,6 +89,19 @@ class LoadFaultsReport:
         for name, track in self.rss.items():
             if track.growth_mb > self.max_rss_growth_mb:
                 out.append(f"RSS of {name} grew by {track.growth_mb:.0f} MiB (bound {self.max_rss_growth_mb:.0f})")
+        bad_poison = [p for p in self.poisoned if not _poison_served(p)]
+        if bad_poison:
+            p = bad_poison[0]
+            out.append(f"{len(bad_poison)} of {len(self.poisoned)} poisoned-sampling requests not answered 200 with "
+                       f"all their tokens, e.g. {p['values']}: attempts {p['attempts']}, {p['num_tokens']} tokens, "
+                       f"error {p['error']}")
+        strays = sorted(set(self.left_rotation) - {self.victim})
+        if strays:
+            out.append(f"workers left the router's rotation besides {self.victim}: {strays}")
+        worker = self.event_subscribers.get("worker", {})
+        if worker and worker.get("peak_subscribers", 0) > worker.get("max_subscribers", 0):
+            out.append(f"the KV event stream held {worker['peak_subscribers']} subscribers, past its cap "
+                       f"of {worker['max_subscribers']}")
         leaks = {wid: a.get("detail") or a for wid, a in self.pools.items() if not a.get("all_free")}
         if leaks or not self.pools:
             out.append(f"KV pools not all free after the run: {leaks or 'no pool audited'}")
@@ -99,7 +118,8 @@ class LoadFaultsReport:
                 "redispatches": self.num_redispatches, "junk": self.junk, "refuse_sent": self.refuse_sent,
                 "router_idle": self.router_idle,
                 "refused_counted": self.refused_counted, "metrics_lines": list(self.metrics_lines),
-                "transfer": self.transfer,
+                "transfer": self.transfer, "event_subscribers": self.event_subscribers,
+                "poisoned": self.poisoned_figures(), "left_rotation": self.left_rotation,
                 "pools_all_free": {w: bool(a.get("all_free")) for w, a in self.pools.items()},
                 "failures": self.failures()}
 
@@ -119,6 +139,8 @@ class LoadFaultsReport:
             _router_idle_line(self.router_idle),
             f"  REFUSE frames sent: {self.refuse_sent}; P counted {self.refused_counted}; router /metrics "
             f"{self.metrics_lines[0]} -> {self.metrics_lines[1]} lines",
+            _subscribers_line(self.event_subscribers),
+            self._poisoned_line(),
             f"  KV loads on the surviving decode workers: {self.transfer}",
             "  RSS (MiB)       before    peak   after",
         ]
@@ -131,6 +153,42 @@ class LoadFaultsReport:
         problems = self.failures()
         lines.append("PASS" if not problems else "FAIL:\n" + "\n".join(f"  - {p}" for p in problems))
         return "\n".join(lines)
+
+
+    def poisoned_figures(self) -> dict:
+        final = collections.Counter(str(p["status"]) for p in self.poisoned)
+        attempts = collections.Counter(str(s) for p in self.poisoned for s in p["attempts"])
+        return {"sent": len(self.poisoned), "final_statuses": dict(sorted(final.items())),
+                "attempt_statuses": dict(sorted(attempts.items())),
+                "with_all_tokens": sum(1 for p in self.poisoned if _poison_served(p)),
+                "kinds": len({repr(sorted(p["values"].items())) for p in self.poisoned})}
+
+    def _poisoned_line(self) -> str:
+        if not self.poisoned:
+            return "  no poisoned-sampling requests"
+        f = self.poisoned_figures()
+        out = sorted(set(self.left_rotation) - {self.victim})
+        return (f"  poisoned sampling: {f['sent']} requests ({f['kinds']} kinds of values), final statuses "
+                f"{f['final_statuses']} (attempts {f['attempt_statuses']}), {f['with_all_tokens']} with all their "
+                f"tokens; workers out of the rotation: {sorted(self.left_rotation) or 'none'}"
+                + (f" (besides {self.victim}: {out})" if out else f" (only the killed {self.victim})"
+                   if self.victim in self.left_rotation else ""))
+
+
+def _poison_served(row: dict) -> bool:
+    return row["status"] == 200 and not row["error"] and row["num_tokens"] == row["want_tokens"]
+
+
+def _subscribers_line(subs: dict) -> str:
+    if not subs.get("opened"):
+        return "  no event subscribers"
+    worker = subs.get("worker", {})
+    return (f"  never-reading KV event subscribers on {worker.get('worker_id', '?')}: {subs['opened']} "
+            f"({subs['with_secret']} with the secret, {subs['plain']} plain), {subs['connected']} connected, "
+            f"{subs['admitted']} ever admitted ({subs['admitted_plain']} plain); worker counted "
+            f"{worker.get('at_kill_subscribers', '?')} subscribed at the kill (router included, peak "
+            f"{worker.get('peak_subscribers', '?')}, cap {worker.get('max_subscribers', '?')}), "
+            f"{worker.get('refused', '?')} refused; client handshakes failed {subs['handshakes_failed']}")
 
 
 def _brief(row: dict) -> str:

@@ -39,6 +39,8 @@ from typing import Any
 
 import zmq
 
+from connectors.metrics import TransferMetrics
+from connectors.side_guard import SideChannelGuard
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pd.cluster.kv_wire import EventBatch, curve_keys, encode_batch, encode_heartbeat, event_key
 from pd.worker.kv_gate import ZAP_DOMAIN, SubscriberGate
@@ -52,6 +54,7 @@ SEND_HWM = 64  # batches queued per subscriber; past it ZMQ drops that subscribe
 SEND_BUFFER_BYTES = 128 * 1024  # kernel send buffer per subscriber (no autotuning to megabytes)
 HANDSHAKE_TIMEOUT_MS = 5000  # a peer that does not finish the CURVE handshake is closed by then
 GATE_TICK_S = 0.05
+MAX_CONNECTIONS = 64  # TCP connections at once, handshaking or not (libzmq itself has no cap)
 
 
 def events_to_wire(events: list) -> list:
@@ -95,6 +98,9 @@ class KVEventPublisher:
         xpub.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         port = xpub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
+        # the producer's guard for its ROUTER: a cap on connections (a stranger's handshake holds an fd
+        # for up to HANDSHAKE_TIMEOUT_MS) and no busy accept loop at the fd limit
+        self._conn_guard = SideChannelGuard(xpub, self.endpoint, port, MAX_CONNECTIONS, TransferMetrics())
         self._xpub: zmq.Socket | None = xpub  # reads the subscriptions
         self._sock: zmq.Socket | None = xpub  # sends (tests may swap it to lose batches)
         self._stop = threading.Event()
@@ -130,6 +136,8 @@ class KVEventPublisher:
                 with self._lock:
                     if self._xpub is None or self._sock is None:
                         return
+                    self._conn_guard.poll_events()
+                    self._conn_guard.tick()
                     self._read_subscriptions(self._xpub)
                     now = time.monotonic()
                     if now >= self._next_heartbeat:
@@ -176,6 +184,7 @@ class KVEventPublisher:
         self._thread.join(timeout=5.0)
         with self._lock:
             if self._xpub is not None:
+                self._conn_guard.close()
                 self._xpub.close(linger=0)
             if self._sock is not None and self._sock is not self._xpub:
                 self._sock.close(linger=0)

@@ -72,3 +72,27 @@ def test_dead_loop_reports_and_refuses():
         assert engine.dead is not None and len(deaths) == 1 and deaths[0] is engine.dead
     finally:
         engine.shutdown()
+
+
+def test_steps_failing_for_every_request_end_the_loop():
+    """A broken engine (every forward raises: a device error, memory exhausted) must not fail request
+    after request as if each were the cause: after MAX_FAILED_STEPS such steps in a row the step raises,
+    which ends the loop, so the worker reports itself and is restarted."""
+    from pd.engine.engine import MAX_FAILED_STEPS
+
+    engine = Engine(engine_config(FULL_MODEL))
+
+    def broken(chunks):
+        raise RuntimeError("device lost")
+
+    engine.runner.execute = broken  # (the fault: the real model's forward, replaced by one that always fails)
+    errors = []
+    with pytest.raises(RuntimeError, match="in a row failed for every request"):
+        for step in range(MAX_FAILED_STEPS):
+            for i in range(2):
+                engine.add_request(f"s{step}-{i}", [1, 2, 3, 4 + i], PARAMS)
+            errors += [o for o in engine.step() if o.finished and o.finish_reason is FinishReason.ERROR]
+    assert len(errors) == 2 * (MAX_FAILED_STEPS - 1)  # the steps before: each failed its requests cleanly
+    for i in range(2):  # (the last step's requests: a restarted process would not have them either)
+        engine.scheduler.abort_request(f"s{MAX_FAILED_STEPS - 1}-{i}")
+    assert_all_free(engine.kv_cache_manager)

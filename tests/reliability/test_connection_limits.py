@@ -9,6 +9,7 @@ total) while a good request and a running stream pass, and pools end all free.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -139,6 +140,48 @@ def test_trickled_body_gets_408_and_its_connection_closes(timed):
     assert TIMEOUTS["body_timeout_s"] - 0.05 <= elapsed <= TIMEOUTS["body_timeout_s"] + SLACK_S
     assert timed.router.conn_guard.counts["body_timeouts"] >= 1
     timed.wait_all_free()
+
+
+def test_a_body_on_an_open_route_is_never_read(timed):
+    """GET /health with a large announced body, trickled: answered 400 at once (not held as a busy
+    request for the body timeout, which no cap could evict), and the connection closes."""
+    port = int(timed.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: pdkv\r\nContent-Length: 1000000\r\n\r\nxyz")
+        s.settimeout(TIMEOUTS["body_timeout_s"] + SLACK_S)
+        t0 = time.monotonic()
+        answer = s.recv(65536)
+        elapsed = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert elapsed < TIMEOUTS["body_timeout_s"], elapsed  # (the guard never waited for the body)
+
+
+def test_a_peer_that_never_reads_its_answers_is_cut(timed):
+    """Pipelined requests whose answers are never read: the guard drops the connection at its keep-alive
+    (or write) timeout and aborts it. A graceful close would wait for the unsent answers forever,
+    keeping the fd open outside the caps; an abort resets the peer, so its next send fails."""
+    port = int(timed.url.rsplit(":", 1)[1])
+    counts = timed.router.conn_guard.counts
+    closed_before = counts["idle_closed"] + counts["write_timeouts"]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        request = b"GET /openapi.json HTTP/1.1\r\nHost: pdkv\r\n\r\n"
+        s.settimeout(0.5)
+        with contextlib.suppress(OSError):
+            for _ in range(2000):  # far more answer bytes than both kernel buffers hold
+                s.sendall(request)
+        _wait(lambda: counts["idle_closed"] + counts["write_timeouts"] > closed_before,
+              TIMEOUTS["body_timeout_s"] + SLACK_S, "the guard dropped the connection whose peer never reads")
+        deadline, reset = time.monotonic() + SLACK_S, False
+        while not reset and time.monotonic() < deadline:
+            try:
+                s.send(b"x")
+                time.sleep(0.1)
+            except (ConnectionResetError, BrokenPipeError):
+                reset = True
+            except TimeoutError:
+                time.sleep(0.1)
+        assert reset, "the server still holds the connection (a close waiting on unsent bytes)"
 
 
 def test_past_the_caps_the_least_recently_used_idle_go_first(capped, fault_record):

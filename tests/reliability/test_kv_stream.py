@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import socket
 import time
 
 import pytest
@@ -230,3 +231,38 @@ def test_heartbeats_are_signed_and_shaped():
     with pytest.raises(BatchError):
         decode_batch(key, frames)
     assert frames[0] == TOPIC
+
+
+def test_connections_to_the_stream_are_capped_before_any_handshake():
+    """A stranger's TCP connections each hold an fd for up to the handshake timeout: past
+    MAX_CONNECTIONS the newest are shut at once (connectors.side_guard), so however many a peer
+    opens, the publisher holds a bounded number."""
+    from pd.worker.kv_events import HANDSHAKE_TIMEOUT_MS, MAX_CONNECTIONS, KVEventPublisher
+
+    publisher = KVEventPublisher("w-cap", "e-cap", "cap-secret-0123456789abcdef", "127.0.0.1")
+    port = int(publisher.endpoint.rsplit(":", 1)[1])
+    socks: list[socket.socket] = []
+    try:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS + 40)]
+        # (before the handshake timeout, which would close them all anyway: the cap acts at once)
+        deadline, shut = time.monotonic() + HANDSHAKE_TIMEOUT_MS / 1000 - 1.5, set()
+        while time.monotonic() < deadline and len(shut) < 40:
+            for i, s in enumerate(socks):
+                if i in shut:
+                    continue
+                s.settimeout(0.01)
+                try:
+                    while s.recv(1 << 16):  # the server's greeting bytes, then the end once it is shut
+                        pass
+                    shut.add(i)
+                except TimeoutError:
+                    pass
+                except ConnectionResetError:
+                    shut.add(i)
+            time.sleep(0.2)
+        num_shut = len(shut)
+        assert num_shut >= 40, f"{num_shut} of {len(socks)} connections shut (cap {MAX_CONNECTIONS})"
+    finally:
+        for s in socks:
+            s.close()
+        publisher.close()
