@@ -53,7 +53,7 @@ def _get(url: str) -> tuple[int, str]:
 def _stop(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=3)  # (a throwaway node in its own temp dir: no need to wait out Ray's slow stop)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -70,8 +70,15 @@ def _read_stream(url: str, into: dict, started: threading.Event, max_tokens: int
         started.set()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-@pytest.mark.parametrize("target", ["leader", "group", "each"])
+# The default suite runs the patterns that hung (SIGTERM to the group, to each process) and Ctrl-C;
+# the rest under `-m slow` (each run starts a whole deployment: about 15 s).
+CASES = [pytest.param(target, signum, id=f"{target}-{signum.name}",
+                      marks=() if (target, signum) in {("group", signal.SIGTERM), ("each", signal.SIGTERM),
+                                                       ("leader", signal.SIGINT)} else pytest.mark.slow)
+         for target in ("leader", "group", "each") for signum in (signal.SIGTERM, signal.SIGINT)]
+
+
+@pytest.mark.parametrize("target, signum", CASES)
 def test_launch_ends_within_10s_leaving_nothing(target, signum, fault_record, tmp_path):
     err = tmp_path / "launch.err"
     proc = subprocess.Popen(BASE, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=err.open("w"),
