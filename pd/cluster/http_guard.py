@@ -11,7 +11,8 @@ Guarantees (settings: `pd.cluster.config.ConnectionsSection`, read through `Guar
   `keepalive_timeout_s`; one whose peer stopped reading our answers (its writes paused) is cut
   after `body_timeout_s`, busy or not;
 - a body is read only for a request that takes one (not for GET/HEAD/OPTIONS, nor for an
-  unknown route): otherwise it is answered at once and the connection closed;
+  unknown route): otherwise it is answered at once (aiohttp discards the rest of it for at most
+  its 10 s lingering time);
 - at most `max_connections` connections are open (never more than half the process's fd soft
   limit, so the process always has fds for its own work) and at most `max_connections_per_peer`
   from one address. A connection past either cap first closes the least recently used
@@ -210,11 +211,9 @@ class ConnectionGuard:
         try:
             if request.body_exists and (request.method in ("GET", "HEAD", "OPTIONS")
                                         or request.match_info.http_exception is not None):
-                # A body nobody takes is never read (an open route must not hold a slot for a trickled
-                # body): answered at once, and the connection goes, since its unread body would be
-                # parsed as the next request.
-                if conn is not None:
-                    conn.doomed = True
+                # A body nobody takes is never read here (an open route must not hold a busy slot for a
+                # trickled body): answered at once. aiohttp then discards what is left of it for at most
+                # its lingering time (10 s) before the next request, or closes the connection.
                 if request.match_info.http_exception is not None:
                     raise request.match_info.http_exception
                 raise web.HTTPBadRequest(reason=f"a {request.method} request takes no body")
