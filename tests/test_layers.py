@@ -4,6 +4,11 @@
 
 A module may import its own room and any room below it, never one above or beside it
 (router and worker do not import each other), and no set of modules imports itself in a loop.
+
+Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
+implementation lives in `connectors.zmq`; the rigs (emulated and faulty links, fault plans) in
+`connectors.links`, which the runtime reaches only through the doors in `LINK_DOORS`, each the place
+where a config (the fault plan, `transfer.emulated_link`) selects a rig.
 """
 from __future__ import annotations
 
@@ -24,6 +29,23 @@ RANKS = {
     "pd.deploy": 5,
     "pd.tools": 6,
     "pd": 7,  # the entry points at pd/ top level (pd/launch.py, pd/loadgen.py)
+}
+
+# The connector contract: what the engine and any implementation share. It imports nothing else of connectors.
+CONTRACT = frozenset({"connectors.base", "connectors.pages", "connectors.params", "connectors.metrics"})
+# connectors/ top level: the contract, and the connector that moves nothing (built on the contract alone).
+CONNECTORS_TOP = CONTRACT | {"connectors", "connectors.noop"}
+LINKS = "connectors.links"
+# The only runtime modules that import the rigs, and what each may import from them (kept exact).
+LINK_DOORS = {
+    # the fault plan: its grammar and point names (checked at config time, no sockets loaded) ...
+    "pd.cluster.fault_rules": {"connectors.links.faults", "connectors.links.fault_points"},
+    "pd.cluster.config": {"connectors.links.faults", "connectors.links.link_shape"},
+    # ... and where it selects a FaultLink in front of a producer a decode worker pulls from
+    "pd.worker.faults": {"connectors.links.faults", "connectors.links.fault_link"},
+    # `transfer.emulated_link`: its shape, and the producer that starts the EmulatedLink it names
+    "connectors.zmq.transfer_settings": {"connectors.links.link_shape"},
+    "connectors.zmq.connector": {"connectors.links.emulated_link", "connectors.links.link_shape"},
 }
 
 
@@ -75,6 +97,60 @@ def _against_layering(graph: dict[str, set[str]]) -> list[str]:
 def test_rooms_point_down_only():
     wrong = _against_layering(_graph())
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _against_contract(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of connectors' top level (the contract, the no-op connector) into an implementation."""
+    return [f"{m} -> {t}" for m, targets in graph.items() if m in CONNECTORS_TOP
+            for t in targets if _in(t, "connectors") and t not in (CONTRACT if m in CONTRACT else CONNECTORS_TOP)]
+
+
+def _against_link_doors(graph: dict[str, set[str]]) -> list[str]:
+    """Runtime imports of the rigs outside `LINK_DOORS`, and doors that no longer import what they list."""
+    wrong = []
+    for module, targets in graph.items():
+        if _in(module, LINKS) or _in(module, "pd.tools"):
+            continue
+        rigs = {t for t in targets if _in(t, LINKS)}
+        allowed = LINK_DOORS.get(module, set())
+        wrong += [f"{module} -> {t}" for t in sorted(rigs - allowed)]
+        wrong += [f"{module} no longer imports {t} (stale door)" for t in sorted(allowed - rigs)]
+    wrong += [f"{door} is not a module" for door in LINK_DOORS if door not in graph]
+    return wrong
+
+
+def test_contract_imports_no_implementation():
+    wrong = _against_contract(_graph())
+    assert not wrong, "connectors' top level imports an implementation:\n" + "\n".join(sorted(wrong))
+
+
+def test_runtime_reaches_the_rigs_only_through_the_config_doors():
+    wrong = _against_link_doors(_graph())
+    assert not wrong, "imports of connectors.links outside LINK_DOORS:\n" + "\n".join(wrong)
+
+
+def test_the_connector_checks_see_wrong_imports():
+    """Both connector checks on a made-up graph: a contract module importing the ZMQ implementation,
+    the no-op connector importing a link, an engine module importing a rig, a door that went stale."""
+    graph = {"connectors.base": {"connectors.metrics", "connectors.zmq.wire"},
+             "connectors.params": {"connectors.noop"},
+             "connectors.noop": {"connectors.base", "connectors.links.faults"},
+             "connectors.zmq.wire": {"connectors.base"},
+             "pd.engine.engine": {"connectors.links.fault_link"},
+             "pd.tools.planner_bench": {"connectors.links.emulated_link"},
+             "connectors.links.fault_link": {"connectors.zmq.wire"},
+             **{door: set(rigs) for door, rigs in LINK_DOORS.items()}}
+    graph["pd.worker.faults"] = {"connectors.links.faults"}
+    assert sorted(_against_contract(graph)) == ["connectors.base -> connectors.zmq.wire",
+                                                "connectors.noop -> connectors.links.faults",
+                                                "connectors.params -> connectors.noop"]
+    assert _against_link_doors(graph) == ["connectors.noop -> connectors.links.faults",
+                                          "pd.engine.engine -> connectors.links.fault_link",
+                                          "pd.worker.faults no longer imports connectors.links.fault_link (stale door)"]
 
 
 def test_no_import_loops():

@@ -26,11 +26,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, Strict, ValidationError, field_validator, model_validator
 
-from connectors.emulated_link import LinkShape
-from connectors.faults import FaultSpecError
-from connectors.transfer_settings import DataPathName, TransferSettings
+from connectors.links.faults import FaultSpecError
+from connectors.links.link_shape import LinkShape
+from connectors.zmq.transfer_settings import DataPathName, TransferSettings
 from pd.cluster.fault_rules import parse_worker_faults
 from pd.cluster.schema import FieldError, StrictModel, describe
+from pd.cluster.tracing_config import TracingSection
 
 DTYPES = ("float32", "bfloat16", "float16")
 _TRANSFER = TransferSettings()  # the transfer defaults are the connector's own
@@ -130,7 +131,12 @@ class TopologySection(StrictModel):
     # Only the spelling is checked here: the launcher may have no GPU while the workers do;
     # the worker's EngineConfig checks that CUDA really exists where it runs.
     device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: each worker asks Ray for one GPU")
-    cpus_per_worker: float = Field(0.25, gt=0, le=64)
+    cpus_per_worker: float = Field(0.25, gt=0, le=64, description="what Ray reserves per worker (scheduling only)")
+    # Ray sets OMP_NUM_THREADS=1 in an actor whose num_cpus is below 1, so without this a worker
+    # computes on one thread whatever the machine has (`Worker.start` sets this).
+    threads_per_worker: int | None = Field(
+        None, ge=1, le=256, description="torch intra-op threads in each worker process, used by torch and by the "
+        "fused CPU kernels; unset: max(1, round(cpus_per_worker))")
     placement: PlacementField = Placement.SPREAD
 
     @model_validator(mode="after")
@@ -142,6 +148,13 @@ class TopologySection(StrictModel):
         return self
 
     @property
+    def resolved_threads_per_worker(self) -> int:
+        """The torch threads a worker computes with (`threads_per_worker`, else from `cpus_per_worker`)."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        return max(1, round(self.cpus_per_worker))
+
+    @property
     def num_workers(self) -> int:
         if self.mode is Mode.COLOCATED:
             return self.num_colocated
@@ -149,7 +162,7 @@ class TopologySection(StrictModel):
 
 
 class EmulatedLinkSection(StrictModel):
-    """Tests and benchmarks only: a slow P<->D link on one machine (`connectors.emulated_link`).
+    """Tests and benchmarks only: a slow P<->D link on one machine (`connectors.links.emulated_link`).
 
     Each prefill worker puts its KV side channel and data port behind a relay on
     real sockets that paces each direction to `bandwidth_mbps` (shared by all of
@@ -268,7 +281,7 @@ class RouterSection(StrictModel):
     # worker choice (pd.router.choice): prefix_aware scores each worker by the formula `ttft_cost`,
     # hit_tokens - prefix_queue_weight * queued_tokens - prefix_running_weight * requests_in_flight
     policy: Literal["least_loaded", "round_robin", "prefix_aware"] = "least_loaded"
-    prefix_queue_weight: float = Field(1.0, ge=0)
+    prefix_queue_weight: float = Field(0.25, ge=0)  # measured: pd.router.choice.PrefixAware
     prefix_running_weight: float = Field(16.0, ge=0)
     kv_index_max_entries: int = Field(1_000_000, ge=1, description="router's prefix index cap, about 100 B each")
     # recovery (pd.router.recovery): a stream whose worker dies after tokens were sent continues on another
@@ -328,6 +341,7 @@ class DeployConfig(StrictModel):
     transfer: TransferSection = Field(default_factory=TransferSection)
     router: RouterSection = Field(default_factory=RouterSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
+    tracing: TracingSection = Field(default_factory=TracingSection)  # pd.cluster.tracing_config
 
     @model_validator(mode="after")
     def _sections_agree(self) -> DeployConfig:

@@ -1,6 +1,6 @@
 """Which fault-injection rules a worker accepts: point names and actions, checked without side effects.
 
-Points (`WORKER_POINTS`, used with `connectors.faults` rule syntax):
+Points (`WORKER_POINTS`, used with `connectors.links.faults` rule syntax):
 - `worker.request_received`: a generate request was accepted, before the engine sees it;
 - `worker.prefill_done`: a prefill worker has its answer (kv_transfer_params) but has not sent it;
 - `worker.decode_token`: a worker is about to stream a token event (`after=N` picks the N+1-th);
@@ -8,7 +8,7 @@ Points (`WORKER_POINTS`, used with `connectors.faults` rule syntax):
   (hit once per request a worker takes; the request fails, the engine goes on);
 - `engine.loop` (`kill` only): the engine's step loop dies while computing this request, as a bug
   in the loop would (the worker reports itself unhealthy; under Ray the actor restarts);
-plus every `connectors.fault_points.LINK_POINTS` point (fired by a FaultLink in
+plus every `connectors.links.fault_points.LINK_POINTS` point (fired by a FaultLink in
 front of the producer a decode worker pulls from).
 
 This is the pure half of the fault kit: the deploy config validates plans
@@ -16,8 +16,8 @@ with it, and `pd.worker.faults` applies them (it alone imports the link and zmq)
 """
 from __future__ import annotations
 
-from connectors.fault_points import LINK_POINTS
-from connectors.faults import FaultAction, FaultPlan, FaultSpecError
+from connectors.links.fault_points import LINK_POINTS
+from connectors.links.faults import FaultAction, FaultPlan, FaultSpecError
 
 WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
 ENGINE_POINTS = frozenset({"engine.step", "engine.loop"})

@@ -15,7 +15,7 @@ Guarantees (settings: `pd.cluster.config.ConnectionsSection`, read through `Guar
   its 10 s lingering time);
 - at most `max_connections` connections are open (never more than half the process's fd soft
   limit, so the process always has fds for its own work) and at most `max_connections_per_peer`
-  from one address. A connection past either cap first closes the least recently used
+  from one address (for IPv6, one /64). A connection past either cap first closes the least recently used
   connection that has no request in progress; when every one is busy it is refused (closed at
   once). A request in progress is never cut by the caps, and a new connection is the last one
   chosen, so a good client gets in past any number of idle or trickling ones.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import resource
 import time
@@ -66,6 +67,21 @@ class GuardLimits:
 
 def fd_soft_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def peer_key(peername: object) -> str:
+    """Whom the per-peer cap counts: an IPv4 address, or an IPv6 address's /64 (one host commonly holds a
+    whole /64, so counting single IPv6 addresses would let one client open connections without limit)."""
+    host = str(peername[0]) if isinstance(peername, tuple) and peername else str(peername)
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host  # a Unix socket path or an unknown family: the name itself
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class _Conn:
@@ -236,8 +252,7 @@ class ConnectionGuard:
 
     # -- connection life --------------------------------------------------
     def _admit(self, transport: asyncio.Transport) -> _Conn | None:
-        peername = transport.get_extra_info("peername")
-        peer = str(peername[0]) if isinstance(peername, tuple) and peername else str(peername)
+        peer = peer_key(transport.get_extra_info("peername"))
         peer_conns = self._by_peer.get(peer)
         if peer_conns is not None and len(peer_conns) >= self.max_per_peer:
             if not self._evict_one(peer_conns):

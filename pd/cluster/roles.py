@@ -1,7 +1,7 @@
 """Who a worker is to the rest of the deployment: its role and where it listens.
 
 `Role` is the serving role of a worker process (the connector's own
-`connectors.zmq_connector.KVRole` says which side of a KV transfer it takes:
+`connectors.zmq.connector.KVRole` says which side of a KV transfer it takes:
 prefill -> producer, decode -> consumer, both -> no connector).
 """
 from __future__ import annotations

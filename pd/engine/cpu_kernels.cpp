@@ -207,3 +207,15 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   }
   return x;
 }
+
+// The compute calls let go of the GIL: a worker's event loop thread (its HTTP streams, new requests)
+// runs while a step computes, instead of waiting for the whole step. Arguments are converted before
+// the release and the result after it, both with the GIL held.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, release());
+  m.def("decode_layers", &decode_layers, release());
+  m.def("packed_linear", &packed_linear, release());
+  m.def("packed_rows", &packed_rows, release());
+  m.def("packed_gemm_available", &packed_gemm_available);
+}

@@ -39,7 +39,7 @@ _module = None
 _failed = False
 
 
-_NAME = "pdkv_paged_decode_v11"
+_NAME = "pdkv_paged_decode_v12"
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
 
 
@@ -90,9 +90,8 @@ def load():
                     if not (directory / f"{_NAME}.so").exists():
                         logger.info("building the fused CPU kernels once into %s (a minute or two)", directory)
                     _module = load_inline(
+                        # (the bindings, which release the GIL, are at the end of cpu_kernels.cpp)
                         name=_NAME, cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
-                        functions=["paged_decode_attention", "decode_layers", "packed_gemm_available",
-                                   "packed_linear", "packed_rows"],
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                         build_directory=str(directory), verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"

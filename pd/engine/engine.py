@@ -54,6 +54,11 @@ NETWORK_POLL_S = 0.001  # pause between steps when only remote transfers are pen
 MAX_FAILED_STEPS = 3  # steps in a row whose every chunk failed: the engine is broken, not a request
 
 
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  tokenizer: Tokenizer | None = None):
@@ -99,6 +104,9 @@ class Engine:
         self.on_death: Callable[[BaseException], None] | None = None  # called on the loop thread as it dies
         self.fault_marks = FaultMarks()  # request ids that fault plans make fail (none by default)
         self._num_failed_steps = 0
+        # torch intra-op threads the steps compute with (the fused kernels split over them too); the
+        # loop thread reads it again as it starts, since torch keeps the count per thread
+        self.num_threads = torch.get_num_threads()
         self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}  # totals since start
         self.last_timing = dict(self.timing)  # of the latest step
         logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
@@ -267,6 +275,9 @@ class Engine:
             self.scheduler.fail_request(rid, "engine step failed for a request whose KV blocks this one shares", set())
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One hand-off per event loop per step, not one per request: each call_soon_threadsafe
+        # wakes the loop through its self-pipe, and a step of 32 decodes made 32 of them.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
             for out in outputs:
                 if out.finished:
@@ -274,7 +285,12 @@ class Engine:
                     self.fault_marks.forget(out.request_id)
                 target = self._listeners.get(out.request_id)
                 if target is not None:
-                    self._notify(target, out)
+                    batches.setdefault(target[0], []).append((target[1], out))
+        for loop, items in batches.items():  # (outside the lock: only this thread dispatches, in step order)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+                logger.debug("dropped %d outputs for a closed event loop", len(items))
 
     @staticmethod
     def _notify(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
@@ -293,6 +309,7 @@ class Engine:
         self._thread.start()
 
     def _run_loop(self) -> None:
+        self.num_threads = torch.get_num_threads()
         try:
             while not self._stop.is_set():
                 with self._lock:

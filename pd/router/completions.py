@@ -24,11 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +35,8 @@ from aiohttp import web
 
 from pd.cluster.config import DeployConfig
 from pd.cluster.messages import Sampling
+from pd.cluster.tracing import Tracing
+from pd.cluster.tracing_config import resolve_tracing
 from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, Overloaded
 from pd.router.dispatch import Dispatcher
@@ -45,6 +44,8 @@ from pd.router.metrics import RouterMetrics
 from pd.router.planner.explain import RouteNote
 from pd.router.openai_responses import SSE_DONE, ChatFormat, CompletionFormat, Piece, Usage, sse_error
 from pd.router.text_stream import TextStream
+from pd.router.timeline import Timeline
+from pd.router.process_tuning import PROCESS_TUNING
 from pd.router.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,6 @@ INLINE_BODY_BYTES = 32 * 1024
 # second body parsed beside the first doubles the objects alive, hence the length of every GC pause (measured
 # with 16 concurrent 1 MB bodies: /health p50 2 ms with one thread, 26-52 ms with two).
 NUM_PARSE_THREADS = 1
-# Python's default (700 new container objects per young collection) makes a 29k-message body set off dozens of
-# collections, and a full one every ~100 of them: each stops every thread (the loop's too).
-GC_GEN0_THRESHOLD = 20_000
-GIL_SWITCH_INTERVAL_S = 0.001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,39 +79,6 @@ class _Tally:
     route: RouteNote = dataclasses.field(default_factory=RouteNote)  # where the prompt went and why
 
 
-class _ProcessTuning:
-    """The process-wide settings of `tune_process`, held by every router of the process at once (tests and
-    benchmarks run several): set by the first holder, restored when the last one lets go."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._num_holders = 0
-        self._saved: tuple[tuple[int, ...], float] | None = None
-
-    def hold(self) -> None:
-        with self._lock:
-            gc.collect()
-            gc.freeze()
-            if self._num_holders == 0:
-                self._saved = (gc.get_threshold(), sys.getswitchinterval())
-                gc.set_threshold(GC_GEN0_THRESHOLD, *self._saved[0][1:])
-                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-            self._num_holders += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._num_holders -= 1
-            if self._num_holders == 0 and self._saved is not None:
-                gc.unfreeze()  # what the routers held can be collected again once they are gone
-                thresholds, interval = self._saved
-                gc.set_threshold(*thresholds)
-                sys.setswitchinterval(interval)
-                self._saved = None
-
-
-_PROCESS_TUNING = _ProcessTuning()
-
-
 class CompletionEndpoints:
     """The generation endpoints. Request bodies larger than `INLINE_BODY_BYTES` are decoded, validated,
     templated and tokenized on a bounded thread pool (`NUM_PARSE_THREADS` threads), never on the event
@@ -131,6 +95,7 @@ class CompletionEndpoints:
         self._gate = gate
         self._parsers = ThreadPoolExecutor(NUM_PARSE_THREADS, thread_name_prefix="pd-router-parse")
         self._tuned = False  # holds the process settings of `tune_process`
+        self._tracing = Tracing.start(resolve_tracing(config.tracing), "pdkv-router")  # off: Tracing.off()
 
     def tune_process(self) -> None:
         """Called once the router is up; `close` undoes it. The parse thread shares the GIL and the
@@ -146,21 +111,22 @@ class CompletionEndpoints:
           slowest answer 190-210 ms instead of 650-730 ms)."""
         if not self._tuned:
             self._tuned = True
-            _PROCESS_TUNING.hold()
+            PROCESS_TUNING.hold()
 
     def close(self) -> None:
         """Ends the parse thread (a request still parsing finishes first) and undoes `tune_process`."""
         self._parsers.shutdown(wait=False, cancel_futures=True)
+        self._tracing.close()
         if self._tuned:
             self._tuned = False
-            _PROCESS_TUNING.release()
+            PROCESS_TUNING.release()
 
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._completion_job)
+        return await self._handle(request, self._completion_job, "text_completion")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._chat_job)
+        return await self._handle(request, self._chat_job, "chat")
 
     # -- requests -> jobs -------------------------------------------------
     def _completion_job(self, body: Any) -> Job:
@@ -204,30 +170,45 @@ class CompletionEndpoints:
         return ids
 
     # -- serving ----------------------------------------------------------
-    async def _handle(self, request: web.Request, build: Callable[[Any], Job]) -> web.StreamResponse:
-        arrived = time.perf_counter()
+    async def _handle(self, request: web.Request, build: Callable[[Any], Job], operation: str) -> web.StreamResponse:
+        """Serves one request; its timeline (pd.router.timeline) ends with it, whatever the way out."""
+        timeline = Timeline.begin(request.headers, self._tracing, operation, self._config.model.name,
+                                  self._config.router.report_cached_tokens)
+        try:
+            response = await self._serve(request, build, timeline)
+            timeline.status = response.status
+            return response
+        finally:
+            timeline.finish(self._metrics)
+
+    async def _serve(self, request: web.Request, build: Callable[[Any], Job], timeline: Timeline) -> web.StreamResponse:
         try:
             raw = await request.read()  # over router.max_body_bytes: 413 (the middleware answers it)
             charset = request.charset or "utf-8"
             if len(raw) <= INLINE_BODY_BYTES:
-                job = build(decode_json(raw, charset))
+                job = build(timeline.parsed(decode_json(raw, charset)))
             else:
                 job = await asyncio.get_running_loop().run_in_executor(
-                    self._parsers, lambda: build(decode_json(raw, charset)))
+                    self._parsers, lambda: build(timeline.parsed(decode_json(raw, charset))))
+            timeline.mark("tokenized")
         except oa.APIError as exc:
             return self._refuse(exc)
+        if timeline.span is not None:
+            timeline.describe_job(job.sampling.max_tokens, job.sampling.temperature, job.sampling.top_p,
+                                  job.output.id, job.prompts)
         if self._tenancy is not None:  # per_api_key: the tenant's own prefix cache (pd.router.tenancy)
             job = dataclasses.replace(job, cache_salt=self._tenancy.cache_salt(self._tenancy.tenant(request),
                                                                                job.cache_salt))
         try:
             admitted = await self._gate.acquire(len(job.prompts))
+            timeline.mark("admitted")
         except Overloaded as exc:
             return self._refuse(oa.server_error(exc.message, status=exc.status, code="overloaded"),
                                 headers={"Retry-After": str(exc.retry_after_s)})
         try:
             if job.stream:
-                return await self._stream(request, job, arrived)
-            return await self._respond(job, arrived)
+                return await self._stream(request, job, timeline)
+            return await self._respond(job, timeline)
         finally:
             self._gate.release(admitted)
 
@@ -240,9 +221,9 @@ class CompletionEndpoints:
         self._metrics.record_outcome(f"error_{exc.status}")
         return error_response(exc, headers)
 
-    async def _respond(self, job: Job, arrived: float) -> web.Response:
+    async def _respond(self, job: Job, timeline: Timeline) -> web.Response:
         tallies = [_Tally() for _ in job.prompts]
-        tasks = [asyncio.create_task(self._collect(job, f"{job.output.id}-{i}", ids, arrived, tally))
+        tasks = [asyncio.create_task(self._collect(job, f"{job.output.id}-{i}", ids, timeline, tally))
                  for i, (ids, tally) in enumerate(zip(job.prompts, tallies, strict=True))]
         try:
             outputs = await asyncio.gather(*tasks)
@@ -257,20 +238,22 @@ class CompletionEndpoints:
         body = job.output.response(outputs, usage)
         for choice, tally in zip(body["choices"], tallies, strict=True):
             choice["pdkv_route"] = tally.route.as_dict()
+        if timeline.want_extension:  # x-pdkv-timing: 1
+            body["pdkv_timing"] = timeline.extension()
         return web.json_response(body)
 
-    async def _collect(self, job: Job, request_id: str, prompt_ids: list[int], arrived: float,
+    async def _collect(self, job: Job, request_id: str, prompt_ids: list[int], timeline: Timeline,
                        tally: _Tally) -> tuple[str, str | None, list[int]]:
         pieces: list[str] = []
         token_ids: list[int] = []
         reason = None
-        async for piece in self._pieces(job, request_id, prompt_ids, arrived, tally):
+        async for piece in self._pieces(job, request_id, prompt_ids, timeline, tally):
             pieces.append(piece.text)
             token_ids.extend(piece.token_ids)
             reason = piece.finish_reason
         return "".join(pieces), reason, token_ids
 
-    async def _stream(self, request: web.Request, job: Job, arrived: float) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, timeline: Timeline) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         output, tally, error = job.output, _Tally(), None
@@ -278,18 +261,21 @@ class CompletionEndpoints:
             # The opening chunk (chat: the role delta) goes out with the first token, not before the
             # prefill: clients such as `vllm bench serve` take the first chunk's arrival as the TTFT.
             first = output.first_chunk()
-            async for piece in self._pieces(job, f"{output.id}-0", job.prompts[0], arrived, tally):
+            async for piece in self._pieces(job, f"{output.id}-0", job.prompts[0], timeline, tally):
                 if first is not None:
                     await response.write(first)
                     first = None
                 for chunk in output.chunks(piece):
                     await response.write(chunk)
-            usage = output.usage_chunk(Usage.of(len(job.prompts[0]), tally.num_tokens,
-                                                     self._reported(tally.num_cached_tokens)))
+                timeline.mark("first_chunk")
+            usage = timeline.final_chunk(output.usage_chunk(Usage.of(len(job.prompts[0]), tally.num_tokens,
+                                                                     self._reported(tally.num_cached_tokens))),
+                                         output.id, output.created, output.model, _chunk_object(output))
             if usage is not None:
                 await response.write(usage)
             self._metrics.record_outcome("ok")
         except ConnectionResetError:  # the client left; its worker stream is closed already
+            timeline.error = "client_disconnected"
             return response
         except asyncio.CancelledError:  # router shutdown past its drain time: the stream still ends as one
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -305,6 +291,7 @@ class CompletionEndpoints:
             error = internal_error(exc)
         try:
             if error is not None:
+                timeline.error = error.code or str(error.status)
                 self._metrics.record_outcome(f"error_{error.status}")
                 logger.warning("streamed request %s failed: %s", output.id, error.message)
                 await response.write(sse_error(error))
@@ -314,7 +301,7 @@ class CompletionEndpoints:
             pass
         return response
 
-    async def _pieces(self, job: Job, request_id: str, prompt_ids: list[int], arrived: float,
+    async def _pieces(self, job: Job, request_id: str, prompt_ids: list[int], timeline: Timeline,
                       tally: _Tally) -> AsyncIterator[Piece]:
         """Yields the output step by step (the last with its finish reason); records latency metrics."""
         text = TextStream(self._tokenizer, job.stop)
@@ -322,11 +309,14 @@ class CompletionEndpoints:
         finish: str | None = None
         self._metrics.record_prompt_tokens(len(prompt_ids))
         events = self._dispatcher.stream_tokens(request_id, prompt_ids, job.sampling, tally.route,
-                                                cache_salt=job.cache_salt)
+                                                cache_salt=job.cache_salt, timeline=timeline)
+        arrived = timeline.arrived
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 now = time.perf_counter()
                 if event.token_ids:
+                    if last is None:
+                        timeline.mark("first_token", now)
                     self._metrics.record_tokens(len(event.token_ids), now - (arrived if last is None else last),
                                                 first=last is None)
                     last = now
@@ -345,6 +335,11 @@ class CompletionEndpoints:
                 if event.token_ids:
                     yield Piece(new, event.token_ids)
         self._metrics.record_request_end(finish, time.perf_counter() - arrived)
+        timeline.prompt_done(len(prompt_ids), tally.num_tokens, tally.num_cached_tokens, finish)
+
+
+def _chunk_object(output: CompletionFormat | ChatFormat) -> str:
+    return "chat.completion.chunk" if isinstance(output, ChatFormat) else "text_completion"
 
 
 def _keep(obj: dict) -> dict:

@@ -61,7 +61,8 @@ from pd.router.planner.route import RoutePlanner
 from pd.router.openai_api import APIError, server_error
 from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
 from pd.router.recovery import RecoverySettings, continuation, watched_events
-from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
+from pd.router.timeline import Timeline
+from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +93,15 @@ ABORT_TIMEOUT_S = 5.0
 class _Leg:
     """One hop of a request, as the planner sees it: the worker it prefers (None: the policy
     picks), the prompt tokens that worker computes before its first token (counted as its
-    pending work until then), the P worker its KV comes from, and the workers it was sent to."""
+    pending work until then), the P worker its KV comes from, and the workers it was sent to; the
+    request's timeline (pd.router.timeline) and the trace headers of its calls (None: tracing off)."""
 
     preferred: str | None = None
     num_pending_tokens: int = 0
     source_id: str | None = None
     acquired: list[WorkerLoad] | None = None
+    timeline: Timeline | None = None
+    hop: TraceHop | None = None
 
 
 class Dispatcher:
@@ -112,18 +116,24 @@ class Dispatcher:
         self._aborts: set[asyncio.Task] = set()  # lease aborts in flight (kept: a bare task may be collected)
 
     async def stream_tokens(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling,
-                            note: RouteNote | None = None,
-                            cache_salt: str | None = None) -> AsyncGenerator[TokenEvent, None]:
+                            note: RouteNote | None = None, cache_salt: str | None = None,
+                            timeline: Timeline | None = None) -> AsyncGenerator[TokenEvent, None]:
         """The serving worker's events; `finish_reason` is set on the last one only. `note`, when
         given, is filled with where the request went and why (pd.router.planner.explain);
-        `cache_salt` goes with the request to every worker and into the routing's hit predictions."""
+        `cache_salt` goes with the request to every worker and into the routing's hit predictions;
+        `timeline` gets the routing's marks, the workers' timings and the trace events."""
         request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                                   cache_salt=cache_salt)
         note = note if note is not None else RouteNote()
         started = time.perf_counter()
+        if timeline is not None:
+            timeline.mark("dispatched", started)
         if self._colocated:
             note.decision = "colocated"
-            async with contextlib.aclosing(self._migrating(Role.BOTH, request)) as events:
+            if timeline is not None:
+                timeline.routed(note)
+            leg = _Leg(timeline=timeline, hop=timeline.hop() if timeline is not None else None)
+            async with contextlib.aclosing(self._migrating(Role.BOTH, request, leg)) as events:
                 async for event in events:
                     self._first_event(note, None, started, event)
                     yield event
@@ -132,9 +142,11 @@ class Dispatcher:
         if plan is None:  # no healthy decode worker: nothing can serve (a P alone cannot decode for us)
             raise server_error("no healthy decode worker is available", status=503, code="no_worker_available")
         self._planner.note(plan, note)
+        if timeline is not None:
+            timeline.routed(note)
         chosen = plan.chosen
         if chosen.kind is Kind.LOCAL:  # D prefills itself: no P, no transfer
-            async with contextlib.aclosing(self._local(request, plan, note, started)) as events:
+            async with contextlib.aclosing(self._local(request, plan, note, started, timeline=timeline)) as events:
                 async for event in events:
                     yield event
             return
@@ -146,19 +158,22 @@ class Dispatcher:
         p_id = chosen.prefill.worker_id if steer and chosen.prefill else None
         num_p_tokens = chosen.num_prefill_tokens
         lease_resolved = False  # D finished, or produced a token (it has loaded or released P's blocks)
+        p_hop = timeline.hop() if timeline is not None else None
         try:
             params, num_cached = None, 0
             try:
-                async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(p_id, num_p_tokens, None,
-                                                                                     prefilled),
-                                                         keep_params=True)) as answers:
+                async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(
+                        p_id, num_p_tokens, None, prefilled, timeline, p_hop), keep_params=True)) as answers:
                     async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
                         pass
             except _PrefillLost as lost:  # degrade, don't refuse: D prefills the prompt itself
                 lease_resolved = True  # `_run` already aborted the prefill on every P it tried
                 fallback = self._fallback(request, lost.error, started)
                 self._planner.note(fallback, note)
-                async with contextlib.aclosing(self._local(request, fallback, note, started, learn=False)) as events:
+                if timeline is not None:
+                    timeline.event("recompute", cause="prefill_lost", reason=lost.error.message)
+                async with contextlib.aclosing(self._local(request, fallback, note, started, learn=False,
+                                                           timeline=timeline)) as events:
                     async for event in events:
                         yield event
                 return
@@ -166,7 +181,10 @@ class Dispatcher:
             note.prefill_worker = prefilled[-1].endpoint.worker_id
             decode = request.model_copy(update={"kv_transfer_params": params})
             decoded: list[WorkerLoad] = []
-            leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded)
+            leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded, timeline,
+                       timeline.hop(after=p_hop) if timeline is not None else None)
+            if timeline is not None and params is None:
+                timeline.event("recompute", cause="no_transfer_params")
             async with contextlib.aclosing(self._migrating(Role.DECODE, decode, leg)) as events:
                 async for event in events:
                     lease_resolved = lease_resolved or bool(event.token_ids) or event.finish_reason is not None
@@ -178,7 +196,7 @@ class Dispatcher:
                     self._abort_later(url, request_id)
 
     async def _local(self, request: GenerateRequest, plan: Plan, note: RouteNote, started: float,
-                     learn: bool = True) -> AsyncGenerator[TokenEvent, None]:
+                     learn: bool = True, timeline: Timeline | None = None) -> AsyncGenerator[TokenEvent, None]:
         """The request prefilled and decoded on one D: the planner's, or the policy's when the
         plan's kind is the mode's or the only one left (no prefill worker). Its TTFT feeds the
         planner only when `learn` (a fallback's TTFT holds the time lost on the prefill worker)."""
@@ -186,7 +204,8 @@ class Dispatcher:
         d_id = chosen.decode.worker_id if plan.reason not in (Reason.FIXED, Reason.NO_PREFILL) else None
         decoded: list[WorkerLoad] = []
         async with contextlib.aclosing(self._migrating(Role.DECODE, request, _Leg(
-                d_id, chosen.num_prefill_tokens, None, decoded))) as events:
+                d_id, chosen.num_prefill_tokens, None, decoded, timeline,
+                timeline.hop() if timeline is not None else None))) as events:
             async for event in events:
                 self._first_event(note, chosen if learn else None, started, event, decoded)
                 yield event
@@ -258,10 +277,14 @@ class Dispatcher:
                     yield TokenEvent(finished=True, finish_reason="length", num_cached_tokens=num_cached or 0)
                     return
                 num_migrations += 1
+                if leg is not None and leg.timeline is not None:
+                    leg.timeline.event("migration", cause=lost.error.code or "worker_lost", reason=lost.error.message,
+                                       role=role.value, num_tokens_sent=len(sent), num_migrations=num_migrations)
                 logger.warning("request %s: %s; continuing on another %s worker after %d tokens (migration %d)",
                                request.request_id, lost.error.message, role.value, len(sent), num_migrations)
                 current = continuation(request, sent, num_migrations)
-                leg = _Leg(None, len(current.prompt_token_ids), None, leg.acquired if leg else None)
+                leg = _Leg(None, len(current.prompt_token_ids), None, leg.acquired if leg else None,
+                           leg.timeline if leg else None, leg.hop if leg else None)
 
     async def _run(self, role: Role, request: GenerateRequest, leg: _Leg | None = None, keep_params: bool = False,
                    migratable: bool = False) -> AsyncGenerator:
@@ -283,13 +306,16 @@ class Dispatcher:
             pending = figures.add_pending(worker_id, leg.num_pending_tokens)
             produced, actual_hit = False, None
             try:
-                events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s)
+                events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s, leg.hop)
                 async with contextlib.aclosing(events) as stream:
                     async for event in stream:
                         if event.timing is not None:  # the first token's event: the work ahead is done
                             figures.remove_pending(worker_id, pending)
                             pending = None
                             self._planner.observe_timing(worker_id, event.timing, leg.source_id)
+                            if leg.timeline is not None:  # P, colocated or local D computed the prompt; else D's
+                                leg.timeline.on_timing(role is not Role.DECODE or request.kv_transfer_params is None,
+                                                       event.timing)
                         if keep_params:
                             if event.finished:
                                 produced, actual_hit = True, event.num_cached_tokens

@@ -12,7 +12,9 @@ or a worker whose published seq stays ahead of the index for two polls sends
 that worker to DEGRADED and starts a resync over the worker's replay endpoint
 (batches after our seq, else a snapshot; always a snapshot once the index
 dropped the worker's entries). A worker over its index share stays DEGRADED:
-it is resynchronised again only when its poll says its cache fits in the share.
+it is resynchronised again only when its poll says its cache fits in the share, and
+one that hovers at its share (over it again within 10 polls of that snapshot) only once
+its cache is 10% below it (`RefitGate`), so it is not snapshotted and dropped over and over.
 A worker that leaves the rotation loses its entries.
 
 Guarantees: every wait has a timeout; no exception in one worker's stream
@@ -37,6 +39,43 @@ logger = logging.getLogger(__name__)
 RESYNC_TIMEOUT_S = 5.0
 RESYNC_RETRY_S = 0.2
 MAX_RESYNC_ATTEMPTS = 20
+REFIT_MARGIN = 0.1  # a worker that hovers at its share is re-snapshotted once this far below it
+HOLD_POLLS = 10  # a worker over its share again within this many polls of its re-snapshot hovers
+
+
+def refit_limit(share: int) -> int:
+    """The cache size (blocks) at which a worker hovering at its share is re-snapshotted: at
+    least one block and `REFIT_MARGIN` of the share below it."""
+    return share - max(1, int(share * REFIT_MARGIN))
+
+
+@dataclasses.dataclass
+class RefitGate:
+    """When to re-snapshot a worker over its index share, poll by poll (hysteresis): the first
+    time once its cache fits in the share; if it is over the share again within `HOLD_POLLS`
+    polls of that snapshot (or the snapshot itself did not fit), it hovers at its share, and
+    the next snapshot waits until its cache is `refit_limit` blocks or less, so a worker
+    hovering at its share is not snapshotted and dropped on every other poll."""
+
+    refitted: bool = False  # a re-snapshot was asked for, and not yet judged
+    num_exact_polls: int = 0  # EXACT polls since that re-snapshot
+    hovering: bool = False
+
+    def over_share(self, num_copies: int, share: int) -> bool:
+        """At a poll of a worker over its share (no resync running): True to re-snapshot it now."""
+        if self.refitted:  # over again after a re-snapshot
+            self.hovering, self.refitted = self.num_exact_polls < HOLD_POLLS, False
+        if num_copies > (refit_limit(share) if self.hovering else share):
+            return False
+        self.refitted, self.num_exact_polls = True, 0
+        return True
+
+    def exact(self) -> None:
+        """At a poll of an EXACT worker: once its re-snapshot held `HOLD_POLLS` polls, it no longer hovers."""
+        if self.refitted:
+            self.num_exact_polls += 1
+            if self.num_exact_polls >= HOLD_POLLS:
+                self.refitted = self.hovering = False
 
 
 @dataclasses.dataclass
@@ -48,6 +87,7 @@ class _Stream:
     reader: asyncio.Task
     resync: asyncio.Task | None = None
     lagging_seq: int | None = None  # the worker's seq seen ahead of ours at the last poll
+    refit: RefitGate = dataclasses.field(default_factory=RefitGate)
 
 
 class KVFeed:
@@ -92,9 +132,12 @@ class KVFeed:
             return
         if described.get("over_share"):  # a snapshot is worth fetching only once the cache fits
             copies = info.get("num_cached_copies")
-            if isinstance(copies, int) and copies <= self.index.share():
+            resyncing = stream.resync is not None and not stream.resync.done()
+            if not resyncing and isinstance(copies, int) and stream.refit.over_share(copies, self.index.share()):
                 self.request_resync(worker_id, f"cache of {copies} blocks fits in the share again")
             return
+        if described.get("state") == IndexState.EXACT.value:
+            stream.refit.exact()
         ours, theirs = described.get("seq", 0), int(info.get("seq", 0))
         # the worker was at `lagging_seq` one poll ago and we still are not: its batches were lost
         if theirs > ours and stream.lagging_seq is not None and ours < stream.lagging_seq:

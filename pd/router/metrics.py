@@ -100,6 +100,10 @@ class RouterMetrics:
                                      ("model_name", "kind"), registry=self.registry, buckets=LATENCY_BUCKETS_S)
         self._plan_unpredicted = self._counter("pdkv_planner_unpredicted", "Planned requests with no prediction "
                                                "(a figure still had no samples), by kind", "kind")
+        self._ttft_stages = Histogram("pdkv_ttft_stage_seconds", "Time to first token by stage (pd.router.timeline: "
+                                      "parse, tokenize, admission, route, prefill_queue, prefill_compute, "
+                                      "kv_transfer, decode_queue, first_chunk)", ("model_name", "stage"),
+                                      registry=self.registry, buckets=LATENCY_BUCKETS_S)
         self.registry.register(WorkerStatsCollector(model_name, workers))
 
     # -- recording --------------------------------------------------------
@@ -150,6 +154,11 @@ class RouterMetrics:
             self._plan_unpredicted.labels(self.model_name, kind).inc()
         else:
             self._plan_error.labels(self.model_name, kind).observe(abs(measured_s - predicted_s))
+
+    def record_ttft_stages(self, stages: Mapping[str, float]) -> None:
+        """One request's TTFT stages (`pd.router.timeline.STAGES` names, seconds); the `_s` is dropped."""
+        for stage, seconds in stages.items():
+            self._ttft_stages.labels(self.model_name, stage.removesuffix("_s")).observe(seconds)
 
     def record_kv_batch(self, outcome: str) -> None:
         self._kv_batches.labels(self.model_name, outcome).inc()

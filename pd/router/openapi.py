@@ -35,6 +35,7 @@ from pydantic.json_schema import models_json_schema
 from pd.cluster.config import DeployConfig
 from pd.router import openai_api as oa
 from pd.router import openai_responses as out
+from pd.router.timeline import EXTENSION_KEY, STAGES, TIMING_HEADER
 
 _REF = "#/components/schemas/{model}"
 
@@ -66,6 +67,17 @@ _ERRORS = {
     "503": "no worker can serve, or overloaded",
     "504": "a worker did not answer in time",
 }
+# The opt-in timing extension (pd.router.timeline): asked for with the header, answered in the JSON body
+# (and in the stream's last chunk before [DONE]).
+_TIMING_PARAMETER = {"name": TIMING_HEADER, "in": "header", "required": False,
+                     "description": f"1: the answer carries `{EXTENSION_KEY}`, where the time to first token went",
+                     "schema": {"type": "string", "enum": ["0", "1"]}}
+_TIMING_SCHEMA = {
+    "type": "object", "required": ["stages", "ttft_s"],
+    "properties": {"stages": {"type": "object", "additionalProperties": False,
+                              "properties": {stage: {"type": "number", "minimum": 0} for stage in STAGES}},
+                   "ttft_s": {"type": ["number", "null"]},
+                   "num_cached_tokens": {"type": "integer", "minimum": 0}}}
 
 
 def build_openapi(config: DeployConfig, vocab_size: int) -> dict[str, Any]:
@@ -77,6 +89,8 @@ def build_openapi(config: DeployConfig, vocab_size: int) -> dict[str, Any]:
         ref_template=_REF)
     schemas = top["$defs"]
     _write_limits(schemas, config, vocab_size)
+    for name in ("Completion", "ChatCompletion", "ChatCompletionChunk"):
+        schemas[name]["properties"][EXTENSION_KEY] = _TIMING_SCHEMA
 
     def ref(model: type[BaseModel], mode: str) -> dict:
         return mapping[(model, mode)]  # type: ignore[index]
@@ -91,7 +105,7 @@ def build_openapi(config: DeployConfig, vocab_size: int) -> dict[str, Any]:
         error = {"application/json": {"schema": ref(ErrorResponse, "serialization")}}
         for status, why in _ERRORS.items():
             responses[status] = {"description": why, "content": error}
-        return {"post": {"operationId": op_id, "summary": summary,
+        return {"post": {"operationId": op_id, "summary": summary, "parameters": [_TIMING_PARAMETER],
                          "requestBody": {"required": True,
                                          "content": {"application/json": {"schema": ref(request, "validation")}}},
                          "responses": responses}}

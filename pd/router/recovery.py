@@ -25,7 +25,7 @@ from typing import Any
 
 from pd.cluster.messages import GenerateRequest, TokenEvent
 from pd.router.choice import NUM_READMIT_PROBES, Role, WorkerLoad, WorkerPool
-from pd.router.worker_client import CallCause, WorkerCallError, WorkerClient
+from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
 
 MIGRATION_LIMIT = 2
 FIRST_BYTE_TIMEOUT_S = 10.0
@@ -72,9 +72,9 @@ class RecoverySettings:
 
 
 async def watched_events(client: WorkerClient, load: WorkerLoad, request: GenerateRequest,
-                         first_byte_s: float | None) -> AsyncGenerator[TokenEvent, None]:
+                         first_byte_s: float | None, hop: TraceHop | None = None) -> AsyncGenerator[TokenEvent, None]:
     """The worker's events for `request`, cut short when `load` leaves the rotation."""
-    stream = client.generate(load.endpoint.url, request, first_byte_s=first_byte_s)
+    stream = client.generate(load.endpoint.url, request, first_byte_s=first_byte_s, hop=hop)
     lost = asyncio.ensure_future(load.lost.wait())
     pending: asyncio.Future | None = None
     try:

@@ -67,6 +67,15 @@ class ClientTimeouts:
     probe_s: float = 2.0
 
 
+@dataclasses.dataclass
+class TraceHop:
+    """The W3C trace headers of one worker call (pd.router.timeline; None with tracing off), and the
+    worker's own span as it answered it in its `traceresponse` header (a traceparent value)."""
+
+    headers: dict[str, str]
+    answered: str | None = None
+
+
 class WorkerClient:
     def __init__(self, secret: str, timeouts: ClientTimeouts) -> None:
         self._headers = {"Authorization": f"Bearer {secret}"}
@@ -82,8 +91,8 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def generate(self, url: str, request: GenerateRequest,
-                       first_byte_s: float | None = None) -> AsyncGenerator[TokenEvent, None]:
+    async def generate(self, url: str, request: GenerateRequest, first_byte_s: float | None = None,
+                       hop: TraceHop | None = None) -> AsyncGenerator[TokenEvent, None]:
         """Streams the worker's events for one request; the last has `finished`. A live worker
         answers its headers at once, so `first_byte_s` (when given) bounds the wait for them: a
         stalled worker fails as `connect` (nothing was started there) long before `stall_s`."""
@@ -93,8 +102,8 @@ class WorkerClient:
         finished = False
         assert self._session is not None, "WorkerClient used before start()"
         try:
-            call = self._session.post(f"{url}/internal/generate", data=body, timeout=timeout,
-                                      headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json", **(hop.headers if hop is not None else {})}
+            call = self._session.post(f"{url}/internal/generate", data=body, timeout=timeout, headers=headers)
             try:
                 response = await asyncio.wait_for(call, first_byte_s)
             except asyncio.TimeoutError:
@@ -104,6 +113,8 @@ class WorkerClient:
             async with response as resp:
                 if resp.status != 200:
                     raise WorkerCallError.for_status(resp.status, await _error_text(resp))
+                if hop is not None:
+                    hop.answered = resp.headers.get("traceresponse")
                 while True:
                     line = await resp.content.readline()
                     if not line:

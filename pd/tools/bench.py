@@ -9,8 +9,9 @@ Reports, at the documented model size (BENCH_MODEL unless overridden):
   checkpoint writer, loaded with LlamaForCausalLM.from_pretrained) and the same
   32 mixed-length prompts, side by side, and the ratio.
 
-`--vs-hf --model PATH` runs only that comparison, on a real checkpoint (PATH as
-`model.path` takes it: an HF directory, a .gguf, `package:NAME/FILE`) with 32
+`--gemm` prints only the GEMM table of pd/tools/gemm_bench.py (GFLOP/s per projection shape,
+packed GEMM and torch, beside a large torch.mm's). `--vs-hf --model PATH` runs only that
+comparison, on a real checkpoint (PATH as `model.path` takes it: an HF directory, a .gguf, `package:NAME/FILE`) with 32
 chat-rendered questions; the engine is built as a serving worker builds it, and the
 report names the decode attention backend it ran (pd/tools/vs_hf.py).
 """
@@ -155,6 +156,8 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=512, help="prompt lengths in --vs-hf are uniform in [16, this]")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved pdkv/HF rounds in --vs-hf (best of each)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--gemm", action="store_true", help="only the GEMM table: packed and torch GFLOP/s per "
+                    "SmolLM2-135M projection shape beside a large torch.mm's (pd/tools/gemm_bench.py)")
     args = ap.parse_args()
     if args.model and not args.vs_hf:
         ap.error("--model needs --vs-hf (it compares that checkpoint with transformers generate())")
@@ -163,6 +166,11 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gemm:
+        from pd.tools.gemm_bench import SMOLLM2_SHAPES, print_table
+
+        print_table(SMOLLM2_SHAPES, [1, 8, 32, 512], repeats=20)
+        return
     if args.model:
         v = bench_vs_hf_model(args.model, args.num_requests, args.new_tokens, args.rounds)
         if args.json:

@@ -98,7 +98,7 @@ def measure_pinned_baseline(nbytes: int, reps: int = 5) -> dict:
 
 def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
     """GB/s of the connector's D2H staging copy for scattered vs contiguous block ids."""
-    from connectors.cuda_staging import CudaStaging
+    from connectors.zmq.cuda_staging import CudaStaging
     from pd.engine.page_pool import PagePool
 
     pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
@@ -119,11 +119,11 @@ def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
 
 def measure_connector(path: str, reps: int = 3) -> dict:
     """GB/s of whole loads (PAGES_PER_LOAD pages) CUDA pool -> CUDA pool through the connector."""
-    from connectors.consumer import Consumer
-    from connectors.consumer_config import ConsumerConfig, DataPath
-    from connectors.loads import RemoteAddr
+    from connectors.zmq.consumer import Consumer
+    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+    from connectors.zmq.loads import RemoteAddr
     from pd.engine.page_pool import PagePool
-    from connectors.producer import Producer, ProducerConfig
+    from connectors.zmq.producer import Producer, ProducerConfig
 
     secret = os.urandom(24)
     num_blocks = PAGES_PER_LOAD + 1

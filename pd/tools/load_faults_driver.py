@@ -33,8 +33,8 @@ import time
 import aiohttp
 import zmq
 
-from connectors import wire
-from connectors.wire import MsgType
+from connectors.zmq import wire
+from connectors.zmq.wire import MsgType
 from pd.tools.junk_connections import HTTP_TRICKLE, JunkHolder
 from pd.tools.load_faults_injectors import EventSubscribers, poisoned_client
 from pd.tools.sse_stream import SSEStream

@@ -85,6 +85,8 @@ async def send_request(session: aiohttp.ClientSession, opts: RequestOptions, pro
                 if chunk.get("usage"):
                     record.prompt_len = chunk["usage"].get("prompt_tokens") or record.prompt_len
                     record.output_tokens = chunk["usage"].get("completion_tokens") or 0
+                if isinstance(chunk.get("pdkv_timing"), dict):
+                    record.server_timing = chunk["pdkv_timing"]
                 choices = chunk.get("choices") or []
                 text = _chunk_text(opts.backend, choices[0]) if choices else None
                 if text is None:

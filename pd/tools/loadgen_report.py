@@ -37,6 +37,7 @@ class RequestRecord:
     start_time: float = 0.0  # s after the run started
     chunk_times: list[float] = dataclasses.field(default_factory=list)  # s after the run started, per chunk
     generated_text: str = ""
+    server_timing: dict | None = None  # a pdkv router's `pdkv_timing` (asked for with x-pdkv-timing: 1)
 
     @property
     def tpot_s(self) -> float | None:

@@ -331,7 +331,7 @@ def run(settings: BenchSettings, decisions: list | None = None) -> list[dict]:
     decisions = [] if decisions is None else decisions
     for link in settings.links:
         if link == "throttled" and "emulated_link" not in TransferSection.model_fields:
-            print("throttled link: needs `transfer.emulated_link` (connectors/emulated_link.py); skipped")
+            print("throttled link: needs `transfer.emulated_link` (connectors/links/emulated_link.py); skipped")
             continue
         summaries, figures, records = run_link(link, settings)
         for load in [*settings.loads, *(["mixed"] if settings.mixed else [])]:

@@ -1,22 +1,30 @@
 """Prefix-aware vs least-loaded vs round-robin routing on one workload, side by side.
 
-`python -m pd.tools.route_bench [--tenants 12 --sessions 2 --turns 4 ...]`
+`python -m pd.tools.route_bench [--workload sessions|branching] [--seeds 3] ...`
 
 Starts a 2P2D deployment in this process for each policy (real Workers with
 engines, ZMQ connectors and KV event streams; the real Router and its KV
-index; loopback HTTP), runs the same multi-tenant, multi-turn workload
-against it and prints one table row per policy:
+index; loopback HTTP), runs the same workload against it (pd.tools.route_bench_workload:
+`sessions`, multi-turn chains, or `branching`, tree-shaped multi-tenant traffic with
+one-offs and client aborts) and prints one table row per policy:
 - prefix hit rate: prompt tokens P served from its prefix cache / prompt tokens;
 - oracle: per request, the best hit any P held when the request was routed
   (the index knows every cache), over prompt tokens;
+- choice loss / late loss: how the policy's hit falls short of the oracle: the
+  chosen P was predicted less than the best one (choice), or held less by the time
+  the prompt ran than the index predicted at routing (late: evicted meanwhile, or
+  computed by a request still in flight), each over prompt tokens (late loss can be
+  negative: a prefix computed meanwhile by another request is a hit no one predicted);
 - bound: the hit rate of one unbounded cache that saw every earlier prompt;
 - TTFT p50 / p90 (streamed, router-side first text), throughput (requests/s and
   generated tokens/s) and blocks transferred P->D (the D workers' blocks_recv).
-
-Workload: `tenants` each have a long system prompt; `sessions` conversations per
-tenant grow turn by turn (user text + a fixed assistant reply appended), all
-conversations run at once up to `concurrency`. The KV pool of each worker
-(`kv_memory_mb`) is sized so that one worker cannot hold every tenant's prefix.
+Aborted requests are counted apart and left out of every other figure. Under each
+table a line per policy gives the share of requests on the busiest P and D, and for
+the slowest tenth of requests their mean TTFT stages (the router's `pdkv_timing`),
+prompt, cached and best-hit tokens. With `--seeds N` the workload runs with seeds
+seed..seed+N-1 and a last table compares, per seed, prefix_aware's hit rate to its
+oracle and its TTFT p90 to least_loaded's. `--side-by-side` runs the policies at
+once, each deployment in a child process, so that they share the machine's load.
 The model is `pdkv-small`: random weights, 4 layers, hidden 256, byte tokenizer.
 """
 from __future__ import annotations
@@ -26,9 +34,10 @@ import asyncio
 import dataclasses
 import json
 import logging
-import random
 import statistics
-import string
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -38,6 +47,7 @@ import torch
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.server import Router
+from pd.tools.route_bench_workload import Abort, BranchingWorkload, Node, Workload, unbounded_bound
 from pd.tools.sse_stream import SSEStream
 from pd.worker.worker import Worker, WorkerSpec
 
@@ -45,35 +55,8 @@ SECRET = "route-bench-secret-0123456789abcdef"
 ARCH = {"vocab_size": 260, "hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
         "num_kv_heads": 4}
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    tenants: int = 12
-    sessions: int = 2
-    turns: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 48
-    max_tokens: int = 8
-    concurrency: int = 8
-    seed: int = 0
-
-    def conversations(self) -> list[list[str]]:
-        """Each conversation's prompts, turn by turn."""
-        rng = random.Random(self.seed)
-        words = lambda n: "".join(rng.choices(string.ascii_lowercase + "     ", k=n))  # noqa: E731
-        systems = [f"system of tenant {t}: " + words(self.system_tokens) for t in range(self.tenants)]
-        out = []
-        for t in range(self.tenants):
-            for s in range(self.sessions):
-                history, prompts = systems[t], []
-                for turn in range(self.turns):
-                    history += f"\nuser {s}.{turn}: " + words(self.user_tokens) + "\nassistant:"
-                    prompts.append(history)
-                    history += " noted, here is my answer."
-                out.append(prompts)
-        rng.shuffle(out)
-        return out
+WORKLOADS = {"sessions": Workload, "branching": BranchingWorkload}
+KV_MEMORY_MB = {"sessions": 16.0, "branching": 12.0}  # 256 and 192 blocks per worker: every worker evicts
 
 
 def _config(kv_memory_mb: float) -> DeployConfig:
@@ -94,10 +77,13 @@ class Record:
     cached_tokens: int
     best_hit: int
     completion_tokens: int
+    predicted_hit: int = 0  # the index's prediction on the chosen P
+    workers: tuple[str | None, str | None] = (None, None)  # (P, D), from the `pdkv_route` extension
+    stages: dict | None = None  # the `pdkv_timing` extension's stages, where the router has them
 
 
 class _Deployment:
-    def __init__(self, config: DeployConfig, policy: str, policy_options: dict) -> None:
+    def __init__(self, config: DeployConfig, policy: str, policy_options: dict | None) -> None:
         self.config, self.policy, self.options = config, policy, policy_options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -134,106 +120,220 @@ class _Deployment:
                    if w.spec.role is Role.DECODE)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, pool) -> Record:
-    body = {"model": "pdkv-small", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens: int, pool) -> Record | None:
+    """One request; None for an aborted one (the client goes away as the node says)."""
+    body = {"model": "pdkv-small", "prompt": node.prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.perf_counter()
-    ttft, usage, rid = None, None, None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
+    ttft, usage, rid, stages = None, None, None, None
+    route: dict = {}
+    async with session.post(f"{url}/v1/completions", json=body, headers={"x-pdkv-timing": "1"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        if node.abort is Abort.HEADERS:
+            resp.close()
+            return None
         async for chunk in SSEStream(resp.content):
+            if node.abort is Abort.FIRST_CHUNK:
+                resp.close()
+                return None
             rid = chunk.get("id", rid)
             if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                route = choice.get("pdkv_route") or route
+            stages = (chunk.get("pdkv_timing") or {}).get("stages", stages)
     if usage is None:
         raise RuntimeError(f"{url}: the stream ended without a usage chunk")
-    best = pool.last_best_hit.get((f"{rid}-0", "prefill"), 0)
+    key = (f"{rid}-0", "prefill")
     return Record(ttft or (time.perf_counter() - t0), usage["prompt_tokens"],
-                  usage["prompt_tokens_details"]["cached_tokens"], best, usage["completion_tokens"])
+                  usage["prompt_tokens_details"]["cached_tokens"], pool.last_best_hit.get(key, 0),
+                  usage["completion_tokens"], pool.last_predicted.get(key) or 0,
+                  (route.get("prefill_worker"), route.get("decode_worker")), stages)
 
 
-async def _drive(url: str, work: Workload, pool) -> tuple[list[Record], float]:
-    sem = asyncio.Semaphore(work.concurrency)
+async def _drive(url: str, trees: list[Node], concurrency: int, max_tokens: int, abort_max_tokens: int,
+                 pool) -> tuple[list[Record], int, float]:
+    """Runs `concurrency` trees at once; a node's children go together once it answered."""
+    sem = asyncio.Semaphore(concurrency)
     records: list[Record] = []
+    aborted = 0
 
-    async def conversation(prompts: list[str]) -> None:
+    async def node_then_children(node: Node) -> None:
+        nonlocal aborted
+        record = await _one(session, url, node, abort_max_tokens if node.abort is not Abort.NONE else max_tokens,
+                            pool)
+        if record is None:
+            aborted += 1
+        else:
+            records.append(record)
+        await asyncio.gather(*(node_then_children(c) for c in node.children))
+
+    async def tree(root: Node) -> None:
         async with sem:
-            for prompt in prompts:
-                records.append(await _one(session, url, prompt, work.max_tokens, pool))
+            await node_then_children(root)
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(conversation(c) for c in work.conversations()))
-        return records, time.perf_counter() - t0
-
-
-def unbounded_bound(work: Workload, block_size: int = 16) -> float:
-    """Hit rate of one unbounded cache holding every earlier prompt's full blocks (the last
-    prompt token is never a hit, as on a worker)."""
-    seen: set[str] = set()
-    hit = total = 0
-    for prompts in work.conversations():  # the order of sessions does not change which prefixes exist
-        for p in prompts:
-            n = 0
-            while (n + 1) * block_size <= len(p) - 1 and p[:(n + 1) * block_size] in seen:
-                n += 1
-            hit, total = hit + n * block_size, total + len(p)
-            seen.update(p[:(i + 1) * block_size] for i in range(len(p) // block_size))
-    return hit / total
+        await asyncio.gather(*(tree(t) for t in trees))
+        return records, aborted, time.perf_counter() - t0
 
 
 def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def run_policy(policy: str, work: Workload, kv_memory_mb: float, options: dict) -> dict:
-    with _Deployment(_config(kv_memory_mb), policy, options if policy == "prefix_aware" else {}) as dep:
+def run_policy(policy: str, work: Workload | BranchingWorkload, kv_memory_mb: float, options: dict) -> dict:
+    trees = work.trees()
+    abort_max = getattr(work, "abort_max_tokens", work.max_tokens)
+    with _Deployment(_config(kv_memory_mb), policy, (options or None) if policy == "prefix_aware" else {}) as dep:
         assert dep.router is not None  # (set by __enter__)
-        records, seconds = asyncio.run(_drive(dep.url, work, dep.router.pool))
+        records, aborted, seconds = asyncio.run(_drive(dep.url, trees, work.concurrency, work.max_tokens,
+                                                       abort_max, dep.router.pool))
         blocks = dep.blocks_recv()
     prompt = sum(r.prompt_tokens for r in records)
     ttfts = [r.ttft_s for r in records]
-    return {"policy": policy, "requests": len(records), "hit_rate": sum(r.cached_tokens for r in records) / prompt,
-            "oracle": sum(r.best_hit for r in records) / prompt, "ttft_p50_s": _pct(ttfts, 50),
-            "ttft_p90_s": _pct(ttfts, 90), "req_per_s": len(records) / seconds,
-            "tok_per_s": sum(r.completion_tokens for r in records) / seconds, "blocks_p_to_d": blocks}
+    return {"policy": policy, "seed": work.seed, "requests": len(records), "aborted": aborted,
+            "hit_rate": sum(r.cached_tokens for r in records) / prompt,
+            "oracle": sum(r.best_hit for r in records) / prompt,
+            "choice_loss": sum(r.best_hit - r.predicted_hit for r in records) / prompt,
+            "late_loss": sum(r.predicted_hit - r.cached_tokens for r in records) / prompt,
+            "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "req_per_s": len(records) / seconds,
+            "tok_per_s": sum(r.completion_tokens for r in records) / seconds, "blocks_p_to_d": blocks,
+            "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
+            "slowest_stages_s": _slowest_stages(records)}
+
+
+def _busiest(records: list[Record], hop: int) -> float:
+    """The share of requests that went to the busiest worker of the hop (0: P, 1: D)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        wid = r.workers[hop]
+        if wid is not None:
+            counts[wid] = counts.get(wid, 0) + 1
+    return max(counts.values()) / sum(counts.values()) if counts else 0.0
+
+
+def _slowest_stages(records: list[Record]) -> dict[str, float]:
+    """Mean seconds per TTFT stage over the slowest tenth of requests (the TTFT p90 tail)."""
+    tail = sorted(records, key=lambda r: r.ttft_s)[-max(1, len(records) // 10):]
+    out: dict[str, float] = {}
+    for r in tail:
+        for name, value in (r.stages or {}).items():
+            out[name] = out.get(name, 0.0) + value / len(tail)
+    out["prompt_tokens"] = sum(r.prompt_tokens for r in tail) / len(tail)
+    out["cached_tokens"] = sum(r.cached_tokens for r in tail) / len(tail)
+    out["best_hit"] = sum(r.best_hit for r in tail) / len(tail)
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def format_table(rows: list[dict], bound: float) -> str:
-    head = ("| policy | prefix hit rate | oracle (best P) | TTFT p50 s | TTFT p90 s | req/s | gen tok/s "
-            "| blocks P->D |\n|---|---|---|---|---|---|---|---|")
-    lines = [head] + [f"| {r['policy']} | {r['hit_rate']:.3f} | {r['oracle']:.3f} | {r['ttft_p50_s']:.3f} | "
-                      f"{r['ttft_p90_s']:.3f} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {r['blocks_p_to_d']} |"
+    head = ("| policy | prefix hit rate | oracle (best P) | choice loss | late loss | TTFT p50 s | TTFT p90 s "
+            "| req/s | gen tok/s | blocks P->D | aborted |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head] + [f"| {r['policy']} | {r['hit_rate']:.3f} | {r['oracle']:.3f} | {r['choice_loss']:.3f} | "
+                      f"{r['late_loss']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | "
+                      f"{r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {r['blocks_p_to_d']} | {r['aborted']} |"
                       for r in rows]
     lines.append(f"\nunbounded single-cache bound on the hit rate: {bound:.3f}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def format_summary(rows: list[dict]) -> str:
+    """Per seed: prefix_aware's hit rate over its oracle, least_loaded's TTFT p90 over prefix_aware's."""
+    lines = ["| seed | hit rate | oracle | hit / oracle | TTFT p90 s (prefix_aware) | TTFT p90 s (least_loaded) "
+             "| least_loaded / prefix_aware |", "|---|---|---|---|---|---|---|"]
+    for seed in sorted({r["seed"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["seed"] == seed}
+        pa, ll = by.get("prefix_aware"), by.get("least_loaded")
+        if pa is None or ll is None:
+            continue
+        lines.append(f"| {seed} | {pa['hit_rate']:.3f} | {pa['oracle']:.3f} | {pa['hit_rate'] / pa['oracle']:.3f} | "
+                     f"{pa['ttft_p90_s']:.3f} | {ll['ttft_p90_s']:.3f} | {ll['ttft_p90_s'] / pa['ttft_p90_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = Workload()
-    for field in dataclasses.fields(Workload):
-        ap.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
-    ap.add_argument("--kv-memory-mb", type=float, default=16.0, help="KV pool per worker")
-    ap.add_argument("--queue-weight", type=float, default=1.0)
-    ap.add_argument("--running-weight", type=float, default=16.0)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sessions")
+    names: dict[str, type] = {}
+    for cls in WORKLOADS.values():
+        for field in dataclasses.fields(cls):
+            names.setdefault(field.name, float if field.type == "float" else int)
+    for name, kind in names.items():  # defaults are the workload's own (None: not given)
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    ap.add_argument("--seeds", type=int, default=1, help="run seeds seed..seed+N-1")
+    ap.add_argument("--kv-memory-mb", type=float, default=None,
+                    help="KV pool per worker; default 16 (256 blocks) for sessions, 12 (192 blocks) for branching")
+    ap.add_argument("--queue-weight", type=float, default=None)
+    ap.add_argument("--running-weight", type=float, default=None)
+    ap.add_argument("--evict-aware", type=int, choices=(0, 1), default=None, help="prefix_aware: 0 counts hits whole")
+    ap.add_argument("--evict-from", type=float, default=None)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run the policies at once, each deployment in a process of its own, so that they share "
+                         "the machine's load alike (on a shared machine the figures of runs one after another "
+                         "differ by the load of the moment)")
+    return ap
+
+
+def _run_side_by_side(args, given: dict, seed: int, kv_memory_mb: float, options: dict) -> list[dict]:
+    """One child process per policy, all at once; their rows come back as JSON files."""
+    with tempfile.TemporaryDirectory() as tmp:
+        children = []
+        for policy in args.policies.split(","):
+            argv = [sys.executable, "-m", "pd.tools.route_bench", "--workload", args.workload, "--seed", str(seed),
+                    "--policies", policy, "--kv-memory-mb", str(kv_memory_mb), "--json", f"{tmp}/{policy}.json"]
+            for name, value in {**given, **options}.items():
+                argv += [f"--{name.replace('_', '-')}", str(value)]
+            children.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        for child, policy in zip(children, args.policies.split(","), strict=True):
+            if child.wait(timeout=1800) != 0:
+                raise RuntimeError(f"the {policy} run exited with status {child.returncode}")
+        rows = []
+        for policy in args.policies.split(","):
+            with open(f"{tmp}/{policy}.json") as f:
+                rows += json.load(f)
+        return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    cls = WORKLOADS[args.workload]
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
+    mine = {f.name for f in dataclasses.fields(cls)}
+    others = {f.name for c in WORKLOADS.values() for f in dataclasses.fields(c)} - mine
+    unknown = ["--" + n.replace("_", "-") for n in sorted(others) if getattr(args, n) is not None]
+    if unknown:
+        raise SystemExit(f"--workload {args.workload} takes no {', '.join(unknown)}")
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)  # the table is the output; per-request warnings are noise here
-    work = Workload(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Workload)})
-    options = {"queue_weight": args.queue_weight, "running_weight": args.running_weight}
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a worker writing to an aborted client
+    options = {k: v for k in ("queue_weight", "running_weight", "evict_aware", "evict_from")
+               if (v := getattr(args, k)) is not None}
+    first = given.pop("seed", 0)
+    kv_memory_mb = args.kv_memory_mb or KV_MEMORY_MB[args.workload]
     rows = []
-    for policy in args.policies.split(","):
+    for seed in range(first, first + args.seeds):
+        work = cls(seed=seed, **given)
+        seed_rows = []
         t0 = time.perf_counter()
-        rows.append(run_policy(policy, work, args.kv_memory_mb, options))
-        print(f"{policy}: done in {time.perf_counter() - t0:.1f}s", flush=True)
-    print(format_table(rows, unbounded_bound(work)))
+        if args.side_by_side:
+            seed_rows = _run_side_by_side(args, given, seed, kv_memory_mb, options)
+            print(f"seed {seed}: {args.policies} side by side, done in {time.perf_counter() - t0:.1f}s", flush=True)
+        for policy in [] if args.side_by_side else args.policies.split(","):
+            seed_rows.append(run_policy(policy, work, kv_memory_mb, options))
+            print(f"seed {seed} {policy}: done in {time.perf_counter() - t0:.1f}s", flush=True)
+            t0 = time.perf_counter()
+        print(f"\nseed {seed}:\n" + format_table(seed_rows, unbounded_bound(work.trees())), flush=True)
+        for r in seed_rows:
+            print(f"{r['policy']}: busiest P {r['busiest_p_share']:.2f} and D {r['busiest_d_share']:.2f} of the "
+                  f"requests; slowest tenth, mean stage s: {r['slowest_stages_s']}", flush=True)
+        rows += seed_rows
+    print("\n" + format_summary(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

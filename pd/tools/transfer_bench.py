@@ -40,7 +40,7 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn,
 
     torch.set_num_threads(1)
     from pd.engine.page_pool import PagePool
-    from connectors.producer import Producer, ProducerConfig
+    from connectors.zmq.producer import Producer, ProducerConfig
 
     pool = PagePool(num_blocks + 1, page_bytes)
     _fill(pool, 1)
@@ -94,8 +94,8 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     import torch
 
-    from connectors.consumer import Consumer, RemoteAddr
-    from connectors.consumer_config import ConsumerConfig, DataPath
+    from connectors.zmq.consumer import Consumer, RemoteAddr
+    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
 
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,

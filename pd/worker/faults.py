@@ -19,8 +19,8 @@ import asyncio
 import logging
 import os
 
-from connectors.fault_link import LINK_POINTS, FaultLink
-from connectors.faults import FaultAction, FaultPlan
+from connectors.links.fault_link import LINK_POINTS, FaultLink
+from connectors.links.faults import FaultAction, FaultPlan
 from pd.cluster.fault_rules import ALL_POINTS, WORKER_POINTS, parse_worker_faults
 
 __all__ = ["ALL_POINTS", "WORKER_POINTS", "WorkerFaults", "die", "parse_worker_faults"]

@@ -52,6 +52,7 @@ class JobHandler(Protocol):
     """What the HTTP API serves; `pd.worker.worker.Worker` is the one implementation."""
 
     def parse_job(self, body: Any) -> Any: ...
+    def begin_trace(self, job: Any, headers: Any) -> Any: ...
     def release_remote(self, body: Any) -> None: ...
     def generate(self, job: Any) -> AsyncIterator[TokenEvent]: ...
     def abort(self, request_id: str) -> None: ...
@@ -155,12 +156,21 @@ class WorkerHTTPServer:
         except ValueError as exc:
             self._worker.release_remote(body)  # the producer must not keep blocks for a refused request
             return _error(400, str(exc))
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
+        trace = self._worker.begin_trace(job, request.headers)  # None with tracing off
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                               **(trace.response_headers() if trace is not None else {})})
+        try:
+            await response.prepare(request)
+        except BaseException:
+            if trace is not None:
+                trace.end(error="aborted")
+            raise
         finished = False
         try:
             async for event in self._worker.generate(job):
                 finished = event.finished
+                if trace is not None:
+                    trace.on_event(event)
                 await response.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("request %s: router went away, aborting", job.request_id)
@@ -173,6 +183,8 @@ class WorkerHTTPServer:
         finally:
             if not finished:
                 self._worker.abort(job.request_id)
+            if trace is not None:
+                trace.end(error=None if finished else "aborted")
         await response.write_eof()
         return response
 

@@ -24,7 +24,7 @@ from pd.cluster.roles import Role
 
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
-    from connectors.zmq_connector import ZmqConnector
+    from connectors.zmq.connector import ZmqConnector
     from pd.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     Every worker of a deployment gets the same `model_id` and secret, so the
     connector's handshake accepts exactly the peers of this deployment.
     """
-    from connectors.zmq_connector import KVRole, ZmqConnector
+    from connectors.zmq.connector import KVRole, ZmqConnector
     from pd.engine.checkpoint import load_config
     from pd.engine.kv_layout import KVLayout
 

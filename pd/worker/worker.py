@@ -36,8 +36,11 @@ from pd.cluster.messages import GenerateRequest, KVTransferParams, StepTiming, T
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
+from pd.cluster.tracing import Tracing
+from pd.cluster.tracing_config import resolve_tracing
 from pd.engine.sampling import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer, WorkerUnavailable
+from pd.worker.request_trace import WorkerTrace, start_trace
 
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
@@ -86,6 +89,7 @@ class Worker:
         self._http = WorkerHTTPServer(self, spec.secret,
                                       GuardLimits.from_section(spec.config.router.connections, worker=True))
         self._started_at = time.time()
+        self._tracing = Tracing.off()  # started with the engine (config `tracing`, pd.cluster.tracing)
         self._num_aborted = 0
         self._num_rejected = 0
         self._kv_events: KVEventPublisher | None = None  # once started with prefix caching
@@ -99,8 +103,13 @@ class Worker:
     # -- life cycle -------------------------------------------------------
     async def start(self, port: int = 0) -> str:
         """Builds and starts the engine, then the HTTP API; returns its URL."""
+        import torch
+
         from pd.worker.wiring import build_engine  # torch-heavy: imported when a worker really starts
 
+        # Before the engine exists: torch and the fused kernels (at::parallel_for) read it on every
+        # op. Under Ray the process starts with OMP_NUM_THREADS=1 when its num_cpus is below 1.
+        torch.set_num_threads(self.spec.config.topology.resolved_threads_per_worker)
         self._engine, self._connector = build_engine(self.spec)
         if self._engine.config.enable_kv_events:
             from pd.worker.kv_events import KVEventPublisher
@@ -110,6 +119,8 @@ class Worker:
             self._engine.kv_event_sink = self._kv_events.publish
         self._engine.on_death = self._engine_died
         self._engine.start()
+        self._tracing = Tracing.start(resolve_tracing(self.spec.config.tracing), f"pdkv-{self.spec.role.value}",
+                                      {"pdkv.worker_id": self.spec.worker_id})
         port = await self._http.start(self.spec.host, port)
         self.url = f"http://{self.spec.host}:{port}"
         logger.info("worker %s (%s) serving on %s", self.spec.worker_id, self.spec.role.value, self.url)
@@ -123,6 +134,7 @@ class Worker:
 
     async def stop(self) -> None:
         await self._http.stop()
+        self._tracing.close()
         if self._faults is not None:
             self._faults.close()
         if self._engine is not None:
@@ -153,6 +165,11 @@ class Worker:
             self._engine.check_fits(len(request.prompt_token_ids), sampling.max_tokens, request.request_id)
         return GenerateJob(request.request_id, tuple(request.prompt_token_ids), sampling.to_params(),
                            params.to_dict() if params is not None else None, request.cache_salt)
+
+    def begin_trace(self, job: GenerateJob, headers: Any) -> WorkerTrace | None:
+        """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
+        return start_trace(self._tracing, self.spec.role, self.spec.worker_id, job, headers,
+                           self.spec.config.transfer.data_path)
 
     def release_remote(self, body: Any) -> None:
         """Tells the producer named in a refused request's kv_transfer_params to free its
@@ -228,6 +245,7 @@ class Worker:
         return {"status": status, "worker_id": self.spec.worker_id,
                 "engine_error": f"{type(dead).__name__}: {dead}" if dead is not None else None,
                 "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
+                "num_threads": self._engine.num_threads if self._engine is not None else None,
                 "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
 
     def stats(self, audit: bool = False) -> dict:

@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from connectors.page_access import digest  # noqa: E402
+from connectors.zmq.page_access import digest  # noqa: E402
 from pd.engine.page_pool import PagePool  # noqa: E402
-from connectors.zmq_connector import ZmqConnector, ZmqConnectorConfig  # noqa: E402
+from connectors.zmq.connector import ZmqConnector, ZmqConnectorConfig  # noqa: E402
 from kvcache import (BlockHasher, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
                      KVCacheManager, Request, RequestStatus, SlidingWindowSpec)
 from kvcache.audit import assert_all_free  # noqa: E402

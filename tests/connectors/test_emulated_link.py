@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from connectors.emulated_link import EmulatedLink, LinkShape
+from connectors.links.emulated_link import EmulatedLink
+from connectors.links.link_shape import LinkShape
 
 
 class _Server:

@@ -10,17 +10,17 @@ import time
 import pytest
 import torch
 
-from connectors import framing, wire
-from connectors.consumer import Consumer, RemoteAddr
-from connectors.consumer_config import ConsumerConfig
+from connectors.zmq import framing, wire
+from connectors.zmq.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer_config import ConsumerConfig
 from connectors.metrics import FailureCause
-from connectors.page_access import digest
+from connectors.zmq.page_access import digest
 from pd.engine.page_pool import PagePool
-from connectors.producer import Producer, ProducerConfig
-from connectors.loads import PullPart
-from connectors.pull_stream import PullStream
-from connectors.session import ClientSession
-from connectors.wire import MalformedMessage, MsgType
+from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.loads import PullPart
+from connectors.zmq.pull_stream import PullStream
+from connectors.zmq.session import ClientSession
+from connectors.zmq.wire import MalformedMessage, MsgType
 
 SECRET = b"stream-tests-secret-0123456789"
 PAGE = 4096
@@ -322,9 +322,9 @@ def test_idle_session_whose_producer_goes_away_is_dropped_and_a_later_load_recon
 def test_transfers_chunked_like_cuda_staging_land_exactly(monkeypatch):
     """CUDA pools move pages through staging in chunks; the same chunked loops on a CPU pool
     (3 pages a chunk) must land every byte, the frame riding only the first chunk."""
-    import connectors.page_access as pa
-    import connectors.producer as producer_mod
-    import connectors.pull_stream as pull_stream_mod
+    import connectors.zmq.page_access as pa
+    import connectors.zmq.producer as producer_mod
+    import connectors.zmq.pull_stream as pull_stream_mod
 
     class Chunked(pa.PageAccess):  # the receive side: pages land in chunks of 3
         def __init__(self, pool, staging_pages=64):

@@ -8,12 +8,12 @@ import pytest
 import zmq
 
 from kvpeer import BLOCK_SIZE, SECRET, PeerProc
-from connectors import framing, wire
-from connectors.consumer import Consumer, RemoteAddr
-from connectors.consumer_config import ConsumerConfig
-from connectors.handshake import CompatInfo
+from connectors.zmq import framing, wire
+from connectors.zmq.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer_config import ConsumerConfig
+from connectors.zmq.handshake import CompatInfo
 from pd.engine.page_pool import PagePool
-from connectors.wire import MsgType
+from connectors.zmq.wire import MsgType
 
 BS = BLOCK_SIZE
 

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors import handshake as hs
-from connectors import framing, wire
-from connectors.leases import LeaseTable, PullRefused
+from connectors.zmq import handshake as hs
+from connectors.zmq import framing, wire
+from connectors.zmq.leases import LeaseTable, PullRefused
 from connectors.metrics import TransferMetrics
 from connectors.noop import NoopConnector
 from connectors.params import InvalidKVParams, make_remote_prefill_params, parse_remote_prefill
-from connectors.wire import MalformedMessage, MsgType
-from connectors.zmq_scheduler import GroupLayout, ZmqConnectorScheduler
+from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.scheduler import GroupLayout, ZmqConnectorScheduler
 
 
 def test_wire_round_trip_and_strict_fields():
@@ -163,10 +163,10 @@ def test_many_concurrent_loads_all_land_exactly(path):
 
     import torch
 
-    from connectors.consumer import Consumer, RemoteAddr
-    from connectors.consumer_config import ConsumerConfig
+    from connectors.zmq.consumer import Consumer, RemoteAddr
+    from connectors.zmq.consumer_config import ConsumerConfig
     from pd.engine.page_pool import PagePool
-    from connectors.producer import Producer, ProducerConfig
+    from connectors.zmq.producer import Producer, ProducerConfig
 
     secret = b"concurrency-secret-0123456789"
     src_pool, dst_pool = PagePool(200, 4096), PagePool(200, 4096)

@@ -12,12 +12,12 @@ import jsonschema
 import pytest
 import yaml
 
-from connectors.transfer_settings import TransferSettings
-from connectors.zmq_connector import KVRole
+from connectors.zmq.transfer_settings import TransferSettings
+from connectors.zmq.connector import KVRole
 from pd.cluster.config import ConfigError, DeployConfig
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = {"model", "cache", "scheduler", "topology", "transfer", "router", "faults"}
+SECTIONS = {"model", "cache", "scheduler", "topology", "transfer", "router", "faults", "tracing"}
 SHIPPED = sorted(p for p in (REPO / "deploy").glob("*.yaml") if not p.name.startswith("kuberay"))
 
 

@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import requests
 
 from e2e_helpers import REPO
+from launch_url import read_launch_url
 
 BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
         "--num-cpus", "2", "--object-store-mb", "100", "--log-level", "WARNING"]
@@ -39,14 +38,7 @@ def test_run_load_prints_report_and_writes_files(tmp_path):
 def test_sigterm_shuts_down_cleanly():
     proc = subprocess.Popen(BASE, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        url = None
-        deadline = time.monotonic() + 90
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            match = re.search(r"serving at (http://\S+)", line)
-            url = match.group(1) if match else None
+        url = read_launch_url(proc, timeout_s=90)
         assert url, "launch never printed its URL"
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)

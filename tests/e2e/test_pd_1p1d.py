@@ -18,6 +18,7 @@ import requests
 from pd.deploy.launch import Deployment
 from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
                                 worker_reports)
+from dashboard_checks import check_dashboard_queries, check_render_tool
 from metrics_lint import VLLM_SAMPLES, assert_counters_grew, lint, promtool_problems
 
 
@@ -260,6 +261,14 @@ def test_loadgen_writes_json_and_png(pd, tmp_path):
     assert result["pdkv_kv_bytes_recv"] > 0  # the workers' KV transfer figures sit beside vLLM's keys
     assert 0 <= result["itl_gaps_under_1ms"] <= result["num_itl_gaps"] == 8 * 5
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_dashboard_query_names_a_metric_the_live_router_exports(pd):
+    check_dashboard_queries(pd)
+
+
+def test_the_dashboard_render_tool_scrapes_the_live_router(pd, tmp_path):
+    check_render_tool(pd, tmp_path)
 
 
 def test_zz_every_pool_is_all_free_after_the_run(pd, colocated):

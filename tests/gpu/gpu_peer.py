@@ -38,9 +38,9 @@ def _wait_quit() -> None:
 
 
 def serve_pages(a: dict) -> None:
-    from connectors.cuda_staging import fences_for
+    from connectors.zmq.cuda_staging import fences_for
     from pd.engine.page_pool import PagePool
-    from connectors.producer import Producer, ProducerConfig
+    from connectors.zmq.producer import Producer, ProducerConfig
 
     pool = PagePool(a["num_blocks"], a["page_bytes"], device=DEVICE)
     pool.buffer.copy_(seeded_pages(a["num_blocks"], a["page_bytes"], a["seed"]).to(DEVICE, non_blocking=True))
@@ -55,7 +55,7 @@ def serve_pages(a: dict) -> None:
 
 
 def serve_prefill(a: dict) -> None:
-    from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+    from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
     from pd.engine.engine import Engine
     from pd.engine.kv_layout import KVLayout

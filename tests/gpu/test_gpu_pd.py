@@ -20,10 +20,10 @@ from gpu_cases import DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, mode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)]
 
-from connectors.consumer import Consumer
-from connectors.consumer_config import ConsumerConfig  # noqa: E402
-from connectors.cuda_staging import fences_for  # noqa: E402
-from connectors.loads import RemoteAddr  # noqa: E402
+from connectors.zmq.consumer import Consumer
+from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
+from connectors.zmq.cuda_staging import fences_for  # noqa: E402
+from connectors.zmq.loads import RemoteAddr  # noqa: E402
 from pd.engine.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
@@ -74,7 +74,7 @@ def _run_to_end(engine, timeout_s: float = 120.0) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "full+swa"])
 def test_1p1d_on_gpu_gives_colocated_greedy_tokens(hybrid):
-    from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+    from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
     from pd.engine.engine import Engine
     from pd.engine.kv_layout import KVLayout

@@ -6,7 +6,7 @@ import torch
 from pd_engine_cases import MODELS, engine_config
 
 from pd.engine.page_pool import PagePool
-from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from pd.engine.engine import Engine
 from pd.engine.kv_layout import KVLayout
 

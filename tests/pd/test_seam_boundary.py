@@ -10,7 +10,7 @@ from pd_engine_cases import FULL_MODEL, engine_config
 
 from connectors.base import KVConnector
 from connectors.noop import NoopConnector
-from connectors.zmq_connector import ZmqConnector
+from connectors.zmq.connector import ZmqConnector
 from pd.engine.engine import Engine
 from pd.engine.sampling import SamplingParams
 

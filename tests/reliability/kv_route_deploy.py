@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import time
 
+import requests
+
 from rel_deploy import SECRET, LocalDeployment
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.kv_index import IndexState
@@ -47,6 +49,18 @@ class KVDeployment(LocalDeployment):
         worker = Worker(WorkerSpec(wid, old.spec.role, self.config, SECRET))
         self.workers[wid] = worker
         self.run(worker.start(self.ports[wid]))
+
+    def complete(self, prompt: str, max_tokens: int = 3, timeout_s: float = 30.0) -> dict:
+        """One non-streamed completion through the router; asserts it was answered 200."""
+        r = requests.post(self.url + "/v1/completions", timeout=timeout_s,
+                          json={"model": "pdkv-tiny", "prompt": prompt, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def counter(self, name: str, **labels) -> float:
+        """The sum of the router's samples called `name` whose labels include `labels`."""
+        return sum(s.value for m in self.router.metrics.registry.collect() for s in m.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     @property
     def index(self):

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from connectors.emulated_link import LinkShape
-from connectors.fault_link import LINK_POINTS, FaultLink
-from connectors.faults import FaultPlan
-from connectors.zmq_connector import KVRole, ZmqConnector, ZmqConnectorConfig
+from connectors.links.link_shape import LinkShape
+from connectors.links.fault_link import LINK_POINTS, FaultLink
+from connectors.links.faults import FaultPlan
+from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from kvcache.audit import assert_all_free, check_invariants
 from pd.engine.config import EngineConfig, ModelConfig
 from pd.engine.engine import Engine

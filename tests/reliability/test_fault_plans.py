@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.fault_link import LINK_POINTS
-from connectors.faults import FaultAction, FaultPlan, FaultSpecError
+from connectors.links.fault_link import LINK_POINTS
+from connectors.links.faults import FaultAction, FaultPlan, FaultSpecError
 from pd.worker.faults import parse_worker_faults
 
 

@@ -31,22 +31,6 @@ def _config(mode: str = "disaggregated"):
     return local_config(mode, cache__kv_memory_mb=0.25)
 
 
-def _complete(dep: KVDeployment, prompt: str, max_tokens: int = 3) -> dict:
-    r = requests.post(dep.url + "/v1/completions", timeout=TIMEOUT_S,
-                      json={"model": "pdkv-tiny", "prompt": prompt, "max_tokens": max_tokens})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _counter(dep: KVDeployment, name: str, **labels) -> float:
-    total = 0.0
-    for metric in dep.router.metrics.registry.collect():
-        for sample in metric.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def _assert_index_is_cache(dep: KVDeployment) -> None:
     dep.wait_exact()
     for wid in dep.workers:
@@ -60,7 +44,7 @@ def _conversation_run(dep: KVDeployment, turns: int = 3) -> list[tuple[int, int 
     for turn in range(turns):
         for tenant in history:
             history[tenant] += f" user turn {turn}: what about item {tenant * 10 + turn}?"
-            out = _complete(dep, history[tenant])
+            out = dep.complete(history[tenant])
             rid = out["id"] + "-0"
             pairs.append((out["usage"]["prompt_tokens_details"]["cached_tokens"],
                           dep.router.pool.last_predicted[(rid, "prefill")]))
@@ -76,10 +60,10 @@ def test_index_matches_caches_and_predicted_hits_equal_actual():
         assert [a for a, _ in pairs] == [p for _, p in pairs]
         assert sum(a for a, _ in pairs) > 0  # the run had prefix hits to predict
         _assert_index_is_cache(dep)
-        assert _counter(dep, "pdkv_prefix_hit_mispredictions_total") == 0  # P and D alike
-        assert _counter(dep, "pdkv_prefix_hit_tokens_actual_total", role="decode") == \
-            _counter(dep, "pdkv_prefix_hit_tokens_predicted_total", role="decode")
-        assert _counter(dep, "pdkv_kv_event_batches_total", outcome="applied") > 0
+        assert dep.counter("pdkv_prefix_hit_mispredictions_total") == 0  # P and D alike
+        assert dep.counter("pdkv_prefix_hit_tokens_actual_total", role="decode") == \
+            dep.counter("pdkv_prefix_hit_tokens_predicted_total", role="decode")
+        assert dep.counter("pdkv_kv_event_batches_total", outcome="applied") > 0
         assert any(any(ev[0] == "removed" for _, evs in w.kv_events._history for ev in evs)
                    for w in dep.workers.values()), "the run should evict under cache pressure"
         body = requests.get(dep.url + "/pd/workers", timeout=TIMEOUT_S).json()
@@ -95,32 +79,32 @@ def test_lost_batch_is_detected_and_healed_by_replay():
         void = zmq.Context.instance().socket(zmq.PUB)  # bound nowhere: what it sends is lost
         with publisher._lock:
             publisher._sock, real = void, publisher._sock
-        _complete(dep, SYSTEM[0] + " first")
+        dep.complete(SYSTEM[0] + " first")
         with publisher._lock:
             publisher._sock = real
         void.close(linger=0)
         # nothing follows the lost batch yet: the next heartbeat (or poll) shows the worker's seq ahead
         deadline = time.monotonic() + 10
-        while _counter(dep, "pdkv_kv_index_resyncs_total", kind="replay") < 1 and time.monotonic() < deadline:
+        while dep.counter("pdkv_kv_index_resyncs_total", kind="replay") < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         _assert_index_is_cache(dep)
-        assert _counter(dep, "pdkv_kv_index_resyncs_total", kind="replay") == 1
+        assert dep.counter("pdkv_kv_index_resyncs_total", kind="replay") == 1
         with publisher._lock:
             publisher._sock, real = zmq.Context.instance().socket(zmq.PUB), publisher._sock
-        _complete(dep, SYSTEM[1] + " second")
+        dep.complete(SYSTEM[1] + " second")
         with publisher._lock:
             publisher._sock.close(linger=0)
             publisher._sock = real
-        _complete(dep, SYSTEM[2] + " third")  # its batch arrives after a hole: a gap
+        dep.complete(SYSTEM[2] + " third")  # its batch arrives after a hole: a gap
         _assert_index_is_cache(dep)
-        assert _counter(dep, "pdkv_kv_event_batches_total", outcome="gap") >= 1
-        assert _counter(dep, "pdkv_kv_index_resyncs_total", kind="replay") == 2
+        assert dep.counter("pdkv_kv_event_batches_total", outcome="gap") >= 1
+        assert dep.counter("pdkv_kv_index_resyncs_total", kind="replay") == 2
         dep.wait_all_free()
 
 
 def test_restarted_worker_is_resynchronised():
     with KVDeployment(_config(), num_prefill=1, num_decode=1) as dep:
-        _complete(dep, SYSTEM[0] + " before")
+        dep.complete(SYSTEM[0] + " before")
         dep.wait_exact()
         old_engine = dep.index.describe("prefill-0")["engine_id"]
         assert dep.index.hashes("prefill-0")
@@ -130,16 +114,16 @@ def test_restarted_worker_is_resynchronised():
             time.sleep(0.05)
         _assert_index_is_cache(dep)
         assert dep.index.hashes("prefill-0") == {}  # a fresh worker holds nothing
-        out = _complete(dep, SYSTEM[0] + " after")
+        out = dep.complete(SYSTEM[0] + " after")
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        _complete(dep, SYSTEM[0] + " again")
+        dep.complete(SYSTEM[0] + " again")
         _assert_index_is_cache(dep)
         dep.wait_all_free()
 
 
 def test_forged_and_garbage_batches_are_dropped_and_counted():
     with KVDeployment(_config(), num_prefill=1, num_decode=1) as dep:
-        _complete(dep, SYSTEM[0] + " seed the cache")
+        dep.complete(SYSTEM[0] + " seed the cache")
         _assert_index_is_cache(dep)
         before = dep.index.describe("prefill-0")
         publisher = dep.workers["prefill-0"].kv_events
@@ -158,27 +142,27 @@ def test_forged_and_garbage_batches_are_dropped_and_counted():
             for f in frames:
                 publisher._sock.send_multipart(f)
         deadline = time.monotonic() + 10
-        while _counter(dep, "pdkv_kv_event_batches_total", outcome="wrong_worker") < 1 and \
+        while dep.counter("pdkv_kv_event_batches_total", outcome="wrong_worker") < 1 and \
                 time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _counter(dep, "pdkv_kv_event_batches_total", outcome="bad_mac") == 1
-        assert _counter(dep, "pdkv_kv_event_batches_total", outcome="malformed") == 3
+        assert dep.counter("pdkv_kv_event_batches_total", outcome="bad_mac") == 1
+        assert dep.counter("pdkv_kv_event_batches_total", outcome="malformed") == 3
         assert dep.index.describe("prefill-0") == before  # untouched, still EXACT
-        _complete(dep, SYSTEM[0] + " and still routed")
+        dep.complete(SYSTEM[0] + " and still routed")
         _assert_index_is_cache(dep)
         dep.wait_all_free()
 
 
 def test_colocated_routes_a_shared_prefix_to_the_worker_that_holds_it():
     with KVDeployment(_config("colocated"), num_prefill=2) as dep:
-        first = _complete(dep, SYSTEM[1] + " one")
+        first = dep.complete(SYSTEM[1] + " one")
         dep.wait_exact()
         holder = [w for w in dep.workers if dep.index.hashes(w)]
         assert len(holder) == 1
-        out = _complete(dep, SYSTEM[1] + " two")
+        out = dep.complete(SYSTEM[1] + " two")
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert _counter(dep, "pdkv_route_decisions_total", role="both", mode="exact") == 2
+        assert dep.counter("pdkv_route_decisions_total", role="both", mode="exact") == 2
         _assert_index_is_cache(dep)
         dep.wait_all_free()
 

@@ -16,7 +16,6 @@ import socket
 import time
 
 import pytest
-import requests
 import zmq
 
 from kv_route_deploy import KVDeployment
@@ -59,18 +58,6 @@ sys.stdin.read()
 
 def _config(**overrides):
     return local_config("disaggregated", cache__kv_memory_mb=0.25, **overrides)
-
-
-def _complete(dep: KVDeployment, prompt: str, max_tokens: int = 3) -> dict:
-    r = requests.post(dep.url + "/v1/completions", timeout=TIMEOUT_S,
-                      json={"model": "pdkv-tiny", "prompt": prompt, "max_tokens": max_tokens})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _counter(dep: KVDeployment, name: str, **labels) -> float:
-    return sum(s.value for m in dep.router.metrics.registry.collect() for s in m.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def _assert_index_is_cache(dep: KVDeployment) -> None:
@@ -122,7 +109,7 @@ def test_subscribers_without_the_secret_receive_nothing():
             # the router, holding the secret, follows every batch of these requests
             seq0 = dep.index.describe("prefill-0")["seq"]
             for i in range(3):
-                _complete(dep, PROMPT + f" turn {i}")
+                dep.complete(PROMPT + f" turn {i}")
             dep.wait_exact()
             assert dep.index.describe("prefill-0")["seq"] > seq0
             for name, sock in intruders.items():
@@ -132,7 +119,7 @@ def test_subscribers_without_the_secret_receive_nothing():
             seen: list = []
             while not any(not b.heartbeat and b.events for b in seen):
                 assert time.monotonic() < deadline, "the subscriber with the secret received no batch"
-                _complete(dep, PROMPT + f" turn {len(seen)}")
+                dep.complete(PROMPT + f" turn {len(seen)}")
                 seen += [decode_batch(event_key(SECRET), f) for f in _drain(good, 1000)]
             assert any(b.heartbeat for b in seen + [decode_batch(event_key(SECRET), f) for f in _drain(good, 2000)])
             assert publisher.info()["num_refused_subscribers"] >= 1  # the guessed key reached ZAP: refused
@@ -159,7 +146,7 @@ def _inject(dep: KVDeployment, num_pairs: int) -> None:
 def test_idle_subscribers_cost_the_worker_a_bounded_amount():
     with KVDeployment(_config(), num_prefill=1, num_decode=1) as dep:
         publisher = dep.workers["prefill-0"].kv_events
-        _complete(dep, PROMPT + " warm up")
+        dep.complete(PROMPT + " warm up")
         _inject(dep, NUM_INJECTED_PAIRS // 4)  # the allocator's steady state
         rss0 = _rss_bytes()
         _inject(dep, NUM_INJECTED_PAIRS)  # control: the same traffic, no idle subscribers
@@ -174,7 +161,7 @@ def test_idle_subscribers_cost_the_worker_a_bounded_amount():
                 time.sleep(0.05)
             rss1 = _rss_bytes()
             _inject(dep, NUM_INJECTED_PAIRS)
-            outs = [_complete(dep, PROMPT + f" served while idle subscribers wait {i}") for i in range(3)]
+            outs = [dep.complete(PROMPT + f" served while idle subscribers wait {i}") for i in range(3)]
             growth = _rss_bytes() - rss1
             batch_bytes = max(len(f) for f in _injected_frames())
             owed = max_subscribers * (kv_events.SEND_HWM * batch_bytes + kv_events.SEND_BUFFER_BYTES)
@@ -205,16 +192,16 @@ def test_lost_trailing_batches_show_within_a_heartbeat():
         void = zmq.Context.instance().socket(zmq.PUB)  # bound nowhere: what it sends is lost
         with publisher._lock:
             publisher._sock, real = void, publisher._sock
-        _complete(dep, PROMPT + " lost")
+        dep.complete(PROMPT + " lost")
         with publisher._lock:
             publisher._sock = real
             lost_seq = publisher.seq
         void.close(linger=0)
         deadline = time.monotonic() + 15  # a quarter of the poll interval
-        while _counter(dep, "pdkv_kv_index_resyncs_total", kind="replay") < 1:
+        while dep.counter("pdkv_kv_index_resyncs_total", kind="replay") < 1:
             assert time.monotonic() < deadline, f"index still behind: {dep.index.describe('prefill-0')}"
             time.sleep(0.05)
-        assert _counter(dep, "pdkv_kv_event_batches_total", outcome="gap") >= 1
+        assert dep.counter("pdkv_kv_event_batches_total", outcome="gap") >= 1
         assert dep.index.describe("prefill-0")["seq"] >= lost_seq
         _assert_index_is_cache(dep)
         dep.wait_all_free()
@@ -235,7 +222,7 @@ def test_heartbeats_are_signed_and_shaped():
 
 def test_connections_to_the_stream_are_capped_before_any_handshake():
     """A stranger's TCP connections each hold an fd for up to the handshake timeout: past
-    MAX_CONNECTIONS the newest are shut at once (connectors.side_guard), so however many a peer
+    MAX_CONNECTIONS the newest are shut at once (connectors.zmq.side_guard), so however many a peer
     opens, the publisher holds a bounded number."""
     from pd.worker.kv_events import HANDSHAKE_TIMEOUT_MS, MAX_CONNECTIONS, KVEventPublisher
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from connectors.consumer import RemoteAddr
+from connectors.zmq.consumer import RemoteAddr
 from connectors.metrics import FailureCause
 from rel_pair import Pair, Side, free_port, make_engine, prompt, reference
-from connectors.zmq_connector import KVRole
+from connectors.zmq.connector import KVRole
 
 TOKS = prompt(70)
 

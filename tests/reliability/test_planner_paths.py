@@ -7,7 +7,7 @@ real router in this process, over loopback (rel_deploy.LocalDeployment).
   warm-up, the predicted TTFT of sequential requests is within `TTFT_TOLERANCE` of the
   measured one (median relative error), and the learned pull seconds are within
   `PULL_TOLERANCE` of the connector's own measurement. The throttled-link case runs
-  when the deploy config has `transfer.emulated_link` (the relay of connectors.emulated_link).
+  when the deploy config has `transfer.emulated_link` (the relay of connectors.links.emulated_link).
 """
 from __future__ import annotations
 

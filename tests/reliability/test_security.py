@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from connectors.consumer import Consumer, RemoteAddr
-from connectors.consumer_config import ConsumerConfig
-from connectors.handshake import CompatInfo
+from connectors.zmq.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer_config import ConsumerConfig
+from connectors.zmq.handshake import CompatInfo
 from pd.engine.page_pool import PagePool
-from connectors.producer import ProducerConfig
-from connectors.zmq_connector import KVRole, ZmqConnectorConfig
+from connectors.zmq.producer import ProducerConfig
+from connectors.zmq.connector import KVRole, ZmqConnectorConfig
 from pd.cluster.config import ConfigError, DeployConfig
 from pd.worker.wiring import _model_id
 from rel_deploy import SECRET, LocalDeployment, local_config

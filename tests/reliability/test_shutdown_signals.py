@@ -9,7 +9,6 @@ and nothing else of the session is left, and how the running stream ended.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+from launch_url import read_launch_url
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
@@ -85,14 +85,7 @@ def test_launch_ends_within_10s_leaving_nothing(target, signum, fault_record, tm
                             text=True, start_new_session=True)
     known: dict[int, psutil.Process] = {}
     try:
-        url = None
-        deadline = time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            match = re.search(r"serving at (http://\S+)", line)
-            url = match.group(1) if match else None
+        url = read_launch_url(proc, timeout_s=240)
         assert url, f"launch never printed its URL (exit {proc.poll()}): {err.read_text()[-3000:]}"
         assert requests.get(f"{url}/health", timeout=30).status_code == 200
         stream: dict = {}

@@ -1,4 +1,4 @@
-"""KV transfers over an emulated slow link (`connectors.emulated_link`): two real engines with
+"""KV transfers over an emulated slow link (`connectors.links.emulated_link`): two real engines with
 real ZMQ connectors, P behind the link, and a whole local deployment configured from the deploy
 config's `transfer.emulated_link`. A pull over the link takes about bytes / bandwidth (plus a
 round trip) longer than over loopback, lands the same bytes (every page verified), is counted
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import requests
 
-from connectors.emulated_link import LinkShape
+from connectors.links.link_shape import LinkShape
 from pd.cluster.config import ConfigError, DeployConfig
 from rel_deploy import SECRET, LocalDeployment, local_config
 from rel_pair import Pair, Side, prompt, reference

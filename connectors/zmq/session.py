@@ -32,8 +32,8 @@ import secrets
 import threading
 import time
 
-from connectors import wire
-from connectors.wire import MsgType
+from connectors.zmq import wire
+from connectors.zmq.wire import MsgType
 
 _KEY_LABEL = b"pdkv session key"
 

@@ -24,16 +24,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker
-from connectors.consumer import Consumer
-from connectors.consumer_config import ConsumerConfig, DataPath
-from connectors.loads import LoadResult, RemoteAddr
-from connectors.cuda_staging import StreamFences, fences_for
-from connectors.emulated_link import EmulatedLink, LinkShape
-from connectors.handshake import CompatInfo
+from connectors.zmq.consumer import Consumer
+from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.loads import LoadResult, RemoteAddr
+from connectors.zmq.cuda_staging import StreamFences, fences_for
+from connectors.links.emulated_link import EmulatedLink
+from connectors.links.link_shape import LinkShape
+from connectors.zmq.handshake import CompatInfo
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
-from connectors.producer import Producer, ProducerConfig
-from connectors.zmq_scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
+from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
 
 logger = logging.getLogger(__name__)
 

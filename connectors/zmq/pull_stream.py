@@ -24,14 +24,14 @@ import time
 import numpy as np
 import xxhash
 
-from connectors import framing, wire
-from connectors.loads import PullPart
+from connectors.zmq import framing, wire
+from connectors.zmq.loads import PullPart
 from connectors.metrics import FailureCause
-from connectors.page_access import PageAccess, digest
+from connectors.zmq.page_access import PageAccess, digest
 from connectors.pages import KVPages
-from connectors.session import ClientSession
-from connectors.shm import ShmSegment, map_pool
-from connectors.wire import MalformedMessage, MsgType
+from connectors.zmq.session import ClientSession
+from connectors.zmq.shm import ShmSegment, map_pool
+from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

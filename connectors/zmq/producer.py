@@ -27,18 +27,18 @@ import time
 
 import zmq
 
-from connectors import handshake as hs
-from connectors import framing, wire
-from connectors.data_listener import DataListener, ListenerLimits
-from connectors.leases import LeaseTable, PullRefused
+from connectors.zmq import handshake as hs
+from connectors.zmq import framing, wire
+from connectors.zmq.data_listener import DataListener, ListenerLimits
+from connectors.zmq.leases import LeaseTable, PullRefused
 from connectors.metrics import LeaseEnd, TransferMetrics
-from connectors.page_access import PageAccess
+from connectors.zmq.page_access import PageAccess
 from connectors.pages import KVPages
-from connectors.peer_log import WarnLimiter, quote
-from connectors.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
-from connectors.shm import ShmSegment
-from connectors.side_guard import SideChannelGuard
-from connectors.wire import MalformedMessage, MsgType
+from connectors.zmq.peer_log import WarnLimiter, quote
+from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
+from connectors.zmq.shm import ShmSegment
+from connectors.zmq.side_guard import SideChannelGuard
+from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

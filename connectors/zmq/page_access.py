@@ -3,7 +3,7 @@
 On a CPU pool the pages *are* host memory: senders hand page views to
 `sendmsg` and receivers `recv_into` the destination page, so bytes are never
 copied in user space. On a CUDA pool each stream owns a pinned staging buffer
-and a side stream (`connectors.cuda_staging.CudaStaging`): pages are gathered
+and a side stream (`connectors.zmq.cuda_staging.CudaStaging`): pages are gathered
 device-to-host into staging before sending (after the compute stream's latest
 forward, by event), and landed host-to-device from staging after receiving
 (the compute stream waits on the landing event before a forward reads them);
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from connectors.cuda_staging import CudaStaging
+from connectors.zmq.cuda_staging import CudaStaging
 from connectors.pages import KVPages
 
 

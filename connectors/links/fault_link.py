@@ -9,7 +9,7 @@ relayed frame by frame, page bytes included, so each frame can be dropped,
 delayed, duplicated or corrupted on the wire, the link can stall, or it (or
 the process hosting it) can be killed at a named point.
 
-Points: `connectors.fault_points.LINK_POINTS` (`side.<type>`, `data.<type>`,
+Points: `connectors.links.fault_points.LINK_POINTS` (`side.<type>`, `data.<type>`,
 `data.page_bytes`).
 
 Guarantees: with no rule firing the link forwards every byte unchanged and in
@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import zmq
 
-from connectors import framing, wire
-from connectors.fault_points import LINK_POINTS  # noqa: F401 - re-exported: the points this link fires
-from connectors.faults import FaultAction, FaultPlan
-from connectors.wire import MalformedMessage, MsgType
+from connectors.zmq import framing, wire
+from connectors.links.fault_points import LINK_POINTS  # noqa: F401 - re-exported: the points this link fires
+from connectors.links.faults import FaultAction, FaultPlan
+from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

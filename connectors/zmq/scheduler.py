@@ -24,7 +24,7 @@ from typing import Any
 from collections.abc import Callable
 
 from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
-from connectors.loads import RemoteAddr
+from connectors.zmq.loads import RemoteAddr
 from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params,
                                parse_remote_prefill, wants_remote_decode, wants_remote_prefill)
 

@@ -13,14 +13,14 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
-    from connectors.emulated_link import LinkShape
-    from connectors.zmq_connector import KVRole, ZmqConnectorConfig
+    from connectors.links.link_shape import LinkShape
+    from connectors.zmq.connector import KVRole, ZmqConnectorConfig
 
 # A handshake or a single socket I/O that takes longer than this is a dead peer, however long
 # a whole transfer may take: waiting longer only delays the fallback to local recompute.
 MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
-DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.consumer.DataPath)
+DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
 DATA_PATHS = get_args(DataPathName)
 
 
@@ -54,8 +54,8 @@ class TransferSettings:
     def connector_config(self, *, engine_id: str, role: KVRole, secret: str | bytes, model_id: str,
                          host: str) -> ZmqConnectorConfig:
         """The ZMQ connector's full config for one engine of the deployment."""
-        from connectors.consumer_config import DataPath
-        from connectors.zmq_connector import ZmqConnectorConfig
+        from connectors.zmq.consumer_config import DataPath
+        from connectors.zmq.connector import ZmqConnectorConfig
 
         return ZmqConnectorConfig(
             engine_id=engine_id, role=role, secret=secret.encode() if isinstance(secret, str) else secret,

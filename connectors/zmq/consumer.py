@@ -27,15 +27,15 @@ import time
 
 import zmq
 
-from connectors import handshake as hs
-from connectors import wire
-from connectors.consumer_config import ConsumerConfig, DataPath
-from connectors.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
+from connectors.zmq import handshake as hs
+from connectors.zmq import wire
+from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
-from connectors.pull_stream import PullStream
-from connectors.session import ClientSession
-from connectors.wire import MalformedMessage, MsgType
+from connectors.zmq.pull_stream import PullStream
+from connectors.zmq.session import ClientSession
+from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 _U64 = 1 << 64

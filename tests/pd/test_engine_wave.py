@@ -1,0 +1,31 @@
+"""pd.tools.engine_wave: the served workload fed straight to the engine (the in-process rate
+the peer bench holds served figures against), on the tiny model of deploy/local.yaml."""
+import asyncio
+from pathlib import Path
+
+import torch
+
+from kvcache.audit import assert_all_free
+from pd.tools.engine_wave import engine_for, run_waves, wave_questions
+
+LOCAL = str(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")
+
+
+def test_questions_never_repeat_within_or_across_waves():
+    seen = [q for wave in range(4) for q in wave_questions(32, wave)]
+    assert len(seen) == len(set(seen)) == 128
+
+
+def test_waves_run_every_token_and_free_the_pool():
+    threads = torch.get_num_threads()  # engine_for sets the process's count: the suite's other tests keep theirs
+    eng = engine_for(LOCAL)  # a disaggregated config: built as a colocated worker of it
+    try:
+        figures = asyncio.run(run_waves(eng, [1, 3], new_tokens=5, num_waves=1))
+        assert [(f.concurrency, f.num_tokens) for f in figures] == [(1, 5), (3, 15)]
+        assert all(f.tokens_per_s > 0 and f.ttft_p50_s > 0 and f.cpu_ms_per_token > 0 for f in figures)
+        assert eng.num_threads == 1  # local.yaml: cpus_per_worker 0.25, threads_per_worker unset
+        assert not eng.has_unfinished_requests()
+        assert_all_free(eng.kv_cache_manager)
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(threads)
