@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from connectors.metrics import FailureCause
@@ -46,6 +46,9 @@ KV_PARAM_KEYS = (
     "remote_block_ids",
     "remote_num_tokens",
 )
+# Beside them, set by the decode worker (never by a client): its W3C `traceparent` for the pull, carried
+# opaque in the PULL frames to the producer (`connectors.params.valid_trace_context` checks the form).
+KV_TRACE_CONTEXT_KEY = "trace_context"
 
 
 @dataclasses.dataclass
@@ -68,6 +71,31 @@ class ConnectorOutput:
     invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
     # request_id -> why its load failed (requests in `finished_recving` whose load did not verify)
     load_failures: dict[str, FailureCause] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PullsServed:
+    """What a producer sent for one lease: its pulls, as one interval (`time.monotonic()` readings)."""
+
+    trace_context: str | None  # the first valid one a PULL carried (the consumer's), or None
+    num_pulls: int
+    num_blocks: int
+    num_bytes: int
+    data_path: str  # how the pages went: tcp, shm (staged) or map (the consumer read this pool)
+    started_s: float
+    ended_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseReport:
+    """How one lease ended (producer side, `KVConnector.report_leases`); times are `time.monotonic()`."""
+
+    request_id: str
+    outcome: str  # `connectors.metrics.LeaseEnd` value: done, expired, aborted, shutdown
+    num_blocks: int  # blocks kept for the consumer
+    granted_s: float
+    ended_s: float  # when its blocks were handed back (no pull reading them any more)
+    served: PullsServed | None  # None: nothing was pulled
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -158,6 +186,12 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
     def abort_lease(self, request_id: str) -> bool:
         """Producer side: free the blocks kept for `request_id` (a finished prefill nobody
         will pull) now. True when this connector keeps leases (the call was made)."""
+
+    def report_leases(self, sink: Callable[[LeaseReport], None]) -> bool:
+        """Producer side: from now on, every lease that ends is reported to `sink`, on the engine's
+        thread, in the step whose `finished_sending` frees its blocks (and at `shutdown`). Until
+        this is called nothing is recorded for a report. False where this connector keeps no leases."""
+        return False
 
     def stats(self) -> dict[str, Any]:
         """Transfer figures for JSON (plain data)."""

@@ -9,11 +9,14 @@ half-trusted.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from connectors.base import KV_PARAM_KEYS
 
 MAX_BLOCKS_PER_GROUP = 1 << 20
+MAX_TRACE_CONTEXT_LEN = 55  # a W3C traceparent of version 00, the one form passed on
+_TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 class InvalidKVParams(ValueError):
@@ -90,3 +93,11 @@ def make_remote_prefill_params(engine_id: str, host: str, port: int, request_id:
     }
     assert set(params) == set(KV_PARAM_KEYS)
     return params
+
+
+def valid_trace_context(value: Any) -> str | None:
+    """`value` if it is a W3C traceparent (version 00: lowercase hex, non-zero ids), else None.
+    It comes from a peer or a request: anything else is dropped, never an error."""
+    if type(value) is not str or len(value) != MAX_TRACE_CONTEXT_LEN or not _TRACEPARENT.fullmatch(value):
+        return None
+    return value

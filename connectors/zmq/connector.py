@@ -20,10 +20,10 @@ import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker
+from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker, LeaseReport
 from connectors.zmq.consumer import Consumer
 from connectors.zmq.consumer_config import ConsumerConfig, DataPath
 from connectors.zmq.loads import LoadResult, RemoteAddr
@@ -107,6 +107,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self.advertised_port = 0  # the side-channel port consumers dial (the link's, when there is one)
         self._offer_shm = config.allow_shm and config.emulated_link is None
         self.shares_page_pool = config.is_producer and self._offer_shm  # same-host consumers map it
+        self._lease_sink: Callable[[LeaseReport], None] | None = None  # `report_leases`
 
     def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
@@ -175,7 +176,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.consumer.notify_done(remote, [order["remote_request_id"]])
             return
         try:
-            self.consumer.load(rid, remote, order["remote_request_id"], order["src"], order["dst"])
+            self.consumer.load(rid, remote, order["remote_request_id"], order["src"], order["dst"],
+                               order.get("trace_context"))
         except ValueError as e:
             logger.warning("KV load for %s refused: %s", rid, e)
             self._finish_locally(rid, order["dst"])
@@ -191,8 +193,25 @@ class ZmqConnectorWorker(KVConnectorWorker):
         if self._fences is not None:
             self._fences.mark_written()
 
+    def report_leases(self, sink: Callable[[LeaseReport], None]) -> bool:
+        if self.producer is None:
+            return False
+        self._lease_sink = sink
+        self.producer.leases.enable_reports()
+        return True
+
+    def _report_leases(self) -> None:
+        if self._lease_sink is None or self.producer is None:
+            return
+        for report in self.producer.leases.take_reports():
+            try:
+                self._lease_sink(report)
+            except Exception:  # an observer's bug must not end the engine's step
+                logger.exception("lease report of %s failed", report.request_id)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         sending = self.producer.take_released() if self.producer is not None else set()
+        self._report_leases()
         with self._lock:
             results, self._local_results = self._local_results, []
         if self.consumer is not None:
@@ -242,6 +261,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.link.close()
         if self.producer is not None:
             self.producer.shutdown()
+            self._report_leases()  # the leases shutdown ended (outcome shutdown)
 
 
 class ZmqConnector(KVConnector):
@@ -273,6 +293,9 @@ class ZmqConnector(KVConnector):
 
     def abort_lease(self, request_id: str) -> bool:
         return self.worker.abort_lease(request_id)
+
+    def report_leases(self, sink: Callable[[LeaseReport], None]) -> bool:
+        return self.worker.report_leases(sink)
 
     def listen_ports(self) -> dict[str, int] | None:
         producer = self.worker.producer

@@ -90,9 +90,10 @@ class Consumer:
 
     # ------------------------------------------------------------------ engine-facing (any thread)
     def load(self, request_id: str, remote: RemoteAddr, remote_request_id: str,
-             src_block_ids: list[int], dst_block_ids: list[int]) -> LoadHandle:
+             src_block_ids: list[int], dst_block_ids: list[int], trace_context: str | None = None) -> LoadHandle:
         """Starts pulling src pages of `remote` into dst pages; ends in `take_finished`. On a ready
-        session the PULLs leave first, bookkeeping after (under the lock: no part ends before it)."""
+        session the PULLs leave first, bookkeeping after (under the lock: no part ends before it).
+        `trace_context` (opaque) goes along in every PULL of the load."""
         start = time.perf_counter()
         n, num_blocks = len(dst_block_ids), self.pool.num_blocks
         if n != len(src_block_ids) or not n:
@@ -106,7 +107,7 @@ class Consumer:
         if not ok:
             raise ValueError(f"bad block ids for {request_id}")
         job = LoadHandle(request_id, remote, remote_request_id, list(src_block_ids), list(dst_block_ids),
-                         time.monotonic() + self.config.transfer_timeout_s, start)
+                         time.monotonic() + self.config.transfer_timeout_s, start, trace_context)
         with self._lock:
             session = self._sessions.get(remote)
             ready = session is not None and session.state is _HS.READY
@@ -148,7 +149,8 @@ class Consumer:
             stream = live[session.next_stream % len(live)]
             session.next_stream += 1
             src, dst = (job.src, job.dst) if k == 1 else (job.src[a:b], job.dst[a:b])
-            stream.submit(PullPart(job.remote_request_id, src, dst, functools.partial(self._on_part, job)))
+            stream.submit(PullPart(job.remote_request_id, src, dst, functools.partial(self._on_part, job),
+                                   trace_context=job.trace_context))
             job.streams.append(stream)  # (after the PULL went out: off the latency path)
 
     def _on_part(self, job: LoadHandle, part: PullPart) -> None:

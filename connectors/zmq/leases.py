@@ -11,6 +11,9 @@ no heartbeat, or the request is aborted. Its blocks are handed back (through
 `take_released`, which feeds `finished_sending`) only when no pull is still
 reading them, so a page is never reused while it is on the wire.
 
+With reports on (`enable_reports`, the connector's `report_leases`), each released lease leaves a
+`LeaseReport` (its outcome, and what its pulls sent) for `take_reports`; off, nothing is recorded.
+
 Digests are sealed when the lease is created or soon after (`seal_pending`),
 so a page overwritten by mistake between lease and pull is caught by the
 consumer's checksum rather than served as good data.
@@ -24,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from connectors.base import LeaseReport, PullsServed
 from connectors.metrics import LeaseEnd, TransferMetrics
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,21 @@ class Lease:
     end: LeaseEnd | None = None
     active_pulls: int = 0
     digests: dict[int, int] | None = None
+    granted_s: float = 0.0  # time.monotonic() at `add`
+    served: ServedPull | None = None  # what its pulls sent so far (reports on only)
+
+
+@dataclasses.dataclass
+class ServedPull:
+    """One pull a producer served, or (as `Lease.served`) the sum of a lease's pulls."""
+
+    trace_context: str | None
+    num_blocks: int
+    num_bytes: int
+    data_path: str
+    started_s: float
+    ended_s: float
+    num_pulls: int = 1
 
 
 class PullRefused(Exception):
@@ -61,13 +80,31 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._released: set[str] = set()
+        self._reports: list[LeaseReport] | None = None  # None: reports off
+
+    def enable_reports(self) -> None:
+        with self._lock:
+            if self._reports is None:
+                self._reports = []
+
+    @property
+    def reporting(self) -> bool:
+        return self._reports is not None
+
+    def take_reports(self) -> list[LeaseReport]:
+        with self._lock:
+            out = self._reports or []
+            if self._reports is not None:
+                self._reports = []
+            return out
 
     def add(self, request_id: str, block_ids: list[int], lease_s: float | None = None) -> None:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            expiry = time.monotonic() + (lease_s if lease_s is not None else self.lease_s)
-            self._leases[request_id] = Lease(request_id, frozenset(block_ids), expiry)
+            now = time.monotonic()
+            expiry = now + (lease_s if lease_s is not None else self.lease_s)
+            self._leases[request_id] = Lease(request_id, frozenset(block_ids), expiry, granted_s=now)
 
     def end(self, request_id: str, end: LeaseEnd) -> bool:
         """Ends a lease (first cause wins); False when there is no active lease."""
@@ -116,8 +153,11 @@ class LeaseTable:
             lease.active_pulls += 1
             return lease
 
-    def end_pull(self, lease: Lease) -> None:
+    def end_pull(self, lease: Lease, served: ServedPull | None = None) -> None:
+        """Unpins a lease after a pull; `served` (reports on): what the pull sent."""
         with self._lock:
+            if served is not None:
+                _add_served(lease, served)
             lease.active_pulls -= 1
             self._maybe_release_locked(lease)
 
@@ -157,3 +197,22 @@ class LeaseTable:
             self._released.add(lease.request_id)
             if lease.end is not None:
                 self._metrics.record_lease_end(lease.end)
+            if self._reports is not None:
+                s = lease.served
+                self._reports.append(LeaseReport(
+                    lease.request_id, (lease.end or LeaseEnd.SHUTDOWN).value, len(lease.block_ids), lease.granted_s,
+                    time.monotonic(), None if s is None else PullsServed(
+                        s.trace_context, s.num_pulls, s.num_blocks, s.num_bytes, s.data_path, s.started_s,
+                        s.ended_s)))
+
+
+def _add_served(lease: Lease, pull: ServedPull) -> None:
+    total = lease.served
+    if total is None:
+        lease.served = dataclasses.replace(pull)
+        return
+    total.num_pulls += 1
+    total.num_blocks += pull.num_blocks
+    total.num_bytes += pull.num_bytes
+    total.trace_context = total.trace_context or pull.trace_context
+    total.started_s, total.ended_s = min(total.started_s, pull.started_s), max(total.ended_s, pull.ended_s)

@@ -63,9 +63,10 @@ class LoadHandle:
     """One load in flight; `done` is set once `result` is final (exactly once)."""
 
     __slots__ = ("request_id", "remote", "remote_request_id", "src", "dst", "deadline", "start", "parts_left",
-                 "streams", "bad", "cause", "done", "result", "warm")
+                 "streams", "bad", "cause", "done", "result", "warm", "trace_context")
 
-    def __init__(self, request_id, remote, remote_request_id, src, dst, deadline, start: float | None = None):
+    def __init__(self, request_id, remote, remote_request_id, src, dst, deadline, start: float | None = None,
+                 trace_context: str | None = None):
         self.request_id = request_id
         self.remote = remote
         self.remote_request_id = remote_request_id
@@ -79,6 +80,7 @@ class LoadHandle:
         self.done = Done()
         self.result: LoadResult | None = None
         self.warm = False  # its session was ready when it started: no handshake inside its time
+        self.trace_context = trace_context  # opaque, into each of its PULLs (`connectors.base.KV_TRACE_CONTEXT_KEY`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,6 +96,7 @@ class PullPart:
     xfer: int = 0  # set once its PULL started to go out
     unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
     expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
+    trace_context: str | None = None  # its load's, sent in the PULL
 
     def fail(self, cause: FailureCause) -> None:
         self.cause = cause

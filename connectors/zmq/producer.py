@@ -30,10 +30,11 @@ import zmq
 from connectors.zmq import handshake as hs
 from connectors.zmq import framing, wire
 from connectors.zmq.data_listener import DataListener, ListenerLimits
-from connectors.zmq.leases import LeaseTable, PullRefused
+from connectors.zmq.leases import LeaseTable, PullRefused, ServedPull
 from connectors.metrics import LeaseEnd, TransferMetrics
 from connectors.zmq.page_access import PageAccess
 from connectors.pages import KVPages
+from connectors.params import valid_trace_context
 from connectors.zmq.peer_log import WarnLimiter, quote
 from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
 from connectors.zmq.shm import ShmSegment
@@ -302,6 +303,7 @@ class Producer:
         framing.kernel_timeouts(conn, _IDLE_S, io_s)
         reader = framing.FrameReader(conn)
         page_bytes = self.pool.page_size_bytes
+        path = "map" if mapped else "tcp" if seg is None else "shm"
         while not self._stop.is_set():
             try:
                 msg_type, msg = reader.read(io_s, idle=True)
@@ -319,6 +321,9 @@ class Producer:
             except PullRefused as e:
                 framing.send_frame(conn, wire.encode(MsgType.ERROR, xfer=xfer, reason=str(e)))
                 continue
+            reporting = self.leases.reporting
+            started = time.monotonic() if reporting else 0.0
+            served = None
             try:
                 sealed = lease.digests
                 digests = [sealed[b] for b in block_ids] if sealed is not None else access.page_digests(block_ids)
@@ -334,8 +339,11 @@ class Producer:
                     self._send_pages(conn, access, wire.pages_frame(xfer, digests, page_bytes), block_ids)
                 else:
                     self._send_chunks(conn, reader, access, seg, xfer, block_ids, digests)
+                if reporting:  # reports on: what this pull sent, and the consumer's trace context (a peer's: checked)
+                    served = ServedPull(valid_trace_context(msg.get("tc")), len(block_ids),
+                                        len(block_ids) * page_bytes, path, started, time.monotonic())
             finally:
-                self.leases.end_pull(lease)
+                self.leases.end_pull(lease, served)
             self.metrics.record_sent(len(block_ids), len(block_ids) * page_bytes)
 
     def _send_pages(self, conn, access: PageAccess, header: bytes, block_ids: list[int]) -> None:

@@ -219,7 +219,7 @@ class PullStream:
         `part.unsent` for the stream thread, so the engine's thread never waits on the network."""
         self._xfer += 1
         part.xfer = self._xfer
-        frame = wire.pull_frame(self._xfer, part.remote_request_id, part.src_block_ids)
+        frame = wire.pull_frame(self._xfer, part.remote_request_id, part.src_block_ids, part.trace_context)
         if blocking:
             framing.send_frame_bytes(self._conn, frame)
         else:

@@ -23,10 +23,11 @@ import logging
 from typing import Any
 from collections.abc import Callable
 
-from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
+from connectors.base import KV_TRACE_CONTEXT_KEY, ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
 from connectors.zmq.loads import RemoteAddr
 from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params,
-                               parse_remote_prefill, wants_remote_decode, wants_remote_prefill)
+                               parse_remote_prefill, valid_trace_context, wants_remote_decode,
+                               wants_remote_prefill)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self._meta.loads[rid] = {
             "remote_engine_id": rp.engine_id, "remote_host": rp.host, "remote_port": rp.port,
             "remote_request_id": rp.request_id, "src": src, "dst": dst, "invalid": invalid,
+            "trace_context": valid_trace_context((request.kv_transfer_params or {}).get(KV_TRACE_CONTEXT_KEY)),
         }
 
     def plan(self, rp: RemotePrefill, dst_groups, num_local: int,

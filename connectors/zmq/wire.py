@@ -68,7 +68,8 @@ class _StrList:
 INT_LIST = _IntList()
 STR_LIST = _StrList()
 
-# Required fields per message type; extra fields are ignored (forward compatible).
+# Required fields per message type; extra fields are ignored (forward compatible). Optional: PULL's
+# "tc", the consumer's trace context (a str; `connectors.params.valid_trace_context` judges it).
 SCHEMA: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"engine_id": str, "expect_engine_id": str, "compat": str, "nonce": bytes},
     MsgType.CHALLENGE: {"engine_id": str, "nonce": bytes, "proof": bytes},
@@ -160,6 +161,7 @@ def _check_fields(msg_type: MsgType, fields: dict[str, Any]) -> None:
 # frame's size follows from its page count, so the consumer reads it with one recv.
 _V = bytes([PROTOCOL_VERSION])  # a positive fixint
 _PULL_HEAD = b"\x85\xa1v" + _V + b"\xa1t\xa4pull\xa4xfer\xcf"
+_PULL_HEAD_TC = b"\x86" + _PULL_HEAD[1:]  # the same with a sixth entry, "tc", at the end
 _PAGES_HEAD = b"\x85\xa1v" + _V + b"\xa1t\xa5pages\xa4xfer\xcf"
 _PAGES_FIXED = len(_PAGES_HEAD) + 8 + 12 + 8 + 9 + 4  # + "page_bytes" u64, "digests" array32 header
 
@@ -191,15 +193,18 @@ def pages_digests(frame: bytes | bytearray, prefix: bytes) -> list[int] | None:
     return [int.from_bytes(frame[at + 1 :], "big")]
 
 
-def pull_frame(xfer: int, request_id: str, block_ids: list[int]) -> bytes:
-    """{"v", "t": "pull", "xfer", "request_id", "block_ids"}, framed; block ids are uint64."""
+def pull_frame(xfer: int, request_id: str, block_ids: list[int], trace_context: str | None = None) -> bytes:
+    """{"v", "t": "pull", "xfer", "request_id", "block_ids"[, "tc"]}, framed; block ids are uint64.
+    `tc`: the consumer's trace context, opaque here (at most 255 bytes; the producer validates it)."""
     rid = request_id.encode()
-    if len(rid) > 0xFFFF:  # no str16: plain msgpack (the producer refuses ids this long anyway)
-        body = msgpack.packb({"v": PROTOCOL_VERSION, "t": "pull", "xfer": xfer, "request_id": request_id,
-                              "block_ids": block_ids})
+    tc = trace_context.encode() if trace_context else b""
+    if len(rid) > 0xFFFF or len(tc) > 0xFF:  # no str16 / str8: plain msgpack (refused or ignored anyway)
+        fields = {"v": PROTOCOL_VERSION, "t": "pull", "xfer": xfer, "request_id": request_id, "block_ids": block_ids}
+        body = msgpack.packb({**fields, "tc": trace_context} if tc else fields)
     else:
-        body = b"".join((_PULL_HEAD, xfer.to_bytes(8, "big"), b"\xaarequest_id\xda", len(rid).to_bytes(2, "big"), rid,
-                         b"\xa9block_ids\xdd", len(block_ids).to_bytes(4, "big"), _u64_items(block_ids)))
+        body = b"".join((_PULL_HEAD_TC if tc else _PULL_HEAD, xfer.to_bytes(8, "big"), b"\xaarequest_id\xda",
+                         len(rid).to_bytes(2, "big"), rid, b"\xa9block_ids\xdd", len(block_ids).to_bytes(4, "big"),
+                         _u64_items(block_ids), b"\xa2tc\xd9" + bytes([len(tc)]) + tc if tc else b""))
     return _LEN.pack(len(body)) + body
 
 

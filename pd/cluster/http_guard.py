@@ -171,7 +171,7 @@ class ConnectionGuard:
         self._handlers: set[asyncio.Task] = set()  # requests in progress
         self._draining = False
         self.counts = {"accepted": 0, "refused": 0, "evicted": 0, "idle_closed": 0, "header_timeouts": 0,
-                       "body_timeouts": 0, "write_timeouts": 0}
+                       "body_timeouts": 0, "bodies_cut": 0, "write_timeouts": 0}
 
     # -- wiring -----------------------------------------------------------
     def runner_options(self) -> dict[str, Any]:
@@ -242,6 +242,10 @@ class ConnectionGuard:
                         conn.doomed = True
                     raise web.HTTPRequestTimeout(
                         reason=f"request body not received within {self.limits.body_timeout_s:g} s") from None
+                except ConnectionError:  # the client left mid-body: nobody reads the answer; no traceback
+                    self.counts["bodies_cut"] += 1
+                    raise web.HTTPBadRequest(reason="the client closed the connection before its body arrived") \
+                        from None
             return await handler(request)
         finally:
             self._handlers.discard(task)  # type: ignore[arg-type]

@@ -11,12 +11,15 @@ Guarantees:
 - a span whose parent is sampled is sampled (ParentBased); a trace that starts here is kept with
   `sample_ratio`;
 - `close()` flushes and shuts the exporter down (bounded by `FLUSH_TIMEOUT_S`);
+- a span's id can be chosen before the span exists (`new_span_id`, then `span(..., span_id=)`): D
+  names its pull span in the PULL frames before the pull is measured, so P's serving of it is a child;
 - `num_spans_started` counts what this process's tracer started (0 while off: the tests check it).
 """
 from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Mapping
@@ -38,18 +41,47 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 GEN_AI_SYSTEM = "pdkv"
 
 
-def epoch_ns(perf_s: float) -> int:
-    """A `time.perf_counter()` reading as the epoch nanoseconds a span's start or end wants."""
-    return time.time_ns() - int((time.perf_counter() - perf_s) * 1e9)
+def epoch_ns(perf_s: float, clock=time.perf_counter) -> int:
+    """A `clock` reading (`time.perf_counter()`, or `time.monotonic` given) as the epoch nanoseconds
+    a span's start or end wants."""
+    return time.time_ns() - int((clock() - perf_s) * 1e9)
+
+
+class _ChosenIds:
+    """The SDK's random ids, except a span id chosen in advance for the next span this thread starts."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self._chosen = threading.local()
+
+    def choose(self, span_id: int) -> None:
+        self._chosen.span_id = span_id
+
+    def generate_span_id(self) -> int:
+        chosen = getattr(self._chosen, "span_id", 0)
+        if chosen:
+            self._chosen.span_id = 0
+            return chosen
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        return self._random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return self._random.is_trace_id_random()
 
 
 class Tracing:
     """One process's tracing; `enabled` False: no provider, no tracer, no span."""
 
-    def __init__(self, settings: TracingSettings, tracer: trace.Tracer | None = None, provider: Any = None) -> None:
+    def __init__(self, settings: TracingSettings, tracer: trace.Tracer | None = None, provider: Any = None,
+                 ids: _ChosenIds | None = None) -> None:
         self.settings = settings
         self._tracer = tracer
         self._provider = provider
+        self._ids = ids
         self._lock = threading.Lock()
         self.num_spans_started = 0
 
@@ -68,11 +100,13 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         resource = Resource.create({"service.name": service_name, **(attributes or {})})
-        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)))
+        ids = _ChosenIds()
+        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+                                  id_generator=ids)  # type: ignore[arg-type]  # (duck-typed IdGenerator)
         provider.add_span_processor(BatchSpanProcessor(_exporter(settings, service_name),
                                                        schedule_delay_millis=int(settings.batch_delay_s * 1000)))
         logger.info("tracing on (%s) as %s, sample ratio %s", settings.exporter, service_name, settings.sample_ratio)
-        return cls(settings, provider.get_tracer("pdkv"), provider)
+        return cls(settings, provider.get_tracer("pdkv"), provider, ids)
 
     @property
     def enabled(self) -> bool:
@@ -82,19 +116,37 @@ class Tracing:
     def include_content(self) -> bool:
         return self.settings.include_content
 
+    def new_span_id(self) -> int:
+        """A span id for a span to start later (`span(..., span_id=)`)."""
+        return random.getrandbits(64) or 1
+
     def span(self, name: str, parent: Context | None, kind: SpanKind = SpanKind.INTERNAL,
-             attributes: Mapping[str, Any] | None = None, start_s: float | None = None) -> Span:
-        """A started span (end it with `end`); `start_s`: a perf_counter reading in the past."""
-        assert self._tracer is not None, "Tracing.span called with tracing off (test `enabled` first)"
+             attributes: Mapping[str, Any] | None = None, start_s: float | None = None, span_id: int = 0,
+             links: Any = None, clock=time.perf_counter) -> Span:
+        """A started span (end it with `end`); `start_s`: a `clock` reading in the past; `span_id`: one
+        from `new_span_id`."""
+        assert self._tracer is not None and self._ids is not None, \
+            "Tracing.span called with tracing off (test `enabled` first)"
         with self._lock:
             self.num_spans_started += 1
-        start = epoch_ns(start_s) if start_s is not None else None
-        return self._tracer.start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start)
+        start = epoch_ns(start_s, clock) if start_s is not None else None
+        if not span_id:
+            return self._tracer.start_span(name, context=parent, kind=kind, attributes=attributes,
+                                           start_time=start, links=links)
+        self._ids.choose(span_id)
+        try:
+            return self._tracer.start_span(name, context=parent, kind=kind, attributes=attributes,
+                                           start_time=start, links=links)
+        finally:
+            self._ids.choose(0)  # (unused when the provider is shut down: never the next span's)
 
     def interval(self, name: str, parent: Context | None, start_s: float, end_s: float,
-                 attributes: Mapping[str, Any] | None = None) -> None:
-        """A closed span from two perf_counter readings (work measured before the span existed)."""
-        self.span(name, parent, attributes=attributes, start_s=start_s).end(end_time=epoch_ns(max(start_s, end_s)))
+                 attributes: Mapping[str, Any] | None = None, span_id: int = 0, error: str | None = None,
+                 clock=time.perf_counter, kind: SpanKind = SpanKind.INTERNAL, links: Any = None) -> Span:
+        """A closed span from two `clock` readings (work measured before the span existed)."""
+        span = self.span(name, parent, kind, attributes, start_s, span_id, links, clock)
+        end_span(span, error, epoch_ns(max(start_s, end_s), clock))
+        return span
 
     def close(self) -> None:
         if self._provider is not None:
@@ -119,12 +171,13 @@ def child_context(span: Span) -> Context:
     return trace.set_span_in_context(span)
 
 
-def end_span(span: Span, error: str | None = None, end_s: float | None = None) -> None:
-    """Ends `span`, as an error when `error` names one (OpenTelemetry's `error.type`)."""
+def end_span(span: Span, error: str | None = None, end_ns: int | None = None) -> None:
+    """Ends `span` (at `end_ns`, epoch; default now), as an error when `error` names one
+    (OpenTelemetry's `error.type`)."""
     if error is not None:
         span.set_attribute("error.type", error)
         span.set_status(Status(StatusCode.ERROR, error))
-    span.end(end_time=epoch_ns(end_s) if end_s is not None else None)
+    span.end(end_time=end_ns)
 
 
 def _exporter(settings: TracingSettings, service_name: str) -> Any:

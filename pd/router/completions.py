@@ -255,7 +255,12 @@ class CompletionEndpoints:
 
     async def _stream(self, request: web.Request, job: Job, timeline: Timeline) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the client left before the stream began: nothing was sent to a worker
+            logger.info("client left before its stream %s began", job.output.id)
+            timeline.error = "client_disconnected"
+            return response
         output, tally, error = job.output, _Tally(), None
         try:
             # The opening chunk (chat: the role delta) goes out with the first token, not before the

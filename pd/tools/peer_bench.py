@@ -184,9 +184,14 @@ def run(args: argparse.Namespace, say) -> dict:
         say("engine in-process ...")
         from pd.tools.peer_bench_engine import engine_rates as run_engine  # torch: only when it runs
 
-        out["engine_in_process"], audit = run_engine(SMOLLM2_MODEL_PATH, waves, args.output_len, args.threads)
-        out["pools"]["engine in-process"] = {"engine": audit}
-        say(f"engine in-process: {describe_pools({'engine': audit})}")
+        try:
+            out["engine_in_process"], audit = run_engine(SMOLLM2_MODEL_PATH, waves, args.output_len, args.threads)
+        except Exception as exc:  # noqa: BLE001 - the servers' figures are still worth printing
+            say(f"engine in-process: failed: {type(exc).__name__}: {exc}")
+            out["skipped"]["engine in-process"] = f"{type(exc).__name__}: {exc}"
+        else:
+            out["pools"]["engine in-process"] = {"engine": audit}
+            say(f"engine in-process: {describe_pools({'engine': audit})}")
     out["ratios"] = ratios(out["results"], LLAMA)
     out["served_share"] = served_share(out["results"], _rates(out))
     out["load_avg_end"] = _loadavg()

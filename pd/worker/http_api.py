@@ -13,7 +13,7 @@ Endpoints (all require `Authorization: Bearer <deployment secret>`):
 
 Guarantees:
 - a request whose client goes away (router closed the stream) is aborted in
-  the engine, so its blocks are freed;
+  the engine, so its blocks are freed; that is logged once at INFO, never as an error;
 - bad input gets a 400 JSON error naming the field; a wrong or missing secret
   gets 401 before any body is read;
 - `stop()` closes the listening socket and every open stream;
@@ -54,7 +54,7 @@ class JobHandler(Protocol):
     def parse_job(self, body: Any) -> Any: ...
     def begin_trace(self, job: Any, headers: Any) -> Any: ...
     def release_remote(self, body: Any) -> None: ...
-    def generate(self, job: Any) -> AsyncIterator[TokenEvent]: ...
+    def generate(self, job: Any, trace_context: str | None = None) -> AsyncIterator[TokenEvent]: ...
     def abort(self, request_id: str) -> None: ...
     def health(self) -> dict: ...
     def stats(self, audit: bool = False) -> dict: ...
@@ -161,18 +161,24 @@ class WorkerHTTPServer:
                                                **(trace.response_headers() if trace is not None else {})})
         try:
             await response.prepare(request)
-        except BaseException:
+        except BaseException as exc:
             if trace is not None:
                 trace.end(error="aborted")
+            if isinstance(exc, ConnectionError):  # the router left before the stream began: nothing ran
+                logger.info("request %s: router went away before its stream started", job.request_id)
+                return response  # (aiohttp's own write of the end then fails quietly)
             raise
         finished = False
         try:
-            async for event in self._worker.generate(job):
+            async for event in self._worker.generate(job, trace.pull_context if trace is not None else None):
                 finished = event.finished
                 if trace is not None:
                     trace.on_event(event)
                 await response.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionError:  # the router closed the stream (its client left): not an error, no traceback
+            logger.info("request %s: router went away, aborting", job.request_id)
+            return response
+        except asyncio.CancelledError:
             logger.info("request %s: router went away, aborting", job.request_id)
             raise
         except Exception as exc:  # the stream has started: report in-band, never hang the router
@@ -185,7 +191,10 @@ class WorkerHTTPServer:
                 self._worker.abort(job.request_id)
             if trace is not None:
                 trace.end(error=None if finished else "aborted")
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionError:  # gone after the last event: everything was sent
+            logger.debug("request %s: router went away at the end of its stream", job.request_id)
         return response
 
 

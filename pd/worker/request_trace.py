@@ -7,8 +7,10 @@ engine's own measurements (`StepTiming`: queue, load and compute before the firs
 need no extra clock reads in the engine), with start and end times placed back from the first
 token's arrival here:
 
-    P          pdkv.prefill.queue, pdkv.prefill.compute; event kv_lease_granted (blocks, lease_s)
-    D (P/D)    pdkv.decode.queue, pdkv.kv_pull (bytes, blocks, tokens, data path),
+    P          pdkv.prefill.queue, pdkv.prefill.compute; event kv_lease_granted (blocks, lease_s);
+               pdkv.prefill.lease and pdkv.kv_serve once the lease ends (pd.worker.lease_trace)
+    D (P/D)    pdkv.decode.queue, pdkv.kv_pull (bytes, blocks, tokens, data path; its span id is
+               chosen at the start and sent to P in the PULL frames: `pull_context`),
                pdkv.decode.first_token, pdkv.decode.steps (gen_ai.usage.output_tokens)
                event recompute (cause kv_load_failed) when the pull failed and D computed the prompt
     colocated  pdkv.prefill.queue, pdkv.prefill.compute, pdkv.decode.steps
@@ -28,6 +30,7 @@ from opentelemetry.trace import SpanKind, format_span_id, format_trace_id, set_s
 from pd.cluster.messages import StepTiming, TokenEvent
 from pd.cluster.roles import Role
 from pd.cluster.tracing import GEN_AI_SYSTEM, Tracing, end_span, epoch_ns, extract
+from pd.worker.lease_trace import LeaseSpans
 
 
 class TracedJob(Protocol):
@@ -45,8 +48,9 @@ class TracedJob(Protocol):
 
 class WorkerTrace:
     def __init__(self, tracing: Tracing, role: Role, worker_id: str, job: TracedJob,
-                 headers: Mapping[str, str], data_path: str) -> None:
+                 headers: Mapping[str, str], data_path: str, leases: LeaseSpans | None = None) -> None:
         self._tracing = tracing
+        self._request_id = job.request_id
         self._role = role
         self._data_path = data_path
         params = job.kv_transfer_params or {}
@@ -60,6 +64,10 @@ class WorkerTrace:
             "gen_ai.usage.input_tokens": len(job.prompt_token_ids), "pdkv.worker_id": worker_id,
             "pdkv.role": role.value, "pdkv.request_id": job.request_id}, start_s=self.started)
         self._parent = set_span_in_context(self.root)
+        self._leases = leases if role is Role.PREFILL else None
+        if self._leases is not None:
+            self._leases.expect(job.request_id, self._parent)
+        self._pull_span_id = tracing.new_span_id() if self._pulls else 0  # written once measured (or at end)
         self._first_at: float | None = None
         self._steps: Any = None  # pdkv.decode.steps, from the first token on
         self._num_tokens = 0
@@ -71,6 +79,15 @@ class WorkerTrace:
         flags = "01" if ctx.trace_flags.sampled else "00"
         return {"traceresponse": f"00-{format_trace_id(ctx.trace_id)}-{format_span_id(ctx.span_id)}-{flags}"}
 
+    @property
+    def pull_context(self) -> str | None:
+        """D after a P/D prefill: the traceparent naming its `pdkv.kv_pull` span (for P's `pdkv.kv_serve`)."""
+        if not self._pull_span_id:
+            return None
+        ctx = self.root.get_span_context()
+        flags = "01" if ctx.trace_flags.sampled else "00"
+        return f"00-{format_trace_id(ctx.trace_id)}-{format_span_id(self._pull_span_id)}-{flags}"
+
     def on_event(self, event: TokenEvent) -> None:
         self._num_tokens += len(event.token_ids)
         if event.timing is not None and self._first_at is None:
@@ -80,9 +97,14 @@ class WorkerTrace:
                 self._steps = self._tracing.span("pdkv.decode.steps", self._parent, start_s=self._first_at)
         if event.finished and self._role is Role.PREFILL and event.kv_transfer_params is not None:
             blocks = event.kv_transfer_params.remote_block_ids or []
-            self.root.add_event("kv_lease_granted", {"pdkv.kv.num_blocks": sum(len(ids) for ids in blocks),
+            num_blocks = sum(len(ids) for ids in blocks)
+            self.root.add_event("kv_lease_granted", {"pdkv.kv.num_blocks": num_blocks,
                                                      "pdkv.kv.num_tokens": event.kv_transfer_params.remote_num_tokens
                                                      or 0})
+            if self._leases is not None:
+                self._leases.granted(self._request_id, num_blocks)
+        elif event.finished and self._leases is not None:  # no lease kept: none will be reported
+            self._leases.forget(self._request_id)
         if event.finished:
             failed = event.finish_reason if event.finish_reason in ("error", "abort") else None
             self.end(event.finish_reason, event.error_cause or failed, event.num_cached_tokens)
@@ -96,7 +118,9 @@ class WorkerTrace:
             t.interval("pdkv.decode.queue", self._parent, queue_at, load_at)
             t.interval("pdkv.kv_pull", self._parent, load_at, compute_at, {
                 "pdkv.kv.num_bytes": timing.num_loaded_bytes, "pdkv.kv.num_blocks": timing.num_loaded_blocks,
-                "pdkv.kv.num_tokens": timing.num_loaded_tokens, "pdkv.kv.data_path": self._data_path})
+                "pdkv.kv.num_tokens": timing.num_loaded_tokens, "pdkv.kv.data_path": self._data_path},
+                span_id=self._pull_span_id)
+            self._pull_span_id = 0
             t.interval("pdkv.decode.first_token", self._parent, compute_at, now,
                        {"pdkv.num_computed_tokens": timing.num_computed_tokens})
             if self._num_remote_blocks and timing.num_loaded_blocks == 0:
@@ -114,6 +138,11 @@ class WorkerTrace:
         if self._ended:
             return
         self._ended = True
+        if self._pull_span_id:  # no first token: the pull span P may have named as its parent, as an error
+            self._tracing.interval("pdkv.kv_pull", self._parent, self.started, time.perf_counter(),
+                                   {"pdkv.kv.data_path": self._data_path}, span_id=self._pull_span_id,
+                                   error=error or "unfinished")
+            self._pull_span_id = 0
         if self._steps is not None:
             self._steps.set_attribute("gen_ai.usage.output_tokens", self._num_tokens)
             end_span(self._steps, error)
@@ -125,8 +154,8 @@ class WorkerTrace:
 
 
 def start_trace(tracing: Tracing, role: Role, worker_id: str, job: TracedJob, headers: Mapping[str, str],
-                data_path: str) -> WorkerTrace | None:
+                data_path: str, leases: LeaseSpans | None = None) -> WorkerTrace | None:
     """The request's worker trace, or None with tracing off (nothing built)."""
     if not tracing.enabled:
         return None
-    return WorkerTrace(tracing, role, worker_id, job, headers, data_path)
+    return WorkerTrace(tracing, role, worker_id, job, headers, data_path, leases)

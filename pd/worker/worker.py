@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
+from connectors.base import KV_TRACE_CONTEXT_KEY
 from pd.cluster.config import DeployConfig, Mode
 from pd.cluster.http_guard import GuardLimits
 from pd.cluster.messages import FinishReason as WireFinishReason
@@ -40,6 +41,7 @@ from pd.cluster.tracing import Tracing
 from pd.cluster.tracing_config import resolve_tracing
 from pd.engine.sampling import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer, WorkerUnavailable
+from pd.worker.lease_trace import LeaseSpans
 from pd.worker.request_trace import WorkerTrace, start_trace
 
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
@@ -90,6 +92,7 @@ class Worker:
                                       GuardLimits.from_section(spec.config.router.connections, worker=True))
         self._started_at = time.time()
         self._tracing = Tracing.off()  # started with the engine (config `tracing`, pd.cluster.tracing)
+        self._lease_spans: LeaseSpans | None = None  # P with tracing on: the connector reports its leases
         self._num_aborted = 0
         self._num_rejected = 0
         self._kv_events: KVEventPublisher | None = None  # once started with prefix caching
@@ -121,6 +124,10 @@ class Worker:
         self._engine.start()
         self._tracing = Tracing.start(resolve_tracing(self.spec.config.tracing), f"pdkv-{self.spec.role.value}",
                                       {"pdkv.worker_id": self.spec.worker_id})
+        if self._tracing.enabled and self._connector is not None and self.spec.role is Role.PREFILL:
+            spans = LeaseSpans(self._tracing)
+            if self._connector.report_leases(spans.on_report):
+                self._lease_spans = spans
         port = await self._http.start(self.spec.host, port)
         self.url = f"http://{self.spec.host}:{port}"
         logger.info("worker %s (%s) serving on %s", self.spec.worker_id, self.spec.role.value, self.url)
@@ -134,12 +141,14 @@ class Worker:
 
     async def stop(self) -> None:
         await self._http.stop()
-        self._tracing.close()
         if self._faults is not None:
             self._faults.close()
         if self._engine is not None:
-            self._engine.shutdown()
+            self._engine.shutdown()  # (the connector reports the leases it ends: before tracing closes)
             self._engine = None
+        if self._lease_spans is not None:
+            self._lease_spans.close()
+        self._tracing.close()
         if self._kv_events is not None:  # after the engine: nothing publishes any more
             self._kv_events.close()
 
@@ -169,7 +178,7 @@ class Worker:
     def begin_trace(self, job: GenerateJob, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
         return start_trace(self._tracing, self.spec.role, self.spec.worker_id, job, headers,
-                           self.spec.config.transfer.data_path)
+                           self.spec.config.transfer.data_path, self._lease_spans)
 
     def release_remote(self, body: Any) -> None:
         """Tells the producer named in a refused request's kv_transfer_params to free its
@@ -179,8 +188,9 @@ class Worker:
         if self._connector is not None and isinstance(params, dict):
             self._connector.release_remote(params)
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[TokenEvent]:
-        """Yields one event per engine output for the request (see `pd.worker.http_api`)."""
+    async def generate(self, job: GenerateJob, trace_context: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Yields one event per engine output for the request (see `pd.worker.http_api`).
+        `trace_context`: D's pull span (`WorkerTrace.pull_context`), passed on to P in the PULL frames."""
         engine = self._require_engine()
         faults = self._faults
         params = job.kv_transfer_params
@@ -189,6 +199,8 @@ class Worker:
             params = faults.route(params)
             for where in faults.engine_marks():
                 engine.fault_marks.mark(job.request_id, where)
+        if trace_context is not None and params is not None:
+            params = {**params, KV_TRACE_CONTEXT_KEY: trace_context}
         async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
                                          kv_transfer_params=params, cache_salt=job.cache_salt):
             if faults is not None:

@@ -115,7 +115,8 @@ def test_one_trace_per_request_with_router_p_d_links(pd, receiver):
             assert resp.status_code == 200, resp.text
             usage, prompt_ids = resp.json()["usage"], resp.json()["prompt_token_ids"]
         spans = receiver.wait_for(trace_id, {"chat pdkv-tiny", "pdkv.prefill", "pdkv.decode", "pdkv.kv_pull",
-                                             "pdkv.decode.steps", "pdkv.router.route"})
+                                             "pdkv.decode.steps", "pdkv.router.route", "pdkv.prefill.lease",
+                                             "pdkv.kv_serve"})
         root, p, d = _one(spans, "chat pdkv-tiny"), _one(spans, "pdkv.prefill"), _one(spans, "pdkv.decode")
         assert (root.service, p.service, d.service) == ("pdkv-router", "pdkv-prefill", "pdkv-decode")
         assert root.parent_id == client_span and p.parent_id == root.span_id and d.parent_id == p.span_id
@@ -127,6 +128,7 @@ def test_one_trace_per_request_with_router_p_d_links(pd, receiver):
         pull = _one(spans, "pdkv.kv_pull")
         assert pull.attributes["pdkv.kv.num_blocks"] > 0 and pull.attributes["pdkv.kv.num_bytes"] > 0
         assert pull.attributes["pdkv.kv.data_path"] in ("auto", "tcp", "shm")
+        _check_lease_and_serve(spans, p, pull)
         assert root.attributes["gen_ai.request.model"] == "pdkv-tiny"
         assert root.attributes["gen_ai.request.max_tokens"] == 8
         assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
@@ -136,6 +138,35 @@ def test_one_trace_per_request_with_router_p_d_links(pd, receiver):
         assert all(s.status != "ERROR" for s in spans)
         _closed(spans)
         _no_content(spans, prompt_ids)
+    wait_all_free(pd.url)
+
+
+def _check_lease_and_serve(spans: list[ReceivedSpan], p: ReceivedSpan, pull: ReceivedSpan) -> None:
+    """P kept its blocks for D (the lease span, under P's) and served D's pull (a child of D's pull span,
+    across processes: D sent its context in the PULL frames), with the figures D measured."""
+    lease, serve = _one(spans, "pdkv.prefill.lease"), _one(spans, "pdkv.kv_serve")
+    assert lease.service == serve.service == "pdkv-prefill"
+    assert lease.parent_id == p.span_id and lease.attributes["pdkv.lease.outcome"] == "done"
+    assert serve.parent_id == pull.span_id and serve.trace_id == pull.trace_id == p.trace_id
+    assert lease.attributes["pdkv.kv.num_blocks"] >= lease.attributes["pdkv.kv.num_blocks_sent"] > 0
+    assert (serve.attributes["pdkv.kv.num_blocks"], serve.attributes["pdkv.kv.num_bytes"]) == \
+        (pull.attributes["pdkv.kv.num_blocks"], pull.attributes["pdkv.kv.num_bytes"]) == \
+        (lease.attributes["pdkv.kv.num_blocks_sent"], lease.attributes["pdkv.kv.num_bytes_sent"])
+    assert serve.attributes["pdkv.kv.data_path"] in ("tcp", "shm", "map")
+    assert serve.attributes["pdkv.kv.num_pulls"] == lease.attributes["pdkv.kv.num_pulls"] >= 1
+    assert lease.start_ns <= serve.start_ns <= serve.end_ns <= lease.end_ns
+
+
+def test_an_aborted_pd_request_ends_its_lease_span(pd, receiver):
+    trace_id, _, headers = _parent()
+    chunks = _stream_lines(pd.url, _chat(f"{SECRET_TEXT} abort me", 40), headers, num_lines=2)
+    # the client left after two chunks: D's spans end as errors, P's lease ended (pulled: done; else aborted)
+    spans = receiver.wait_for(trace_id, {"chat pdkv-tiny", "pdkv.prefill", "pdkv.decode", "pdkv.prefill.lease"})
+    lease, p = _one(spans, "pdkv.prefill.lease"), _one(spans, "pdkv.prefill")
+    assert lease.parent_id == p.span_id and lease.attributes["pdkv.lease.outcome"] in ("done", "aborted")
+    assert _one(spans, "pdkv.decode").status == "ERROR" and _one(spans, "chat pdkv-tiny").status == "ERROR"
+    _closed(spans)
+    _no_content(spans, chunks[0].get("prompt_token_ids"))
     wait_all_free(pd.url)
 
 
