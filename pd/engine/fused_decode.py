@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine import cpu_kernels, packed_linear
+from pd.engine import cpu_kernels, gemm_tuning, packed_linear
 from pd.engine.kv_layout import KVLayout
 from pd.engine.model import CausalLM
 
@@ -93,6 +93,7 @@ class FusedDecoder:
         self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
         if self.packed_gemm:
             self.weights = packed_linear.pack_model(model, _on_huge_pages)
+            gemm_tuning.apply_crossovers(model)  # prefill-sized batches may run faster through torch's GEMM
         else:
             self.weights = _pack_on_huge_pages(self._plain_weights())
             self._share_storage()

@@ -18,6 +18,7 @@ from torch import nn
 from pd.engine import cpu_kernels
 
 PANEL = 16  # output columns per panel (kPanel in cpu_gemm.cpp)
+NEVER = 1 << 31  # a row count no batch reaches: the packed kernel always (pd/engine/gemm_tuning.py)
 _NO_BIAS = torch.empty(0)
 
 
@@ -38,6 +39,19 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features].clone()
 
 
+def torch_mm_from_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """x Wᵀ (+ b) through torch's GEMM, W held as panels ((ceil(N/16), K, 16)): the panels are
+    laid out as one (K, N_padded) matrix for the call (a transient copy the size of W)."""
+    k = packed.shape[1]
+    wt = packed.permute(1, 0, 2).reshape(k, -1)
+    if bias is not None and wt.shape[1] == out_features:
+        return torch.addmm(bias, x, wt)
+    y = torch.mm(x, wt)[:, :out_features]
+    return (y + bias if bias is not None else y).contiguous()
+
+
+
 class PackedLinear(nn.Module):
     """y = x Wᵀ + b with W held packed; a drop-in for the `nn.Linear` it replaces.
 
@@ -52,6 +66,7 @@ class PackedLinear(nn.Module):
         self.packed = packed
         self.in_features, self.out_features = in_features, out_features
         self.bias = bias
+        self.torch_from_rows = NEVER  # from this many rows torch's GEMM is faster (set by gemm_tuning)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -59,6 +74,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] >= self.torch_from_rows:
+            y = torch_mm_from_packed(flat, self.packed, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         bias = _NO_BIAS if self.bias is None else self.bias
         y = cpu_kernels.load().packed_linear(flat, self.packed, self.out_features, bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -26,6 +26,10 @@ def format_table(results: dict[str, dict[int, dict]]) -> str:
             lines.append(f"{server:<18} {c:>3} {f['tokens_per_s']:>7.1f} {_ms(f['ttft_p50_s']):>9} "
                          f"{_ms(f['ttft_p90_s']):>9} {_ms(f['tpot_p50_s']):>9} {_ms(f['tpot_p90_s']):>9} "
                          f"{f['prompt_tokens_mean']:>6.0f} {f['output_tokens_per_request']:>4.0f} {f['num_failed']:>6}")
+    for server, per_c in results.items():
+        for c in sorted(per_c):
+            if per_c[c].get("errors"):
+                lines.append(f"  failed requests, {server} c={c}: {'; '.join(per_c[c]['errors'])}")
     return "\n".join(lines)
 
 

@@ -92,7 +92,9 @@ def test_ratios_shares_and_printed_tables():
     assert "c=32 500.0 tok/s (TTFT p50 150 ms)" in text
     assert "pdkv colocated served / in-process: c=1 50%, c=32 90%" in text
     table = format_table(results)
-    assert "pdkv colocated" in table and "450.0" in table and "200 ms" in table
+    assert "pdkv colocated" in table and "450.0" in table and "200 ms" in table and "failed requests" not in table
+    results[LLAMA][32]["errors"] = ["HTTP 503: busy"]
+    assert "failed requests, llama-server F32 c=32: HTTP 503: busy" in format_table(results)
     md = format_markdown(results)
     assert "| pdkv colocated | 60 (0.08 s) | 450 (0.20 s) |" in md and "| llama-server F32 | 80 (0.04 s)" in md
     assert "c=32: throughput 1.50x, TTFT p50 0.50x" in format_ratios(r, LLAMA)
