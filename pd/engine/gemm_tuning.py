@@ -16,6 +16,7 @@ once. `PDKV_GEMM_TUNING=off` keeps every projection on the packed kernel.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -57,8 +58,8 @@ def measure_crossover(in_features: int, out_features: int, ladder: tuple[int, ..
     crossover = NEVER
     for rows in reversed(ladder):
         x = torch.randn(rows, in_features)
-        t_packed = _seconds(lambda x=x: kernels.packed_linear(x, packed, out_features, no_bias))
-        t_torch = _seconds(lambda x=x: torch_mm_from_packed(x, packed, out_features, None))
+        t_packed = _seconds(functools.partial(kernels.packed_linear, x, packed, out_features, no_bias))
+        t_torch = _seconds(functools.partial(torch_mm_from_packed, x, packed, out_features, None))
         if t_torch >= t_packed:
             break
         crossover = rows
