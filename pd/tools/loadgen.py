@@ -37,6 +37,7 @@ import aiohttp
 
 from pd.tools.loadgen_client import BACKENDS, RequestOptions, first_model, scrape_metrics, send_request
 from pd.tools.loadgen_data import DATASET_NAMES, SampleRequest, load_tokenizer, make_dataset, render_history
+from pd.tools.ttft_breakdown import format_stages, ttft_breakdown
 from pd.tools.loadgen_report import (METRICS, RequestRecord, compute_metrics, format_report, kv_figures,
                                      transfer_figures)
 
@@ -87,7 +88,9 @@ async def run(args: argparse.Namespace) -> dict:
     tok = load_tokenizer(args.tokenizer)
     dataset = make_dataset(args, tok)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # x-pdkv-timing: a pdkv router adds its TTFT breakdown to each answer (other servers ignore the header)
+    timing = {"x-pdkv-timing": "1"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=timing) as session:
         model = args.model or await first_model(session, base_url, args.api_key)
         opts = RequestOptions(api_url=base_url + args.endpoint, backend=args.backend, model=model,
                               api_key=args.api_key, temperature=args.temperature, ignore_eos=args.ignore_eos,
@@ -129,7 +132,12 @@ async def run(args: argparse.Namespace) -> dict:
     if after:
         result.update(kv_figures(transfer_figures(before, after)))
     result.update(_detail(records))
+    result["pdkv_ttft_breakdown"] = ttft_breakdown([r.server_timing for r in records if r.server_timing])
     print(format_report(result, args.percentile_metrics, args.metric_percentiles))
+    if result["pdkv_ttft_breakdown"]:
+        b = result["pdkv_ttft_breakdown"]
+        print(f"TTFT breakdown (the router's pdkv_timing, p50 per stage over {b['num_requests']} requests): "
+              f"{format_stages(b)}; server TTFT p50 {1e3 * (b['server_ttft_p50_s'] or 0):.1f} ms")
     if args.plot:
         from pd.tools.loadgen_plot import write_plots
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from pd.tools.peer_bench_stats import STAGES
+from pd.tools.ttft_breakdown import format_stages
 
 LLAMA = "llama-server F32"
 
@@ -81,11 +81,8 @@ def format_breakdown(results: dict[str, dict[int, dict]]) -> str:
             if not b:
                 lines.append(f"  {server} c={c}: no breakdown (the router sent no pdkv_timing)")
                 continue
-            stages = b["stages_p50_s"]
-            names = [s for s in STAGES if s in stages] + [s for s in stages if s not in STAGES]
-            cells = ", ".join(f"{s.removesuffix('_s')} {stages[s] * 1e3:.1f}" for s in names)
             cached = b.get("cached_tokens_p50")
-            lines.append(f"  {server} c={c} ({b['num_requests']} requests): {cells} ms; server TTFT p50 "
+            lines.append(f"  {server} c={c} ({b['num_requests']} requests): {format_stages(b)}; server TTFT p50 "
                          f"{_ms(b.get('server_ttft_p50_s'))}; cached prompt tokens p50 "
                          f"{'-' if cached is None else f'{cached:.0f}'}")
     return "\n".join(lines)

@@ -11,10 +11,9 @@ import statistics
 from dataclasses import dataclass, field
 
 from pd.tools.loadgen_report import RequestRecord, percentile
+from pd.tools.ttft_breakdown import ttft_breakdown
 
 FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
-STAGES = ("parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-          "kv_transfer_s", "decode_queue_s", "first_chunk_s")
 
 
 @dataclass
@@ -64,26 +63,6 @@ def class_figures(waves: list[WaveFigures]) -> dict:
     out["breakdown"] = ttft_breakdown([t for w in waves for t in w.timings])
     out["errors"] = [e for w in waves for e in w.errors][:3]
     return out
-
-
-def ttft_breakdown(timings: list[dict]) -> dict | None:
-    """p50 of each stage (over the requests that report it), of ttft_s and of num_cached_tokens;
-    None when no request carried a breakdown."""
-    if not timings:
-        return None
-    stages: dict[str, float] = {}
-    names = list(STAGES) + sorted({k for t in timings for k in (t.get("stages") or {})} - set(STAGES))
-    for name in names:
-        values = [float(t["stages"][name]) for t in timings
-                  if isinstance(t.get("stages"), dict) and isinstance(t["stages"].get(name), (int, float))]
-        if values:
-            stages[name] = percentile(values, 50)
-    ttfts = [float(t["ttft_s"]) for t in timings if isinstance(t.get("ttft_s"), (int, float))]
-    cached = [float(t["num_cached_tokens"]) for t in timings if isinstance(t.get("num_cached_tokens"), (int, float))]
-    return {"num_requests": len(timings), "stages_p50_s": stages,
-            "server_ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
-            "cached_tokens_p50": percentile(cached, 50) if cached else None,
-            "cached_tokens_mean": statistics.fmean(cached) if cached else None}
 
 
 def ratios(results: dict[str, dict[int, dict]], baseline: str) -> dict[str, dict[int, dict]]:
