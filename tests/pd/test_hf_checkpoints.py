@@ -84,7 +84,9 @@ def test_transformers_checkpoint_same_tokens_and_logits(tmp_path, case):
         full = prompt + got[rid]
         with torch.no_grad():
             want = hf_model(torch.tensor([full])).logits[0].float()
-        torch.testing.assert_close(engine.runner.model.reference_logits(full), want, atol=1e-5, rtol=0)
+        # float32 rounding through the layers: BLAS kernels differ by CPU (an AVX-512 Xeon's MKL path lands
+        # 1.07e-5 from transformers on qwen2-max-window-layers, the same code elsewhere under 1e-5)
+        torch.testing.assert_close(engine.runner.model.reference_logits(full), want, atol=3e-5, rtol=0)
 
 
 def test_legacy_rope_theta_and_rope_scaling_default(tmp_path):
