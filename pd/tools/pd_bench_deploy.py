@@ -98,7 +98,7 @@ def worker_plans(variant: Variant) -> list[WorkerPlan]:
 
 
 class Deployment:
-    """A variant's workers (`pd.tools.pd_bench_worker` processes) and its Router; a context manager."""
+    """A variant's workers (`pd.tools.pinned_worker` processes) and its Router; a context manager."""
 
     def __init__(self, variant: Variant, config: DeployConfig) -> None:
         self.variant = variant
@@ -114,7 +114,7 @@ class Deployment:
 
     def _spawn(self, plan: WorkerPlan) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), *sys.path) if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.pd_bench_worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.pinned_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, text=True, cwd=REPO)
         self.procs.append(proc)
         assert proc.stdin is not None

@@ -5,7 +5,7 @@
 For each link (fast: loopback; throttled: `transfer.emulated_link` of the deploy config,
 `--bandwidth-mbps` / `--latency-ms`) and each policy (`router.planner.mode`:
 always_disaggregate, always_local, planner) it starts a 1P1D deployment: P and D each in a
-process of its own (`pd.tools.planner_bench_worker`: the real Worker with its engine, ZMQ
+process of its own (`pd.tools.pinned_worker`: the real Worker with its engine, ZMQ
 connector and HTTP API; one torch thread; P pinned to one core and D to another where this
 process may use two), the real Router in this process, loopback HTTP. It warms each up
 (the same warm-up prompts, so the planner's figures have samples), then runs the workloads
@@ -120,7 +120,7 @@ def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig
 
 
 class _Deployment:
-    """1P1D with each worker in a process of its own (`pd.tools.planner_bench_worker`: the real
+    """1P1D with each worker in a process of its own (`pd.tools.pinned_worker`: the real
     Worker, its engine, ZMQ connector and HTTP API; one torch thread, pinned to its own core where
     the machine has two), and the real Router here, on a private event-loop thread."""
 
@@ -138,7 +138,7 @@ class _Deployment:
 
     def _spawn(self, worker_id: str, role: Role, cpu: int | None) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.planner_bench_worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.pinned_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, text=True)
         self.procs.append(proc)
         assert proc.stdin is not None
