@@ -26,7 +26,8 @@ import os
 import time
 from pathlib import Path
 
-from pd.tools.pd_bench_deploy import REPO, Deployment, deploy_config, variants
+from pd.tools.pinned_deployment import REPO
+from pd.tools.pd_bench_deploy import deploy_config, deployment, variants
 from pd.tools.pd_bench_load import Record, Serials, Workload, run_idle, run_slice
 from pd.tools.pd_bench_report import (class_figures, format_idle, format_ratios, format_table, identical,
                                       idle_figures, plot)
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace, load: Workload) -> tuple[dict, dict, dict]:
     records: dict[str, list[Record]] = {v.label: [] for v in chosen}
     serials = Serials(args.seed)
     with contextlib.ExitStack() as stack:
-        deps = {v.label: stack.enter_context(Deployment(v, deploy_config(v, Path(args.config), args.bandwidth_mbps,
+        deps = {v.label: stack.enter_context(deployment(v, deploy_config(v, Path(args.config), args.bandwidth_mbps,
                                                                           args.latency_ms))) for v in chosen}
         warm = Workload(load.model, slice_s=1.0, num_chat_clients=1, chat_tokens=8, doc_interval_s=10.0,
                         doc_min_tokens=256, doc_max_tokens=256, doc_tokens=4)

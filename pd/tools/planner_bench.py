@@ -36,26 +36,20 @@ import logging
 import math
 import os
 import random
-import select
 import statistics
-import subprocess
-import sys
-import threading
 import time
 
 import aiohttp
 
 from pd.cluster.config import DeployConfig, TransferSection
-from pd.cluster.roles import Role, WorkerEndpoint
-from pd.router.server import Router
+from pd.cluster.roles import Role
+from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 from pd.tools.sse_stream import SSEStream
 
-SECRET = "planner-bench-secret-0123456789abcdef"
 ARCH = {"vocab_size": 260, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
         "num_kv_heads": 2}
 POLICIES = ("always_disaggregate", "always_local", "planner")
 WARMUP_LENGTHS = (64, 256, 1024, 4096, 8192, 128, 512, 2048, 64, 8192)
-WORKER_START_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,71 +113,12 @@ def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig
     })
 
 
-class _Deployment:
-    """1P1D with each worker in a process of its own (`pd.tools.pinned_worker`: the real
-    Worker, its engine, ZMQ connector and HTTP API; one torch thread, pinned to its own core where
-    the machine has two), and the real Router here, on a private event-loop thread."""
-
-    def __init__(self, config: DeployConfig, cpus: tuple[int | None, int | None]) -> None:
-        self.config = config
-        self.cpus = cpus
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.procs: list[subprocess.Popen] = []
-        self.router: Router | None = None
-        self.url = ""
-
-    def run(self, coro, timeout_s: float = 900.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def _spawn(self, worker_id: str, role: Role, cpu: int | None) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "pd.tools.pinned_worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env, text=True)
-        self.procs.append(proc)
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"worker_id": worker_id, "role": role.value, "config": self.config.to_json(),
-                                     "secret": SECRET, "cpu": cpu}) + "\n")
-        proc.stdin.flush()
-        return proc
-
-    def __enter__(self) -> _Deployment:
-        self.thread.start()
-        roles = (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE))
-        procs = [self._spawn(wid, role, cpu) for (wid, role), cpu in zip(roles, self.cpus, strict=True)]
-        endpoints = []
-        for (wid, role), proc in zip(roles, procs, strict=True):
-            url = _read_url(proc, WORKER_START_TIMEOUT_S)
-            endpoints.append(WorkerEndpoint(wid, role, url))
-        self.router = Router(self.config, endpoints, SECRET)
-        self.url = self.run(self.router.start())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.router is not None:
-            self.run(self.router.stop())
-        for proc in self.procs:
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.close()  # the worker's cue to stop
-        for proc in self.procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def _read_url(proc: subprocess.Popen, timeout_s: float) -> str:
-    """The worker's `{"url": ...}` line, within `timeout_s`."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        raise RuntimeError(f"a bench worker gave no URL within {timeout_s:.0f} s (exit code {proc.poll()})")
-    return json.loads(line)["url"]
+def _deployment(config: DeployConfig, cpus: tuple[int | None, int | None]) -> PinnedDeployment:
+    """1P1D, each worker in a process of its own with one torch thread, pinned to its own core where the
+    machine has two, and the real Router here."""
+    plans = [WorkerPlan(wid, role, None if cpu is None else (cpu,), 1)
+             for (wid, role), cpu in zip((("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)), cpus, strict=True)]
+    return PinnedDeployment(config, plans, "planner-bench")
 
 
 def worker_cpus() -> tuple[int | None, int | None]:
@@ -288,7 +223,7 @@ def run_link(link: str, settings: BenchSettings) -> tuple[dict, dict, dict]:
     longs, shorts = prompts_of(long_lengths, settings.seed + 3), prompts_of(short_lengths, settings.seed + 4)
     cpus = worker_cpus()
     with contextlib.ExitStack() as stack:
-        deps = {m: stack.enter_context(_Deployment(deploy_config(m, link, settings), cpus)) for m in POLICIES}
+        deps = {m: stack.enter_context(_deployment(deploy_config(m, link, settings), cpus)) for m in POLICIES}
         for dep in deps.values():
             dep.run(_drive(dep.url, warmup, 1, 4))
         for load in settings.loads:

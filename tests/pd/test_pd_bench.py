@@ -6,7 +6,8 @@ import pytest
 
 from pd.cluster.roles import Role
 from pd.tools import pd_bench
-from pd.tools.pd_bench_deploy import REPO, Variant, core_pair, deploy_config, variants, worker_plans
+from pd.tools.pinned_deployment import REPO
+from pd.tools.pd_bench_deploy import Variant, core_pair, deploy_config, variants, worker_plans
 from pd.tools.pd_bench_load import Record, Serials, document
 from pd.tools.pd_bench_report import identical, idle_figures
 
