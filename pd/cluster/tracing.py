@@ -17,6 +17,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -32,6 +33,9 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pd.cluster.tracing_config import TracingSettings
+
+_FILE_NUMBERS = itertools.count()
+_SPAN_IDS = random.SystemRandom()
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +122,7 @@ class Tracing:
 
     def new_span_id(self) -> int:
         """A span id for a span to start later (`span(..., span_id=)`)."""
-        return random.getrandbits(64) or 1
+        return _SPAN_IDS.getrandbits(64) or 1  # its own generator: a seeded global `random` must not repeat ids
 
     def span(self, name: str, parent: Context | None, kind: SpanKind = SpanKind.INTERNAL,
              attributes: Mapping[str, Any] | None = None, start_s: float | None = None, span_id: int = 0,
@@ -194,6 +198,14 @@ def _exporter(settings: TracingSettings, service_name: str) -> Any:
     assert settings.file_dir is not None  # validated with the config
     directory = Path(settings.file_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    out = open(directory / f"spans-{service_name}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - the exporter's
-    return ConsoleSpanExporter(service_name=service_name, out=out,
-                               formatter=lambda span: span.to_json(indent=None) + "\n")
+    # one file per exporter (several workers may share a process): lines of two writers never interleave
+    name = f"spans-{service_name}-{os.getpid()}-{next(_FILE_NUMBERS)}.jsonl"
+    out = open(directory / name, "a", buffering=1)  # noqa: SIM115 - closed by the exporter's shutdown
+
+    class _FileSpanExporter(ConsoleSpanExporter):
+        def shutdown(self) -> None:
+            super().shutdown()
+            out.close()
+
+    return _FileSpanExporter(service_name=service_name, out=out,
+                             formatter=lambda span: span.to_json(indent=None) + "\n")

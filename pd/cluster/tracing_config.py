@@ -4,7 +4,7 @@
       exporter: otlp          # otlp | console | file | none (none: no span is ever created)
       endpoint: http://127.0.0.1:4318/v1/traces   # otlp: OTLP/HTTP protobuf; empty: the OTEL_* variables
       sample_ratio: 1.0       # traces started here (no incoming traceparent) kept with this probability
-      include_content: false  # true: prompt text and token ids may go into span attributes
+      include_content: false  # true: the prompt's token ids go into the router's root span
       file_dir: /tmp/spans    # file: one JSON-lines file per process (spans-<service>-<pid>.jsonl)
 
 With `exporter: none` (the default) the standard variables still switch tracing on in a process:
@@ -31,7 +31,7 @@ class TracingSection(StrictModel):
     exporter: ExporterName = Field("none", description="none: tracing off (no span created), unless OTEL_* says")
     endpoint: str | None = Field(None, description="otlp: the OTLP/HTTP traces URL; empty: OTEL_EXPORTER_OTLP_*")
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0, description="for traces that start here; a parent's flag wins")
-    include_content: bool = Field(False, description="true: prompt text / token ids may enter span attributes")
+    include_content: bool = Field(False, description="true: the prompt's token ids go into the router's root span")
     file_dir: str | None = Field(None, description="file: the directory of the per-process JSON-lines files")
     batch_delay_s: float = Field(1.0, gt=0.0, le=60.0, description="the span batch's longest wait before export")
 

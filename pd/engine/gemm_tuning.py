@@ -8,10 +8,12 @@ thread count and the shape, so it is measured: for each distinct (K, N) of a mod
 packed projections, both paths are timed at a ladder of row counts, and a projection
 takes the torch path from the smallest row count past which torch wins at every rung.
 
-The table is cached per machine (CPU model, threads, torch version) beside the fused
-kernels, so every worker process of a machine uses the same crossovers (a prefill on P
-and on a colocated worker then run the same arithmetic), and the measurement is paid
-once. `PDKV_GEMM_TUNING=off` keeps every projection on the packed kernel.
+The table is cached per machine (CPU model, thread count, torch version) beside the fused
+kernels, so every worker process of a machine with the same thread count uses the same
+crossovers, and the measurement is paid once. Workers on other thread counts may cross
+over elsewhere: both paths are float32 GEMMs, so they agree to rounding, not bit for bit.
+`PDKV_GEMM_TUNING=off` keeps every projection on the packed kernel. A process that waits
+over LOCK_WAIT_S for another's measurement uses the packed kernel rather than wait on.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from pd.engine.packed_linear import NEVER, PackedLinear, torch_mm_from_packed
 logger = logging.getLogger(__name__)
 
 ROW_LADDER = (32, 64, 128, 256, 512, 1024)
+LOCK_WAIT_S = 120.0
 _TABLE_NAME = "gemm_tuning.json"
 
 
@@ -80,6 +83,18 @@ def _table_path() -> Path:
     return cpu_kernels.build_directory().parent / _TABLE_NAME
 
 
+def _read_table(path: Path) -> dict[str, dict[str, int]]:
+    """The cached table; a missing, unreadable or malformed file counts as empty (measured again)."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(table, dict):
+        return {}
+    return {machine: {shape: rows for shape, rows in known.items() if isinstance(rows, int)}
+            for machine, known in table.items() if isinstance(known, dict)}
+
+
 def crossovers(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """The crossover row count of each (in_features, out_features), from the machine's cached table,
     measuring (under an flock, so concurrent starts measure once) the shapes it lacks."""
@@ -89,12 +104,19 @@ def crossovers(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = _machine_key()
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
             try:
-                table = json.loads(path.read_text())
-            except (OSError, ValueError):
-                table = {}
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("another process measures the GEMM crossovers for over %.0f s: packed kernel only",
+                                   LOCK_WAIT_S)
+                    return {shape: NEVER for shape in shapes}
+                time.sleep(0.1)
+        try:
+            table = _read_table(path)
             known = table.get(machine, {})
             missing = sorted(s for s in shapes if f"{s[0]}x{s[1]}" not in known)
             if missing:

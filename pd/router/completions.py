@@ -267,12 +267,15 @@ class CompletionEndpoints:
             # prefill: clients such as `vllm bench serve` take the first chunk's arrival as the TTFT.
             first = output.first_chunk()
             async for piece in self._pieces(job, f"{output.id}-0", job.prompts[0], timeline, tally):
+                wrote = first is not None
                 if first is not None:
                     await response.write(first)
                     first = None
                 for chunk in output.chunks(piece):
                     await response.write(chunk)
-                timeline.mark("first_chunk")
+                    wrote = True
+                if wrote:  # text held back (a stop string may be forming) is not a first chunk yet
+                    timeline.mark("first_chunk")
             usage = timeline.final_chunk(output.usage_chunk(Usage.of(len(job.prompts[0]), tally.num_tokens,
                                                                      self._reported(tally.num_cached_tokens))),
                                          output.id, output.created, output.model, _chunk_object(output))

@@ -65,6 +65,13 @@ class LeaseSpans:
         with self._lock:
             self._pending.pop(request_id, None)
 
+    def forget_ungranted(self, request_id: str) -> None:
+        """The request ended (finished, aborted or broken): without a grant, no lease will be reported."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is not None and pending.granted_s is None:
+                del self._pending[request_id]
+
     def on_report(self, report: LeaseReport) -> None:
         with self._lock:
             pending = self._pending.pop(report.request_id, None)

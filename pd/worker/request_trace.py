@@ -138,6 +138,8 @@ class WorkerTrace:
         if self._ended:
             return
         self._ended = True
+        if self._leases is not None:
+            self._leases.forget_ungranted(self._request_id)
         if self._pull_span_id:  # no first token: the pull span P may have named as its parent, as an error
             self._tracing.interval("pdkv.kv_pull", self._parent, self.started, time.perf_counter(),
                                    {"pdkv.kv.data_path": self._data_path}, span_id=self._pull_span_id,

@@ -180,10 +180,11 @@ class Worker:
         return start_trace(self._tracing, self.spec.role, self.spec.worker_id, job, headers,
                            self.spec.config.transfer.data_path, self._lease_spans)
 
-    def release_remote(self, body: Any) -> None:
-        """Tells the producer named in a refused request's kv_transfer_params to free its
-        blocks now, rather than when its lease runs out."""
-        self._num_rejected += 1
+    def release_remote(self, body: Any, refused: bool = True) -> None:
+        """Tells the producer named in a refused (or never started) request's kv_transfer_params to
+        free its blocks now, rather than when its lease runs out."""
+        if refused:
+            self._num_rejected += 1
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if self._connector is not None and isinstance(params, dict):
             self._connector.release_remote(params)
