@@ -40,7 +40,8 @@ LOCK_WAIT_S = 120.0
 _TABLE_NAME = "gemm_tuning.json"
 
 
-def _seconds(fn: Callable[[], object], reps: int = 2) -> float:
+def best_seconds(fn: Callable[[], object], reps: int = 2) -> float:
+    """The fastest of `reps` calls of `fn`, after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -61,8 +62,8 @@ def measure_crossover(in_features: int, out_features: int, ladder: tuple[int, ..
     crossover = NEVER
     for rows in reversed(ladder):
         x = torch.randn(rows, in_features)
-        t_packed = _seconds(functools.partial(kernels.packed_linear, x, packed, out_features, no_bias))
-        t_torch = _seconds(functools.partial(torch_mm_from_packed, x, packed, out_features, None))
+        t_packed = best_seconds(functools.partial(kernels.packed_linear, x, packed, out_features, no_bias))
+        t_torch = best_seconds(functools.partial(torch_mm_from_packed, x, packed, out_features, None))
         if t_torch >= t_packed:
             break
         crossover = rows

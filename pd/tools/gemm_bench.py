@@ -10,39 +10,30 @@ Best of `--repeats` timings each, so that other processes on the machine count l
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from pd.engine import cpu_kernels
+from pd.engine.gemm_tuning import best_seconds
 from pd.engine.packed_linear import num_panels, pack_into
-
-
-def _best_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def peak_gflops(size: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _best_s(lambda: torch.mm(a, b), repeats) / 1e9
+    return 2 * size**3 / best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
 
 
 def shape_gflops(rows: int, in_features: int, out_features: int, repeats: int) -> dict[str, float]:
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features) / in_features**0.5
     flops = 2 * rows * in_features * out_features
-    out = {"torch": flops / _best_s(lambda: F.linear(x, w), repeats) / 1e9}
+    out = {"torch": flops / best_seconds(lambda: F.linear(x, w), repeats) / 1e9}
     module = cpu_kernels.load()
     if module is not None and module.packed_gemm_available():
         packed = pack_into(w, torch.empty(num_panels(out_features), in_features, 16))
         no_bias = torch.empty(0)
-        out["packed"] = flops / _best_s(lambda: module.packed_linear(x, packed, out_features, no_bias), repeats) / 1e9
+        seconds = best_seconds(lambda: module.packed_linear(x, packed, out_features, no_bias), repeats)
+        out["packed"] = flops / seconds / 1e9
     return out
 
 
