@@ -45,7 +45,9 @@ KV_PARAM_KEYS = (
     "remote_request_id",
     "remote_block_ids",
     "remote_num_tokens",
+    "streaming",  # pdkv's own: the producer publishes the blocks while it prefills (`transfer.streaming`)
 )
+KV_STREAM_KEY = "streaming"
 # Beside them, set by the decode worker (never by a client): its W3C `traceparent` for the pull, carried
 # opaque in the PULL frames to the producer (`connectors.params.valid_trace_context` checks the form).
 KV_TRACE_CONTEXT_KEY = "trace_context"
@@ -126,6 +128,16 @@ class KVConnectorScheduler(abc.ABC):
         """Called when the engine accepts a request (before it reaches the queue head), so a
         connector can start keeping remote state alive (e.g. lease heartbeats) while it waits."""
 
+    def prefill_stream_chunk(self, request: Request) -> int | None:
+        """Called once when the engine accepts a request: None, its KV is not streamed; else the
+        most prompt tokens one step may prefill for it, and the engine then calls
+        `on_prefill_progress` after each step that advanced its prefill."""
+        return None
+
+    def on_prefill_progress(self, request: Request, block_ids: tuple[list[int], ...]) -> None:  # noqa: B027
+        """A streamed request's prefill advanced (`request.num_computed_tokens` is computed, in
+        these blocks per KV cache group); its last step is `request_finished`'s."""
+
 
 class KVConnectorWorker(abc.ABC):
     """Worker half: moves pages between page pools."""
@@ -197,6 +209,11 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
         """Transfer figures for JSON (plain data)."""
         return {}
 
+    def stream_source(self) -> dict[str, Any] | None:
+        """Producer with KV streaming on: `engine_id`, `host` and `port` a router names in a
+        streamed request's decode-side params; None where this connector streams nothing."""
+        return None
+
     def listen_ports(self) -> dict[str, int] | None:
         """Producer side: the ports this connector listens on itself (`side_channel`, `data`;
         not an emulated link's), or None where it listens on none."""
@@ -220,6 +237,12 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)
+
+    def prefill_stream_chunk(self, request: Request) -> int | None:
+        return self.scheduler.prefill_stream_chunk(request)
+
+    def on_prefill_progress(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        self.scheduler.on_prefill_progress(request, block_ids)
 
     # -- worker half ---------------------------------------------------------------
     @property  # the worker half decides

@@ -71,6 +71,8 @@ class TransferMetrics:
         self.refused: Counter[str] = Counter()
         self.malformed_frames = 0
         self.accept_backoffs = 0  # a listener paused at the fd limit (EMFILE and the like)
+        self.stream_parts_published = 0  # producer: parts of streamed prefills published (connectors.zmq.stream)
+        self.stream_parts_received = 0  # consumer: published parts pulled, landed and verified
         self._latencies: deque[float] = deque(maxlen=keep_latencies)
         self._load_bucket_counts = [0] * (len(LOAD_BUCKETS_S) + 1)  # per bucket, the last one past every bound
         self._peers: OrderedDict[str, _PeerLoads] = OrderedDict()  # least recently loaded from first
@@ -130,6 +132,13 @@ class TransferMetrics:
         with self._lock:
             self.accept_backoffs += 1
 
+    def record_stream_part(self, published: bool) -> None:
+        with self._lock:
+            if published:
+                self.stream_parts_published += 1
+            else:
+                self.stream_parts_received += 1
+
     def record_malformed(self) -> None:
         with self._lock:
             self.malformed_frames += 1
@@ -156,6 +165,8 @@ class TransferMetrics:
                 "handshakes_refused": dict(self.refused),
                 "malformed_frames": self.malformed_frames,
                 "accept_backoffs": self.accept_backoffs,
+                "stream_parts_published": self.stream_parts_published,
+                "stream_parts_received": self.stream_parts_received,
                 "peers": {peer: loads.snapshot() for peer, loads in self._peers.items()},
             }
 

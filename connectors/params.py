@@ -12,9 +12,10 @@ import dataclasses
 import re
 from typing import Any
 
-from connectors.base import KV_PARAM_KEYS
+from connectors.base import KV_PARAM_KEYS, KV_STREAM_KEY
 
 MAX_BLOCKS_PER_GROUP = 1 << 20
+STREAM_KEY = KV_STREAM_KEY  # the producer publishes the blocks as its prefill completes them
 MAX_TRACE_CONTEXT_LEN = 55  # a W3C traceparent of version 00, the one form passed on
 _TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 
@@ -31,8 +32,9 @@ class RemotePrefill:
     host: str
     port: int
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, end-aligned to num_tokens
-    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, end-aligned to num_tokens (streamed: empty)
+    num_tokens: int  # streamed: 0 (the consumer takes the prompt's length)
+    streamed: bool = False  # the producer publishes the blocks while it prefills (`STREAM_KEY`)
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
@@ -43,10 +45,19 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return params is not None and params.get("do_remote_decode") is True
 
 
+def wants_stream(params: dict[str, Any] | None) -> bool:
+    """The request's KV is streamed (`transfer.streaming: chunk`): set by the router on both legs."""
+    return params is not None and params.get(STREAM_KEY) is True
+
+
 def parse_remote_prefill(params: dict[str, Any], num_groups: int) -> RemotePrefill:
-    """Validates the fields a consumer needs; raises `InvalidKVParams` with the first problem."""
+    """Validates the fields a consumer needs; raises `InvalidKVParams` with the first problem.
+    A streamed request (`streaming: true`) names its producer and request only: no blocks yet."""
     if not isinstance(params, dict):
         raise InvalidKVParams("kv_transfer_params must be a dict")
+    streamed = params.get(STREAM_KEY, False)
+    if type(streamed) is not bool:
+        raise InvalidKVParams(f"{STREAM_KEY} must be a bool, got {streamed!r:.60}")
 
     def need(key: str, kind: type) -> Any:
         value = params.get(key)
@@ -58,12 +69,16 @@ def parse_remote_prefill(params: dict[str, Any], num_groups: int) -> RemotePrefi
     host = need("remote_host", str)
     port = need("remote_port", int)
     request_id = need("remote_request_id", str)
-    num_tokens = need("remote_num_tokens", int)
-    groups = params.get("remote_block_ids")
     if not engine_id or not host or not request_id:
         raise InvalidKVParams("remote_engine_id, remote_host and remote_request_id must be non-empty")
     if not 0 < port < 65536:
         raise InvalidKVParams(f"remote_port {port} out of range")
+    if streamed:
+        if params.get("remote_block_ids") is not None:
+            raise InvalidKVParams("a streamed request names no remote_block_ids (the producer publishes them)")
+        return RemotePrefill(engine_id, host, port, request_id, (), 0, streamed=True)
+    num_tokens = need("remote_num_tokens", int)
+    groups = params.get("remote_block_ids")
     if num_tokens < 0:
         raise InvalidKVParams(f"remote_num_tokens {num_tokens} is negative")
     if not isinstance(groups, (list, tuple)) or len(groups) != num_groups:
@@ -91,8 +106,14 @@ def make_remote_prefill_params(engine_id: str, host: str, port: int, request_id:
         "remote_block_ids": [list(g) for g in block_ids],
         "remote_num_tokens": num_tokens,
     }
-    assert set(params) == set(KV_PARAM_KEYS)
+    assert set(params) == set(KV_PARAM_KEYS) - {STREAM_KEY}
     return params
+
+
+def make_stream_params(engine_id: str, host: str, port: int, request_id: str) -> dict[str, Any]:
+    """What the decode side is sent for a streamed request: its producer and request, no blocks."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+            "remote_host": host, "remote_port": port, "remote_request_id": request_id, STREAM_KEY: True}
 
 
 def valid_trace_context(value: Any) -> str | None:

@@ -66,6 +66,10 @@ class ZmqConnectorConfig:
     # Tests and benchmarks only: the producer's side channel and data port are reached through an
     # `EmulatedLink` of this shape (and shared memory is not offered, so the bytes cross it).
     emulated_link: LinkShape | None = None
+    # KV streaming (`connectors.zmq.stream`): "chunk", a producer publishes a streamed request's
+    # blocks after each prefill step of at most `stream_chunk_tokens` tokens; "off", at its end.
+    streaming: str = "off"
+    stream_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", KVRole(self.role))
@@ -76,6 +80,8 @@ class ZmqConnectorConfig:
             raise ValueError("secret must be at least 16 bytes")
         if not self.engine_id or not self.model_id:
             raise ValueError("engine_id and model_id must be non-empty")
+        if self.streaming not in ("off", "chunk") or self.stream_chunk_tokens < 1:
+            raise ValueError("streaming must be 'off' or 'chunk', stream_chunk_tokens >= 1")
         if self.lease_s <= 0 or (self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0):
             raise ValueError("lease_s and heartbeat_interval_s must be positive")
 
@@ -156,6 +162,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         for rid, order in meta.loads.items():
             self._start_load(rid, order)
         if isinstance(meta, ZmqConnectorMetadata) and self.consumer is not None:
+            for rid in meta.cancels:
+                self.consumer.cancel(rid)
             for remote, remote_rid in meta.releases:
                 self.consumer.notify_done(remote, [remote_rid])
             if meta.heartbeats is not None:
@@ -176,6 +184,10 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.consumer.notify_done(remote, [order["remote_request_id"]])
             return
         try:
+            if order.get("streamed"):
+                self.consumer.load_streamed(rid, remote, order["remote_request_id"],
+                                            {(g, pos): d for g, pos, d in order["wanted"]}, order.get("trace_context"))
+                return
             self.consumer.load(rid, remote, order["remote_request_id"], order["src"], order["dst"],
                                order.get("trace_context"))
         except ValueError as e:
@@ -275,7 +287,8 @@ class ZmqConnector(KVConnector):
         self.config = config
         self.metrics = TransferMetrics()
         layouts = tuple(GroupLayout.from_spec(g.spec) for g in kv_cache_groups)
-        super().__init__(ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint),
+        chunk = config.stream_chunk_tokens if config.streaming == "chunk" and config.is_producer else None
+        super().__init__(ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint, chunk),
                          ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics))
 
     def _endpoint(self) -> tuple[str, int, Producer | None]:
@@ -290,6 +303,18 @@ class ZmqConnector(KVConnector):
 
     def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
         return self.worker.release_remote(kv_transfer_params)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        sending, recving = self.worker.get_finished()
+        return self.scheduler.filter_sending(sending), recving
+
+    def stream_source(self) -> dict[str, Any] | None:
+        """Producer with streaming on: what a router names in a streamed request's decode-side params
+        (this engine's id and the side channel consumers dial); None otherwise."""
+        if self.config.streaming != "chunk" or self.worker.producer is None:
+            return None
+        return {"engine_id": self.config.engine_id, "host": self.config.advertise_host or self.config.host,
+                "port": self.worker.advertised_port}
 
     def abort_lease(self, request_id: str) -> bool:
         return self.worker.abort_lease(request_id)

@@ -35,6 +35,7 @@ from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.zmq.pull_stream import PullStream
 from connectors.zmq.session import ClientSession
+from connectors.zmq.stream_load import StreamedLoad, StreamLoads
 from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,11 @@ class _Session:
         self.streams: list[PullStream] = []
         self.pending: list[LoadHandle] = []
         self.pending_done: list[str] = []
+        self.pending_watch: list[str] = []  # streamed loads' remote request ids, WATCHed once READY
         self.next_stream = 0
 
 
-class Consumer:
+class Consumer(StreamLoads):
     def __init__(self, config: ConsumerConfig, pool: KVPages, metrics: TransferMetrics | None = None):
         self.config = config
         self.pool = pool
@@ -72,6 +74,7 @@ class Consumer:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, LoadHandle] = {}
         self._finished: list[LoadResult] = []
+        self._streamed: dict[tuple[RemoteAddr, str], StreamedLoad] = {}  # by producer and its request id
         self._heartbeats: dict[RemoteAddr, list[str]] = {}
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -139,16 +142,22 @@ class Consumer:
     def _dispatch_locked(self, session: _Session, job: LoadHandle) -> None:
         if job.result is not None:  # already ended (deadline passed while waiting for the handshake)
             return
+        if isinstance(job, StreamedLoad):  # its parts come as the producer publishes them
+            session.pending_watch.append(job.remote_request_id)  # (sent by the next _flush_done)
+            return
+        self._send_parts(session, job, job.src, job.dst)
+
+    def _send_parts(self, session: _Session, job: LoadHandle, all_src: list[int], all_dst: list[int]) -> None:
         live = [s for s in session.streams if not s.dead] or session.streams
-        n = len(job.dst)
+        n = len(all_dst)
         k = min(len(live), n // 4) if n >= 8 else 1  # tiny loads ride one stream
         per = -(-n // k)
         slices = [(i, min(n, i + per)) for i in range(0, n, per)] if k > 1 else [(0, n)]
-        job.parts_left = len(slices)
+        job.parts_left += len(slices)
         for a, b in slices:
             stream = live[session.next_stream % len(live)]
             session.next_stream += 1
-            src, dst = (job.src, job.dst) if k == 1 else (job.src[a:b], job.dst[a:b])
+            src, dst = (all_src, all_dst) if k == 1 else (all_src[a:b], all_dst[a:b])
             stream.submit(PullPart(job.remote_request_id, src, dst, functools.partial(self._on_part, job),
                                    trace_context=job.trace_context))
             job.streams.append(stream)  # (after the PULL went out: off the latency path)
@@ -159,12 +168,19 @@ class Consumer:
             if part.cause is not None and job.cause is None:
                 job.cause = part.cause
             job.parts_left -= 1
-            if job.parts_left == 0:
+            if isinstance(job, StreamedLoad) and part.cause is None and not part.bad_block_ids:
+                self.metrics.record_stream_part(published=False)
+            if job.parts_left == 0 and job.settled():
                 self._finish_locked(job)
 
     def _finish_locked(self, job: LoadHandle) -> None:
         seconds = time.perf_counter() - job.start
         self._active.pop(id(job), None)
+        if isinstance(job, StreamedLoad) and self._streamed.get((job.remote, job.remote_request_id)) is job:
+            del self._streamed[(job.remote, job.remote_request_id)]
+        job.bad.extend(job.unfilled())  # a streamed load's blocks never published
+        if job.bad and job.cause is None:
+            job.cause = FailureCause.PULL_REFUSED
         ok = job.cause is None and not job.bad
         nbytes = len(job.dst) * self.pool.page_size_bytes if ok else 0
         job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)
@@ -306,6 +322,9 @@ class Consumer:
             self._send(session, handshake.on_challenge(msg))
         elif msg_type is MsgType.WELCOME and shaking and handshake.authed:
             self._open_streams(session, msg)
+        elif msg_type is MsgType.PUBLISHED and session.state is _HS.READY and session.client is not None:
+            session.client.check_published(msg)
+            self._on_published(session, msg)
         else:
             state = session.state.name if session.state else None
             raise MalformedMessage(f"unexpected {msg_type.value} in state {state}")
@@ -334,6 +353,10 @@ class Consumer:
         self._flush_done(session)
 
     def _flush_done(self, session: _Session) -> None:
+        if session.pending_watch:
+            ids, session.pending_watch = session.pending_watch, []
+            assert session.client is not None  # (flushed once READY)
+            self._send(session, session.client.side_message(MsgType.WATCH, ids))
         if session.pending_done:
             ids, session.pending_done = session.pending_done, []
             assert session.client is not None  # (flushed once READY)
@@ -366,6 +389,11 @@ class Consumer:
         with self._lock:
             late = [j for j in self._active.values() if now > j.deadline]
         for job in late:
+            with self._lock:
+                if job.parts_left == 0:  # nothing in flight (a streamed load waiting for its next part)
+                    if id(job) in self._active:
+                        self._fail_locked(job, FailureCause.TIMEOUT)
+                    continue
             for stream in job.streams:
                 stream.abort(FailureCause.TIMEOUT)  # its part then fails; the load ends when all parts did
             if not job.streams:
@@ -379,8 +407,10 @@ class Consumer:
                 del self._sessions[session.remote]
             session.state = None
             pending, session.pending = session.pending, []
-            for job in pending:
-                self._fail_locked(job, cause)
+            for job in pending + [j for j in self._streamed.values() if j.remote == session.remote]:
+                job.cause = job.cause or cause
+                if job.parts_left == 0:
+                    self._fail_locked(job, cause)
         for stream in session.streams:
             stream.close(cause)  # queued parts fail; the load ends through _on_part
         try:

@@ -50,6 +50,28 @@ class Lease:
     digests: dict[int, int] | None = None
     granted_s: float = 0.0  # time.monotonic() at `add`
     served: ServedPull | None = None  # what its pulls sent so far (reports on only)
+    stream: StreamState | None = None  # a streamed lease: its blocks arrive while the prefill runs
+
+
+@dataclasses.dataclass
+class StreamState:
+    """A streamed lease's publications: (group, position, block id) entries waiting for their
+    digests, those published (with digests), and whether the prefill is over."""
+
+    pending: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    published: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    final: bool = False
+    final_sent: bool = False
+    num_parts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    """What a producer tells a streamed request's consumer: newly complete blocks, with digests."""
+
+    request_id: str
+    entries: list[tuple[int, int, int, int]]  # (group, position, block id, digest)
+    final: bool
 
 
 @dataclasses.dataclass
@@ -81,6 +103,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._released: set[str] = set()
         self._reports: list[LeaseReport] | None = None  # None: reports off
+        self._ended_streams: dict[str, float] = {}  # streamed leases released: never created again
 
     def enable_reports(self) -> None:
         with self._lock:
@@ -105,6 +128,78 @@ class LeaseTable:
             now = time.monotonic()
             expiry = now + (lease_s if lease_s is not None else self.lease_s)
             self._leases[request_id] = Lease(request_id, frozenset(block_ids), expiry, granted_s=now)
+
+    def publish(self, request_id: str, entries: list[tuple[int, int, int]], final: bool) -> bool:
+        """A streamed lease's newly complete blocks, (group, position, block id); the first call
+        creates the lease. Their digests are computed off the engine's thread (`seal_published`),
+        and only then may they be pulled. False when the lease has ended (nothing to publish to)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                if request_id in self._ended_streams:
+                    return False
+                now = time.monotonic()
+                lease = Lease(request_id, frozenset(), now + self.lease_s, digests={}, granted_s=now,
+                              stream=StreamState())
+                self._leases[request_id] = lease
+            if lease.state is not LeaseState.ACTIVE or lease.stream is None or lease.stream.final:
+                return False
+            lease.stream.pending += entries
+            lease.stream.final = final
+            return True
+
+    def seal_published(self, compute: Callable[[list[int]], list[int]]) -> list[Publication]:
+        """Digests of every streamed lease's pending blocks; those blocks become pullable."""
+        with self._lock:
+            todo = []
+            for lease in self._leases.values():
+                st = lease.stream
+                due = st is not None and (st.pending or (st.final and not st.final_sent))
+                if st is not None and due and lease.state is LeaseState.ACTIVE:
+                    todo.append((lease, st.pending, st.final))
+                    st.pending, st.final_sent = [], st.final
+                    st.num_parts += 1
+                    lease.active_pulls += 1  # keep the blocks while reading them
+        out = []
+        for lease, entries, final in todo:
+            try:
+                digests = compute([b for _, _, b in entries]) if entries else []
+                done = [(g, p, b, d) for (g, p, b), d in zip(entries, digests, strict=True)]
+                with self._lock:
+                    assert lease.digests is not None and lease.stream is not None  # (a streamed lease)
+                    lease.digests.update((b, d) for _, _, b, d in done)
+                    lease.block_ids = lease.block_ids | {b for _, _, b, _ in done}
+                    lease.stream.published += done
+                out.append(Publication(lease.request_id, done, final))
+            finally:
+                self.end_pull(lease)
+        return out
+
+    def published(self, request_id: str) -> Publication | None:
+        """Everything a streamed lease published so far (for a consumer that asks late)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            st = lease.stream if lease is not None and lease.state is LeaseState.ACTIVE else None
+            if st is None or not st.num_parts:
+                return None
+            return Publication(request_id, list(st.published), st.final_sent)
+
+    def close_stream(self, request_id: str) -> None:
+        """The consumer is done with a streamed request that has no lease yet (its load failed or
+        was cancelled before the first publication): `publish` creates none for it later."""
+        with self._lock:
+            if request_id not in self._leases:
+                self._ended_streams[request_id] = time.monotonic()
+
+    def stream_closed(self, request_id: str) -> bool:
+        """Whether `publish` refuses `request_id` (its streamed lease ended, or was closed unborn)."""
+        with self._lock:
+            return request_id in self._ended_streams and request_id not in self._leases
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the lease still holds its blocks (not yet handed back through `take_released`)."""
+        with self._lock:
+            return request_id in self._leases or request_id in self._released
 
     def end(self, request_id: str, end: LeaseEnd) -> bool:
         """Ends a lease (first cause wins); False when there is no active lease."""
@@ -132,6 +227,8 @@ class LeaseTable:
         """Ends every lease past its expiry; returns their ids."""
         now = time.monotonic()
         with self._lock:
+            for rid in [r for r, t in self._ended_streams.items() if t < now - 2 * self.lease_s]:
+                del self._ended_streams[rid]
             expired = [lz for lz in self._leases.values() if lz.state is LeaseState.ACTIVE and lz.expiry <= now]
             for lease in expired:
                 lease.state, lease.end = LeaseState.DRAINING, LeaseEnd.EXPIRED
@@ -195,6 +292,8 @@ class LeaseTable:
             lease.state = LeaseState.RELEASED
             del self._leases[lease.request_id]
             self._released.add(lease.request_id)
+            if lease.stream is not None:
+                self._ended_streams[lease.request_id] = time.monotonic()
             if lease.end is not None:
                 self._metrics.record_lease_end(lease.end)
             if self._reports is not None:

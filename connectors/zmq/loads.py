@@ -82,6 +82,14 @@ class LoadHandle:
         self.warm = False  # its session was ready when it started: no handshake inside its time
         self.trace_context = trace_context  # opaque, into each of its PULLs (`connectors.base.KV_TRACE_CONTEXT_KEY`)
 
+    def settled(self) -> bool:
+        """Whether it may end once no part is in flight (a streamed load waits for its last part)."""
+        return True
+
+    def unfilled(self) -> list[int]:
+        """Destination blocks no part was asked to fill (a streamed load's unpublished ones)."""
+        return []
+
 
 @dataclasses.dataclass(slots=True)
 class PullPart:

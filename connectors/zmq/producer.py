@@ -39,6 +39,7 @@ from connectors.zmq.peer_log import WarnLimiter, quote
 from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
 from connectors.zmq.shm import ShmSegment
 from connectors.zmq.side_guard import SideChannelGuard
+from connectors.zmq.stream import StreamPublisher
 from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Producer:
         self._threads: list[threading.Thread] = []
         self._streams: set[socket.socket] = set()
         self._seal_access = PageAccess(pool)
+        self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics)  # streamed leases
         self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
                                                config.handshake_timeout_s)
         self.port = 0
@@ -159,6 +161,7 @@ class Producer:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(guard.monitor, zmq.POLLIN)
+        poller.register(self.stream.wake_r, zmq.POLLIN)
         next_expiry = 0.0
         try:
             while not self._stop.is_set():
@@ -181,16 +184,19 @@ class Producer:
                         self.metrics.record_malformed()
                 self.leases.expire()
                 self.leases.seal_pending(self._seal_access.page_digests)
+                self.stream.flush(self._send)
                 self._handshake.expire()
                 now = time.monotonic()
                 if now >= next_expiry:
                     next_expiry = now + _EXPIRE_EVERY_S
                     self.sessions.expire()
+                    self.stream.expire()
         except Exception:  # the side channel must not die silently
             logger.exception("KV producer side channel crashed")
         finally:
             guard.close()
             router.close(linger=0)
+            self.stream.close()
 
     def _on_side_message(self, ident: bytes, payload: bytes) -> None:
         try:
@@ -215,9 +221,9 @@ class Producer:
             self._warn.warning("KV producer %s was refused by a consumer (%s): %s", self.config.engine_id,
                                reason.value, quote(msg["detail"], 200))
             self.metrics.record_refused(reason)
-        elif msg_type in (MsgType.HEARTBEAT, MsgType.DONE):
+        elif msg_type in (MsgType.HEARTBEAT, MsgType.DONE, MsgType.WATCH):
             try:
-                self.sessions.check_side(ident, msg_type, msg)
+                session = self.sessions.check_side(ident, msg_type, msg)
             except SessionRefused as e:
                 reason = hs.RefuseReason.parse(e.reason)
                 if reason is hs.RefuseReason.SESSION:  # (a consumer whose session ended: it handshakes again)
@@ -229,7 +235,10 @@ class Producer:
                 return
             if msg_type is MsgType.HEARTBEAT:
                 self.leases.renew(msg["request_ids"])
+            elif msg_type is MsgType.WATCH:
+                self.stream.watch(session, msg["request_ids"], self._send)
             else:
+                self.stream.forget(msg["request_ids"])
                 for rid in msg["request_ids"]:
                     self.leases.end(rid, LeaseEnd.DONE)
         else:

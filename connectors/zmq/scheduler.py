@@ -15,6 +15,17 @@ normally finished request clips sliding-window groups to the window, leases
 those blocks on the producer right away (so no pull can arrive before the
 lease), and returns (True, kv_transfer_params); an aborted request returns
 (False, None) so its blocks are freed at once.
+
+Streamed requests (`streaming: true` in the params, `transfer.streaming: chunk`):
+- prefill side: the prefill runs in chunks of at most `stream_chunk_tokens`
+  (`prefill_stream_chunk`); after each step (`on_prefill_progress`) the blocks
+  it completed, per group by position (sliding-window groups: only those the
+  final window keeps; state groups: only at the end), are published to the
+  producer (`connectors.zmq.stream`), the rest in `request_finished`. A
+  streamed request that ends badly fails its stream (the consumer is told);
+- decode side: the external tokens are the prompt past the local prefix hit;
+  the load names its destination blocks by (group, position) and pulls each
+  part as it is published (`connectors.zmq.stream_load`); an abort cancels it.
 """
 from __future__ import annotations
 
@@ -25,9 +36,9 @@ from collections.abc import Callable
 
 from connectors.base import KV_TRACE_CONTEXT_KEY, ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
 from connectors.zmq.loads import RemoteAddr
-from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params,
+from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params, make_stream_params,
                                parse_remote_prefill, valid_trace_context, wants_remote_decode,
-                               wants_remote_prefill)
+                               wants_remote_prefill, wants_stream)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +51,7 @@ class GroupLayout:
 
     block_size: int
     keep_blocks: int | None  # None: every block matters; else only the last `keep_blocks`
+    final_only: bool = False  # the group's block changes until the prefill ends (a state, not KV)
 
     @classmethod
     def from_spec(cls, spec: Any) -> GroupLayout:
@@ -47,7 +59,7 @@ class GroupLayout:
         if window:
             return cls(spec.block_size, -(-window // spec.block_size) + 1)
         if type(spec).__name__ == "MambaSpec":
-            return cls(spec.block_size, 1)  # the state lives in the last block
+            return cls(spec.block_size, 1, final_only=True)  # the state lives in the last block
         return cls(spec.block_size, None)
 
 
@@ -56,13 +68,15 @@ class ZmqConnectorMetadata(ConnectorMetadata):
     """Per-step orders. `loads[rid]` = {remote fields, "src", "dst", "invalid"}."""
 
     releases: list[tuple[RemoteAddr, str]] = dataclasses.field(default_factory=list)
+    cancels: list[str] = dataclasses.field(default_factory=list)  # streamed loads whose request ended here
     heartbeats: dict[RemoteAddr, list[str]] | None = None  # None: unchanged since the last step
 
 
 class ZmqConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, groups: tuple[GroupLayout, ...], lease_s: float,
-                 endpoint: Callable[[], tuple[str, int, Any]]):
-        """`endpoint()` -> (advertised host, side-channel port, producer or None)."""
+                 endpoint: Callable[[], tuple[str, int, Any]], stream_chunk_tokens: int | None = None):
+        """`endpoint()` -> (advertised host, side-channel port, producer or None);
+        `stream_chunk_tokens`: None, streaming off; else a streamed prefill's largest chunk."""
         self.engine_id = engine_id
         self.groups = groups
         self.lease_s = lease_s
@@ -73,6 +87,9 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self._waiting: dict[str, RemoteAddr] = {}  # heartbeat set
         self._heartbeats_changed = False
         self._meta = ZmqConnectorMetadata()
+        self.stream_chunk_tokens = stream_chunk_tokens
+        self._stream_next: dict[str, set[tuple[int, int]]] = {}  # streamed prefills: (group, position) published
+        self._stream_gone: set[str] = set()  # streamed prefills whose lease ended while they ran
 
     # ------------------------------------------------------------------ decode side
     def on_new_request(self, request) -> None:
@@ -84,7 +101,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         if rp is None or request.request_id in self._claimed:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        count = min(rp.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        num_tokens = request.num_prompt_tokens if rp.streamed else min(rp.num_tokens, request.num_prompt_tokens)
+        count = num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -99,11 +117,21 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             self._meta.releases.append((remote, rp.request_id))
             return
         local = self._local_hits.pop(rid, 0)
+        trace_context = valid_trace_context((request.kv_transfer_params or {}).get(KV_TRACE_CONTEXT_KEY))
+        if rp.streamed:  # destinations by (group, position); the producer's blocks come as published
+            wanted = [[g, pos, d] for g, layout in enumerate(self.groups) for pos, d in enumerate(
+                blocks.get_block_ids()[g][: -(-(local + num_external_tokens) // layout.block_size)])
+                if pos >= local // layout.block_size and d != 0]
+            self._meta.loads[rid] = {
+                "remote_engine_id": rp.engine_id, "remote_host": rp.host, "remote_port": rp.port,
+                "remote_request_id": rp.request_id, "streamed": True, "wanted": wanted, "src": [],
+                "dst": [d for _, _, d in wanted], "invalid": [], "trace_context": trace_context}
+            return
         src, dst, invalid = self.plan(rp, blocks.get_block_ids(), local, local + num_external_tokens)
         self._meta.loads[rid] = {
             "remote_engine_id": rp.engine_id, "remote_host": rp.host, "remote_port": rp.port,
             "remote_request_id": rp.request_id, "src": src, "dst": dst, "invalid": invalid,
-            "trace_context": valid_trace_context((request.kv_transfer_params or {}).get(KV_TRACE_CONTEXT_KEY)),
+            "trace_context": trace_context,
         }
 
     def plan(self, rp: RemotePrefill, dst_groups, num_local: int,
@@ -179,12 +207,16 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             rp = self._remote.pop(rid, None)
             if rp is not None and rid not in self._claimed:  # never loaded: release the producer now
                 self._meta.releases.append((RemoteAddr(rp.engine_id, rp.host, rp.port), rp.request_id))
+            elif rp is not None and rp.streamed:  # a streamed load may still wait for parts: end it
+                self._meta.cancels.append(rid)
             self._stop_heartbeat(rid)
             self._claimed.discard(rid)
             self._local_hits.pop(rid, None)
             return False, None
         if not wants_remote_decode(params):
             return False, None
+        if rid in self._stream_next:
+            return self._stream_finished(request, block_ids)
         if getattr(request.status, "name", "") not in _FINISHED_OK:
             return False, None  # aborted or failed: nobody will read these blocks
         clipped = self.clip(block_ids, request.num_computed_tokens)
@@ -211,3 +243,69 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
                 ids = ids[-layout.keep_blocks :]
             out.append(ids)
         return out
+
+    # ------------------------------------------------------------------ streamed prefills (producer side)
+    def prefill_stream_chunk(self, request) -> int | None:
+        if self.stream_chunk_tokens is None or not (wants_remote_decode(request.kv_transfer_params)
+                                                    and wants_stream(request.kv_transfer_params)):
+            return None
+        self._stream_next[request.request_id] = set()
+        return self.stream_chunk_tokens
+
+    def on_prefill_progress(self, request, block_ids) -> None:
+        rid = request.request_id
+        if rid in self._stream_gone or request.num_computed_tokens >= request.num_prompt_tokens:
+            return  # the lease ended (nobody to publish to), or the last part goes with request_finished
+        entries = self._completed(request, block_ids, final=False)
+        producer = self._endpoint()[2]
+        if entries and (producer is None or not producer.stream.publish(rid, entries, False)):
+            self._stream_gone.add(rid)
+
+    def _completed(self, request, block_ids, final: bool) -> list[tuple[int, int, int]]:
+        """(group, position, block id) completed since the last publication: full blocks (all, at
+        the end), in the final window of sliding-window groups, state groups only at the end.
+        Mid-prefill, a sliding-window group's block is published only once no later step can let
+        it go (two blocks inside the final window's edge); the edge goes at the end."""
+        done = self._stream_next[request.request_id]
+        num_tokens, out = request.num_computed_tokens, []
+        for g, layout in enumerate(self.groups):
+            if layout.final_only and not final:
+                continue
+            bs, ids, keep = layout.block_size, block_ids[g], layout.keep_blocks
+            end = -(-request.num_prompt_tokens // bs)
+            first = 0 if keep is None else max(0, end - keep + (0 if final else 2))
+            upto = min(len(ids), -(-num_tokens // bs) if final else num_tokens // bs)
+            for pos in range(first, upto):
+                if ids[pos] != 0 and (g, pos) not in done:
+                    done.add((g, pos))
+                    out.append((g, pos, ids[pos]))
+        return out
+
+    def _stream_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        """A streamed prefill's end: the last part (or the stream's failure). The blocks stay while
+        the lease holds them (a pull may be reading), and go when it ends (`finished_sending`)."""
+        rid = request.request_id
+        gone = rid in self._stream_gone
+        host, port, producer = self._endpoint()
+        if producer is None:
+            self._stream_next.pop(rid)
+            return False, None
+        ok = getattr(request.status, "name", "") in _FINISHED_OK
+        entries = self._completed(request, block_ids, final=True) if ok else []
+        self._stream_next.pop(rid)
+        if not ok or gone or not producer.stream.publish(rid, entries, True):
+            if not gone:
+                producer.stream.fail(rid)
+            # (even when gone: a lease that ended mid-prefill may still drain a pull of these blocks)
+            held = producer.leases.holds(rid)
+            self._stream_gone.discard(rid)
+            return held, None
+        self._meta.saves[rid] = {"streamed": True}
+        return True, make_stream_params(self.engine_id, host, port, rid)
+
+    def filter_sending(self, sending: set[str]) -> set[str]:
+        """Streamed prefills whose lease ended while they still run are not the engine's to free
+        yet: they are noted (their blocks go when the request ends) and left out."""
+        early = sending & self._stream_next.keys()
+        self._stream_gone |= early
+        return sending - early

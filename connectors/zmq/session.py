@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import hmac
 import secrets
+import struct
 import threading
 import time
 
@@ -67,6 +68,13 @@ def side_mac(key: bytes, msg_type: MsgType, session_id: bytes, seq: int, request
     return _mac(key, msg_type.value.encode(), session_id, seq.to_bytes(8, "big"), *(r.encode() for r in request_ids))
 
 
+def published_mac(key: bytes, session_id: bytes, msg: dict) -> bytes:
+    """The MAC of a PUBLISHED (producer -> consumer): every field but the MAC itself."""
+    lists = (struct.pack(f">{len(msg[k])}Q", *msg[k]) for k in ("groups", "positions", "block_ids", "digests"))
+    return _mac(key, b"published", session_id, msg["seq"].to_bytes(8, "big"), msg["request_id"].encode(),
+                bytes([msg["final"], msg["ok"]]), *lists)
+
+
 def attach_mac(key: bytes, session_id: bytes, nonce: bytes, mode: str) -> bytes:
     return _mac(key, b"attach", session_id, nonce, mode.encode())
 
@@ -79,6 +87,19 @@ class ClientSession:
         self.session_id = session_id
         self._key = key
         self._seq = 0
+        self._peer_seq = 0  # the last PUBLISHED counter accepted from the producer
+
+    def check_published(self, msg: dict) -> None:
+        """A PUBLISHED from this session's producer: its MAC and a counter above the last one
+        (control thread only); raises `wire.MalformedMessage` otherwise."""
+        if msg["session"] != self.session_id or msg["seq"] <= self._peer_seq or len(
+                {len(msg[k]) for k in ("groups", "positions", "block_ids", "digests")}) != 1:
+            raise wire.MalformedMessage("published: other session, replayed, or lists of unequal length")
+        if any(x >= 1 << 64 for k in ("block_ids", "digests") for x in msg[k]):
+            raise wire.MalformedMessage("published: a value past uint64")
+        if not hmac.compare_digest(published_mac(self._key, self.session_id, msg), msg["mac"]):
+            raise wire.MalformedMessage("published with a wrong MAC")
+        self._peer_seq = msg["seq"]
 
     def side_message(self, msg_type: MsgType, request_ids: list[str]) -> bytes:
         self._seq += 1
@@ -99,6 +120,13 @@ class ProducerSession:
     last_used: float
     last_seq: int = 0
     closed: bool = False  # expired or evicted: its data streams stop serving
+    out_seq: int = 0  # PUBLISHED counter (the producer's side-channel thread only)
+
+    def published_message(self, fields: dict) -> bytes:
+        """A signed PUBLISHED (`wire.SCHEMA` fields but session, seq and mac)."""
+        self.out_seq += 1
+        msg = {**fields, "session": self.session_id, "seq": self.out_seq}
+        return wire.encode(MsgType.PUBLISHED, **msg, mac=published_mac(self.key, self.session_id, msg))
 
 
 class SessionTable:

@@ -22,6 +22,8 @@ MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
 DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
 DATA_PATHS = get_args(DataPathName)
+StreamingName = Literal["off", "chunk"]  # KV streaming (connectors.zmq.stream); "layer" is not built
+STREAMING_MODES = get_args(StreamingName)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,8 @@ class TransferSettings:
     lease_s: float = 30.0
     data_path: DataPathName = "auto"  # auto: shared memory to a producer on the same host, else tcp
     emulated_link: LinkShape | None = None  # a producer's consumers reach it through this link (tcp)
+    streaming: StreamingName = "off"  # chunk: P publishes a prompt's blocks after each prefill step
+    stream_chunk_tokens: int = 256  # a streamed prefill's largest step (tokens)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -43,6 +47,8 @@ class TransferSettings:
             raise ValueError("timeout_s and lease_s must be positive")
         if self.data_path not in DATA_PATHS:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
+        if self.streaming not in STREAMING_MODES or self.stream_chunk_tokens < 1:
+            raise ValueError(f"streaming must be one of {STREAMING_MODES} and stream_chunk_tokens >= 1")
         if self.emulated_link is not None and self.data_path == "shm":
             raise ValueError("an emulated link carries tcp only: data_path must be 'auto' or 'tcp', not 'shm'")
 
@@ -62,4 +68,5 @@ class TransferSettings:
             model_id=model_id, host=host, port=self.port,
             lease_s=self.lease_s, heartbeat_interval_s=self.lease_s / HEARTBEATS_PER_LEASE,
             handshake_timeout_s=self.step_timeout_s, transfer_timeout_s=self.timeout_s,
-            io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path), emulated_link=self.emulated_link)
+            io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path), emulated_link=self.emulated_link,
+            streaming=self.streaming, stream_chunk_tokens=self.stream_chunk_tokens)

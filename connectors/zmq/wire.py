@@ -43,6 +43,8 @@ class MsgType(str, enum.Enum):
     REFUSE = "refuse"
     HEARTBEAT = "heartbeat"
     DONE = "done"
+    WATCH = "watch"  # consumer: send me what you publish for these (streamed) requests
+    PUBLISHED = "published"  # producer: these blocks of a streamed request are complete (stream.py)
     # data streams (sockets)
     NONCE = "nonce"  # the producer's first frame on every data connection
     ATTACH = "attach"
@@ -78,6 +80,9 @@ SCHEMA: dict[MsgType, dict[str, Any]] = {
     MsgType.REFUSE: {"reason": str, "detail": str},
     MsgType.HEARTBEAT: {"session": bytes, "seq": int, "mac": bytes, "request_ids": STR_LIST},
     MsgType.DONE: {"session": bytes, "seq": int, "mac": bytes, "request_ids": STR_LIST},
+    MsgType.WATCH: {"session": bytes, "seq": int, "mac": bytes, "request_ids": STR_LIST},
+    MsgType.PUBLISHED: {"session": bytes, "seq": int, "mac": bytes, "request_id": str, "groups": INT_LIST,
+                        "positions": INT_LIST, "block_ids": INT_LIST, "digests": INT_LIST, "final": bool, "ok": bool},
     MsgType.NONCE: {"nonce": bytes},
     MsgType.ATTACH: {"session": bytes, "mode": str, "mac": bytes},
     MsgType.ATTACHED: {"shm_name": str, "shm_bytes": int, "chunk_pages": int},

@@ -28,8 +28,9 @@ from pydantic import Field, Strict, ValidationError, field_validator, model_vali
 
 from connectors.links.faults import FaultSpecError
 from connectors.links.link_shape import LinkShape
-from connectors.zmq.transfer_settings import DataPathName, TransferSettings
+from connectors.zmq.transfer_settings import DataPathName, StreamingName, TransferSettings
 from pd.cluster.fault_rules import parse_worker_faults
+from pd.cluster.planner_config import PlannerSection
 from pd.cluster.schema import FieldError, StrictModel, describe
 from pd.cluster.tracing_config import TracingSection
 
@@ -191,6 +192,11 @@ class TransferSection(StrictModel):
         _TRANSFER.data_path, description="auto: shared memory to a producer on the same host, else tcp")
     emulated_link: EmulatedLinkSection | None = Field(
         None, description="tests and benchmarks only: the P->D KV path crosses a link of this bandwidth and latency")
+    streaming: StreamingName = Field(_TRANSFER.streaming, description=(
+        "chunk: the router sends a request to P and D at once; P publishes the blocks each prefill step "
+        "completed and D pulls them as they come (off: D pulls after P's whole prefill)"))
+    stream_chunk_tokens: int = Field(_TRANSFER.stream_chunk_tokens, ge=16, le=1 << 20, description=(
+        "with streaming: a streamed prompt's largest prefill step on P (tokens): more steps, more parts"))
 
     @model_validator(mode="after")
     def _link_takes_tcp(self) -> TransferSection:
@@ -202,22 +208,8 @@ class TransferSection(StrictModel):
         """The connector's settings; it derives every timeout of its own from them."""
         link = self.emulated_link.link_shape() if self.emulated_link is not None else None
         return TransferSettings(port=self.port, timeout_s=self.timeout_s, lease_s=self.lease_s,
-                                data_path=self.data_path, emulated_link=link)
-
-
-class PlannerSection(StrictModel):
-    """Where each P/D request prefills (pd.router.planner): `always_disaggregate` (today's flow:
-    prefill on P, D pulls), `always_local` (D prefills itself, no transfer) or `planner` (the
-    option with the lowest predicted TTFT, from figures measured online, plus `tpot_weight` x the
-    seconds a local prefill stalls D's running decodes; `exploration_rate` of requests take a
-    random option so every figure keeps fresh samples)."""
-
-    mode: Literal["always_disaggregate", "always_local", "planner"] = "always_disaggregate"
-    exploration_rate: float = Field(0.05, ge=0.0, le=1.0)
-    tpot_weight: float = Field(1.0, ge=0.0, description="cost of one second of stall on one running decode")
-    window: int = Field(256, ge=8, description="recent samples each fitted figure keeps")
-    min_samples: int = Field(4, ge=1, description="samples a figure needs before it is trusted (else: explore)")
-    seed: int | None = Field(None, description="exploration's random seed (tests, benchmarks)")
+                                data_path=self.data_path, emulated_link=link, streaming=self.streaming,
+                                stream_chunk_tokens=self.stream_chunk_tokens)
 
 
 class ConnectionsSection(StrictModel):

@@ -58,6 +58,7 @@ class Scheduler:
         self.finished_recving: set[str] = set()
         self.stats = SchedulerStats()
         self._error_outputs: list[RequestOutput] = []
+        self._stream_chunks: dict[str, int] = {}  # streamed prefills (connector's KV streaming): largest chunk
 
     # ------------------------------------------------------------------ requests
     def add_request(self, state: RequestState) -> None:
@@ -72,6 +73,9 @@ class Scheduler:
         self.waiting.append(state)
         if self.connector is not None:  # e.g. lease heartbeats start now, not when the request reaches the head
             self.connector.on_new_request(state.request)
+            cap = self.connector.prefill_stream_chunk(state.request)
+            if cap is not None:
+                self._stream_chunks[rid] = cap
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request wherever it is; None if it is unknown or already finished."""
@@ -117,7 +121,10 @@ class Scheduler:
                 continue
             while self.mgr.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                if victim.request.request_id in self._stream_chunks:  # its published blocks are leased
+                    self._finish(victim, RequestStatus.FINISHED_ERROR, "preempted while its KV streamed")
+                else:
+                    self._preempt(victim)
                 preempted.append(victim)
                 if victim is state:
                     break
@@ -137,6 +144,8 @@ class Scheduler:
         num_new = req.num_tokens - num_computed
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if self._stream_chunks and req.request_id in self._stream_chunks:
+            num_new = min(num_new, self._stream_chunks[req.request_id])
         return min(num_new, budget, self.max_model_len - num_computed)
 
     def _chunk(self, state: RequestState, num_new: int) -> ScheduledChunk:
@@ -264,6 +273,8 @@ class Scheduler:
             if not state.timed:  # the batch its prompt shared: what its compute time also paid for
                 state.num_batched_tokens += num_step_tokens - len(chunk.token_ids)
             if not chunk.needs_logits:
+                if self.connector is not None and chunk.request_id in self._stream_chunks:
+                    self.connector.on_prefill_progress(req, self.mgr.get_block_ids(chunk.request_id))
                 continue
             token = sampled[chunk.request_id]
             req.append_output_token_ids(token)
@@ -299,6 +310,7 @@ class Scheduler:
         elif state in self.waiting:
             self.waiting.remove(state)
         self.finished_recving.discard(rid)
+        self._stream_chunks.pop(rid, None)
         params = None
         if self.connector is not None:
             num_blocks = -(-req.num_computed_tokens // self.block_size)

@@ -61,6 +61,7 @@ from pd.router.planner.route import RoutePlanner
 from pd.router.openai_api import APIError, server_error
 from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
 from pd.router.recovery import RecoverySettings, continuation, watched_events
+from pd.router.streamed import StreamedFlow, stream_params
 from pd.router.timeline import Timeline
 from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
 
@@ -104,7 +105,7 @@ class _Leg:
     hop: TraceHop | None = None
 
 
-class Dispatcher:
+class Dispatcher(StreamedFlow):
     def __init__(self, pool: WorkerPool, client: WorkerClient, metrics: RouterMetrics, colocated: bool,
                  recovery: RecoverySettings | None = None, planner: RoutePlanner | None = None) -> None:
         self._pool = pool
@@ -159,6 +160,17 @@ class Dispatcher:
         num_p_tokens = chosen.num_prefill_tokens
         lease_resolved = False  # D finished, or produced a token (it has loaded or released P's blocks)
         p_hop = timeline.hop() if timeline is not None else None
+        p_load = self._streaming_prefill(prefill, p_id)  # None: no P streams (transfer.streaming off)
+        if p_load is not None:  # KV streaming: P and D at once (pd.router.streamed)
+            def leg_of(decoded: list[WorkerLoad]) -> _Leg:
+                return _Leg(d_id, 0, None, decoded, timeline,  # (its pull overlaps P: no link figure)
+                            timeline.hop(after=p_hop) if timeline is not None else None)
+            params = _checked_params(stream_params(p_load, request_id), p_load)  # the check P's answer gets
+            async with contextlib.aclosing(self._streamed(request, prefill, p_load, params, leg_of, note, chosen,
+                                                          started, timeline, p_hop, num_p_tokens)) as events:
+                async for event in events:
+                    yield event
+            return
         try:
             params, num_cached = None, 0
             try:

@@ -93,7 +93,7 @@ class RouterMetrics:
         self._kv_resyncs = self._counter("pdkv_kv_index_resyncs", "KV index resynchronisations, by kind", "kind")
         self._plans = self._counter("pdkv_planner_decisions", "Where P/D requests were prefilled, by kind "
                                     "(remote, remote_prefix, local) and reason (fixed, best, explore, cold_start, "
-                                    "no_prefill)",
+                                    "no_prefill, short)",
                                     "kind", "reason")
         self._plan_error = Histogram("pdkv_planner_ttft_prediction_error_seconds",
                                      "|measured - predicted| TTFT of planned requests, by kind",
@@ -213,6 +213,10 @@ _TRANSFER_COUNTERS = (
     ("bytes_recv", "pdkv_kv_transfer_bytes_recv", "KV bytes received from prefill workers"),
     ("blocks_recv", "pdkv_kv_transfer_blocks_recv", "KV blocks received from prefill workers"),
     ("malformed_frames", "pdkv_kv_transfer_malformed_frames", "Side-channel frames dropped as malformed"),
+    ("stream_parts_published", "pdkv_kv_stream_parts_published",
+     "Streamed KV parts a prefill worker published (transfer.streaming: chunk)"),
+    ("stream_parts_received", "pdkv_kv_stream_parts_received",
+     "Streamed KV parts a decode worker landed and verified (transfer.streaming: chunk)"),
 )
 # Transfer counts by a label: (stats key holding {label value: count}, name, label, help).
 _TRANSFER_LABELLED = (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from pathlib import Path
 
 from pd.cluster.config import DeployConfig, TransferSection, load_deploy_config
@@ -35,9 +36,10 @@ class Variant:
 
 def streaming_modes() -> tuple[str, ...]:
     """The `transfer.streaming` modes beside `off` this version has (none before streaming exists)."""
-    if "streaming" not in TransferSection.model_fields:
+    field = TransferSection.model_fields.get("streaming")
+    if field is None:
         return ()
-    return ("chunk", "layer")
+    return tuple(mode for mode in typing.get_args(field.annotation) if mode != "off")
 
 
 def variants(links: tuple[str, ...]) -> list[Variant]:
@@ -48,7 +50,11 @@ def variants(links: tuple[str, ...]) -> list[Variant]:
     return out
 
 
-def deploy_config(variant: Variant, base: Path, bandwidth_mbps: float, latency_ms: float) -> DeployConfig:
+def deploy_config(variant: Variant, base: Path, bandwidth_mbps: float, latency_ms: float,
+                  planner: dict | None = None) -> DeployConfig:
+    """The variant's config from `base`; `planner` (`router.planner` fields, e.g. `mode`,
+    `local_prefill_max_tokens`) says where a 1P1D request prefills: a short chat may prefill on
+    D instead of queueing behind a document on P."""
     data = json.loads(load_deploy_config(base).to_json())
     data["topology"]["mode"] = "colocated" if variant.name == "colocated" else "disaggregated"
     data["router"].update(port=0, request_timeout_s=600.0, max_queued_requests=1024, health_interval_s=1.0)
@@ -60,6 +66,8 @@ def deploy_config(variant: Variant, base: Path, bandwidth_mbps: float, latency_m
                                                                 "latency_ms": latency_ms})
     if variant.streaming is not None:
         data["transfer"]["streaming"] = variant.streaming
+    if variant.name != "colocated":
+        data["router"].setdefault("planner", {}).update(planner or {})
     return DeployConfig.from_dict(data)
 
 

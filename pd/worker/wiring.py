@@ -113,6 +113,8 @@ def engine_stats(engine: Engine, connector: KVConnector | None, audit: bool = Fa
     stats["kv_usage"] = stats.get("kv_cache_usage", 0.0)
     stats["prefix_hit_rate"] = stats.get("prefix_cache_hit_rate", 0.0)
     stats["transfer"] = _transfer_stats(connector)
+    if connector is not None and (source := connector.stream_source()) is not None:
+        stats["kv_stream"] = source  # what the router names in a streamed request's decode-side params
     if audit:  # takes the engine's step lock: only when asked for, never on the routine poll
         stats["audit"] = dataclasses.asdict(engine.audit())
     return stats

@@ -40,6 +40,17 @@ def test_each_variant_is_configured_as_named():
     assert emulated.transfer.emulated_link is not None
     assert (emulated.transfer.emulated_link.bandwidth_mbps, emulated.transfer.emulated_link.latency_ms) == (200.0, 5.0)
     assert emulated.scheduler.max_model_len >= 2048 + 32  # a 2k-token document and its answer fit
+    assert loopback.router.planner.mode == "always_disaggregate"  # the shipped flow unless asked
+    planner = {"mode": "planner", "local_prefill_max_tokens": 256}
+    planned = deploy_config(Variant("1p1d", "loopback"), SMOLLM2, 200.0, 5.0, planner=planner)
+    assert (planned.router.planner.mode, planned.router.planner.local_prefill_max_tokens) == ("planner", 256)
+    assert deploy_config(chosen[0], SMOLLM2, 200.0, 5.0, planner=planner).topology.mode == "colocated"
+
+
+def test_streaming_variants_are_the_modes_the_schema_accepts():
+    for variant in variants(("loopback",)):
+        if variant.streaming is not None:  # every mode a variant names is one the config validates
+            assert deploy_config(variant, SMOLLM2, 200.0, 5.0).transfer.streaming == variant.streaming
 
 
 def test_every_deployment_gets_the_same_documents_fresh_each():

@@ -30,9 +30,10 @@ THROTTLED = {"bandwidth_mbps": 400.0, "latency_ms": 2.0}
 HAS_LINK = "emulated_link" in TransferSection.model_fields
 
 
-def _config(mode: str, **overrides):
+def _config(mode: str, local_prefill_max_tokens: int = 0, **overrides):
     return local_config(model__architecture=ARCH, cache__kv_memory_mb=24, scheduler__max_model_len=1536,
-                        router__planner={"mode": mode, "min_samples": 3, "exploration_rate": 0.0, "seed": 0},
+                        router__planner={"mode": mode, "min_samples": 3, "exploration_rate": 0.0, "seed": 0,
+                                         "local_prefill_max_tokens": local_prefill_max_tokens},
                         **overrides)
 
 
@@ -72,6 +73,33 @@ def test_each_path_is_token_identical_to_colocated(mode, kind, colocated_ids):
             assert _complete(dep.url, prompt, temperature=0.8, seed=11)["token_ids"] == want_seeded
         d_stats = dep.stats("decode-0")["transfer"]
         assert (d_stats.get("blocks_recv", 0) > 0) == (kind == "remote")  # local moved nothing
+        dep.wait_all_free()
+
+
+@pytest.mark.parametrize("mode", ["always_disaggregate", "planner"])
+def test_short_prompts_prefill_on_d_in_every_mode(mode, colocated_ids):
+    """`local_prefill_max_tokens`: a prompt with at most that many tokens to compute stays on D
+    (reason `short`, nothing pulled); a longer one takes the mode's path. Same tokens either way."""
+    greedy, _ = colocated_ids
+    limit = 64
+    with LocalDeployment(_config(mode, local_prefill_max_tokens=limit, cache__enable_prefix_caching=False)) as dep:
+        num_pulled = 0
+        for prompt, want in zip(PROMPTS, greedy, strict=True):
+            before = dep.stats("decode-0")["transfer"].get("blocks_recv", 0)
+            got = _complete(dep.url, prompt)
+            assert got["token_ids"] == want, len(prompt)
+            route = got["pdkv_route"]
+            pulled = dep.stats("decode-0")["transfer"].get("blocks_recv", 0) - before
+            if len(prompt) <= limit:
+                assert (route["decision"], route["reason"]) == ("local", "short"), route
+                assert pulled == 0
+            else:
+                assert route["reason"] != "short", route
+            num_pulled += pulled
+        if mode == "always_disaggregate":  # the long prompts took P: their blocks were pulled
+            assert num_pulled == sum(-(-len(p) // 16) for p in PROMPTS if len(p) > limit)
+        metrics = requests.get(dep.url + "/metrics", timeout=TIMEOUT_S).text
+        assert 'kind="local",model_name="pdkv-tiny",reason="short"} 3.0' in metrics
         dep.wait_all_free()
 
 

@@ -44,6 +44,7 @@ class Reason(str, enum.Enum):
     EXPLORE = "explore"
     COLD_START = "cold_start"
     NO_PREFILL = "no_prefill"  # no prefill worker can run it (none healthy, or it was lost): D prefills
+    SHORT = "short"  # at most `local_prefill_max_tokens` to compute on D: D prefills, nothing moves
 
 
 @dataclasses.dataclass(frozen=True)

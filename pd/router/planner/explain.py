@@ -23,7 +23,7 @@ class OptionNote:
 @dataclasses.dataclass
 class RouteNote:
     decision: str | None = None  # remote / remote_prefix / local / colocated
-    reason: str | None = None  # fixed (the mode), best, explore, cold_start
+    reason: str | None = None  # fixed (the mode), best, explore, cold_start, no_prefill, short
     predicted_ttft_s: float | None = None
     ttft_s: float | None = None
     prefill_worker: str | None = None

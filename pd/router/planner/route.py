@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from pd.cluster.config import PlannerSection
+from pd.cluster.planner_config import PlannerSection
 from pd.cluster.messages import StepTiming
 from pd.router.choice import Role, WorkerPool
 from pd.router.planner.decision import (Candidate, Decider, DecisionSettings, Kind, Option, Plan, Reason,
@@ -53,7 +53,10 @@ class RoutePlanner:
             return None
         self.figures.observe_arrival(sum(c.num_running for c in decodes + prefills), len(decodes))
         n = len(prompt_token_ids)
-        if fixed is not None or not prefills:
+        short = self._short(n, prefills, decodes)
+        if short is not None:
+            plan = short
+        elif fixed is not None or not prefills:
             kind = fixed if prefills and fixed is not None else Kind.LOCAL
             options = self.decider.options(n, prefills, decodes, kinds=(kind,))
             known = [o for o in options if o.predicted_ttft_s is not None]
@@ -64,6 +67,23 @@ class RoutePlanner:
         if self._metrics is not None:
             self._metrics.record_plan(plan.chosen.kind.value, plan.reason.value)
         return plan
+
+    def _short(self, num_tokens: int, prefills: list[Candidate], decodes: list[Candidate]) -> Plan | None:
+        """The local plan of a prompt with at most `local_prefill_max_tokens` left to compute on
+        some D (after its prefix hit), in every mode: such a prefill costs D less than the pull
+        and the first step would, and it never waits behind a long prompt on P. None otherwise."""
+        limit = self.settings.local_prefill_max_tokens
+        if not limit or not prefills or self.mode == "always_local":
+            return None
+        options = [o for o in self.decider.options(num_tokens, [], decodes, kinds=(Kind.LOCAL,))
+                   if o.num_prefill_tokens <= limit]
+        if not options:
+            return None
+        known = [o for o in options if o.predicted_ttft_s is not None]
+        # without figures, the least busy D (then the longest hit): never always the first one
+        chosen = min(known, key=rank) if known else min(options, key=lambda o: (o.decode.num_running,
+                                                                                 -o.decode.hit_tokens))
+        return Plan(chosen, options, Reason.SHORT)
 
     def fallback(self, pool: WorkerPool, prompt_token_ids: list[int], cache_salt: str | None = None) -> Plan | None:
         """The local plan for a request whose prefill worker was lost before it answered (None
