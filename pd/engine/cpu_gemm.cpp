@@ -1,77 +1,125 @@
 // Packed-panel float32 GEMM for the CPU decode path: y[M, N] (+)= x[M, K] · W[N, K]ᵀ (+ bias).
 //
 // W is stored once, as panels of 16 output columns: packed[p][k][j] = W[16p + j][k] (zero rows
-// pad the last panel). A 6×16 register tile (12 ymm accumulators, one broadcast of x and two
-// loads of the panel per k) keeps both FMA pipes busy; each panel, contiguous in memory, is read
-// from DRAM once per step and reused from cache by every row block of x. Threads split the
-// panels. Built only where the compiler targets AVX2 + FMA; elsewhere `packed_gemm_available()`
-// is false and the callers keep at::linear on plain weights.
+// pad the last panel), so one k-step of a panel is one 64-byte line. Threads split the panels
+// (in chunks, through cpu_pool.cpp's chunked_for).
+// Two kernels over that one layout, chosen by M at run time inside the same entry point:
+// - M > kSmallRows: register tiles of up to kRows rows × 16 columns (AVX2: 6 rows, two ymm per
+//   row; AVX-512: 12 rows, one zmm per row), each panel reused from cache by every row block of x
+//   while the panel two ahead is prefetched;
+// - M <= kSmallRows (decode at small batch, bound by memory bandwidth): all M rows in one tile
+//   whose k-loop is unrolled over independent accumulators, streaming each thread's panels once,
+//   front to back, with a software prefetch kAhead lines ahead (the panels are contiguous, so the
+//   prefetch runs on into the next panel; the hardware prefetcher stops at every 4 KiB page).
+// Built where the compiler targets AVX2 + FMA (the AVX-512 variant where it targets AVX-512F;
+// the build is -march=native, per machine); elsewhere `packed_gemm_available()` is false and the
+// callers keep at::linear on plain weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
+#include <utility>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDKV_PACKED_GEMM 1
 #endif
 
-static constexpr int64_t kPanel = 16;  // output columns per panel (two ymm registers)
-static constexpr int64_t kRows = 6;    // rows of x per register tile
+static constexpr int64_t kPanel = 16;  // output columns per panel (one 64-byte line per k)
 
 #ifdef PDKV_PACKED_GEMM
-static constexpr int64_t kChunk = 64;  // k-steps summed in registers before joining the tile's total
+#if defined(__AVX512F__)
+using vec = __m512;
+static constexpr int kVecs = 1;   // vectors per panel line
+static constexpr int kRows = 12;  // rows of x per register tile (12 zmm accumulators)
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vset1(float a) { return _mm512_set1_ps(a); }
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static constexpr const char* kIsa = "avx512";
+#else
+using vec = __m256;
+static constexpr int kVecs = 2;
+static constexpr int kRows = 6;  // 12 ymm accumulators
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vset1(float a) { return _mm256_set1_ps(a); }
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static constexpr const char* kIsa = "avx2";
+#endif
+static constexpr int kWidth = kPanel / kVecs;  // floats per vector
+static constexpr int64_t kChunk = 64;          // k-steps summed in registers before joining the tile's total
+static constexpr int kSmallRows = 4;           // up to this many rows: the streaming small-M kernel
+static constexpr int64_t kAhead = 64;          // lines (k-steps) prefetched ahead by the small-M kernel
+
+// Independent accumulator sets in the k-loop of an MR-row tile: enough FMA chains in flight for
+// the small tiles (an FMA's latency is ~4 cycles), none for the large ones.
+template <int MR>
+static constexpr int unroll() { return MR * kVecs >= 8 ? 1 : (MR * kVecs >= 4 ? 2 : 4); }
 
 // C[MR, cols] (+)= A[MR, K] · B[K, 16] (+ bias[cols]); cols < 16 only in a padded last panel.
-// With `next`, also prefetches that panel (one 64-byte line per k) so that its DRAM reads overlap
-// this panel's FMAs (the hardware prefetcher restarts at every 4 KiB page). The k-sum runs in
-// chunks of kChunk whose partial sums are added up in `part` (in L1): the rounding error then
-// grows with K / kChunk + kChunk rather than with K, as in a blocked sgemm.
+// With `next`, also prefetches next[k * 16] for each k (one 64-byte line), so that DRAM reads
+// overlap this panel's FMAs. The k-sum runs in chunks of kChunk whose partial sums are added up
+// in `part` (in L1): the rounding error then grows with K / kChunk + kChunk rather than with K, as
+// in a blocked sgemm.
 template <int MR>
-static inline void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
-                        float* C, int64_t ldc, int64_t cols, const float* next) {
-  alignas(32) float part[MR][kPanel];
+static void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
+                 float* C, int64_t ldc, int64_t cols, const float* next) {
+  constexpr int U = unroll<MR>();
+  alignas(64) float part[MR][kPanel];
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    __m256 c[MR][2];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    vec c[U][MR][kVecs];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < kVecs; ++v) c[u][i][v] = vzero();
     const int64_t k1 = std::min(K, k0 + kChunk);
-    for (int64_t k = k0; k < k1; ++k) {
+    int64_t k = k0;
+    for (; k + U <= k1; k += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (k + u) * kPanel), _MM_HINT_T0);
+        vec b[kVecs];
+        for (int v = 0; v < kVecs; ++v) b[v] = vload(B + (k + u) * kPanel + v * kWidth);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          const vec a = vset1(A[i * lda + k + u]);
+          for (int v = 0; v < kVecs; ++v) c[u][i][v] = vfma(a, b[v], c[u][i][v]);
+        }
+      }
+    }
+    for (; k < k1; ++k) {
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
-      const __m256 b0 = _mm256_loadu_ps(B + k * kPanel), b1 = _mm256_loadu_ps(B + k * kPanel + 8);
-#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
-        c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
-        c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        const vec a = vset1(A[i * lda + k]);
+        for (int v = 0; v < kVecs; ++v) c[0][i][v] = vfma(a, vload(B + k * kPanel + v * kWidth), c[0][i][v]);
       }
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      if (k0 > 0) {
-        c[i][0] = _mm256_add_ps(_mm256_load_ps(part[i]), c[i][0]);
-        c[i][1] = _mm256_add_ps(_mm256_load_ps(part[i] + 8), c[i][1]);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kVecs; ++v) {
+        vec s = c[0][i][v];
+        for (int u = 1; u < U; ++u) s = vadd(s, c[u][i][v]);
+        if (k0 > 0) s = vadd(vload(part[i] + v * kWidth), s);
+        vstore(part[i] + v * kWidth, s);
       }
-      _mm256_store_ps(part[i], c[i][0]);
-      _mm256_store_ps(part[i] + 8, c[i][1]);
-    }
   }
   if (K == 0) std::fill(&part[0][0], &part[0][0] + MR * kPanel, 0.f);
   if (cols == kPanel) {
-    const __m256 z0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    const __m256 z1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-#pragma GCC unroll 8
+    vec z[kVecs];
+    for (int v = 0; v < kVecs; ++v) z[v] = bias ? vload(bias + v * kWidth) : vzero();
+#pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       float* out = C + i * ldc;
-      __m256 r0 = _mm256_load_ps(part[i]), r1 = _mm256_load_ps(part[i] + 8);
-      if (bias) {
-        r0 = _mm256_add_ps(r0, z0);
-        r1 = _mm256_add_ps(r1, z1);
+      for (int v = 0; v < kVecs; ++v) {
+        vec r = vload(part[i] + v * kWidth);
+        if (bias) r = vadd(r, z[v]);
+        if (accumulate) r = vadd(vload(out + v * kWidth), r);
+        vstore(out + v * kWidth, r);
       }
-      if (accumulate) {
-        r0 = _mm256_add_ps(_mm256_loadu_ps(out), r0);
-        r1 = _mm256_add_ps(_mm256_loadu_ps(out + 8), r1);
-      }
-      _mm256_storeu_ps(out, r0);
-      _mm256_storeu_ps(out + 8, r1);
     }
     return;
   }
@@ -84,6 +132,14 @@ static inline void tile(const float* A, int64_t lda, const float* B, int64_t K, 
   }
 }
 
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, bool, float*, int64_t, int64_t,
+                        const float*);
+template <int... R>
+static constexpr std::array<TileFn, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1>...};
+}
+static constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kRows>{});  // kTiles[r - 1]: r rows
+
 // Rows [0, M) of x against one panel, in row blocks of at most kRows, sized evenly (32 = 6+6+5+5+5+5);
 // the first block prefetches `next` (may be null).
 static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
@@ -91,26 +147,27 @@ static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, i
   const int64_t blocks = (M + kRows - 1) / kRows;
   for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
     const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-    const float* a = A + m * lda;
-    float* c = C + m * ldc;
-    const float* pf = blk == 0 ? next : nullptr;
-    switch (rows) {
-      case 6: tile<6>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-      case 5: tile<5>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-      case 4: tile<4>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-      case 3: tile<3>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-      case 2: tile<2>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-      default: tile<1>(a, lda, B, K, bias, accumulate, c, ldc, cols, pf); break;
-    }
+    kTiles[rows - 1](A + m * lda, lda, B, K, bias, accumulate, C + m * ldc, ldc, cols, blk == 0 ? next : nullptr);
     m += rows;
   }
 }
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W packed (ceil(N/16), K, 16).
-// Rows of A in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2); each
-// panel's first row block prefetches the panel two ahead.
+// M <= kSmallRows: one pass over the panels, front to back, prefetching kAhead lines ahead. Else
+// rows of A in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2), each
+// panel's first row block prefetching the panel two ahead.
 static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N,
                                const float* bias, bool accumulate, float* C, int64_t ldc, int64_t p0, int64_t p1) {
+  if (M <= 0) return;
+  if (M <= kSmallRows) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      const float* B = W + p * K * kPanel;
+      kTiles[M - 1](A, lda, B, K, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0),
+                    B + kAhead * kPanel);
+    }
+    return;
+  }
   const int64_t chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
@@ -122,6 +179,15 @@ static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K
   }
 }
 #endif
+
+// Which packed kernels this build holds: "avx512", "avx2" or "" (none: plain weights, at::linear).
+std::string packed_gemm_isa() {
+#ifdef PDKV_PACKED_GEMM
+  return kIsa;
+#else
+  return "";
+#endif
+}
 
 bool packed_gemm_available() {
 #ifdef PDKV_PACKED_GEMM
@@ -144,9 +210,12 @@ static void packed_gemm_into(const torch::Tensor& x, const torch::Tensor& packed
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias of N values");
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    packed_gemm_serial(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), N, bp, accumulate,
-                       y.data_ptr<float>(), y.stride(0), begin, end);
+  // Chunks of whole panels, about 8 per thread, taken by whichever thread is free (cpu_pool.cpp).
+  const int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  chunked_for((P + per - 1) / per, [&](int64_t c) {
+    packed_gemm_serial(xp, x.stride(0), M, K, wp, N, bp, accumulate, yp, y.stride(0), c * per, std::min(P, (c + 1) * per));
   });
 #else
   TORCH_CHECK(false, "packed GEMM not built (no AVX2/FMA)");

@@ -1,5 +1,6 @@
 // Every decoder layer of a decode-only step in one call (see decode_layers); the attention comes
-// from cpu_attention.cpp and the packed GEMM from cpu_gemm.cpp (concatenated before this file).
+// from cpu_attention.cpp, the packed GEMM from cpu_gemm.cpp and chunked_for from cpu_pool.cpp
+// (concatenated before this file).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -47,10 +48,16 @@ static inline void rope_heads(const float* src, const float* cs, const float* sn
   }
 }
 
-// y = x · Wᵀ (+ b): the packed GEMM (cpu_gemm.cpp) when w is packed (3-D), else at::linear.
-static void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, torch::Tensor& y) {
-  if (w.dim() == 3) return packed_gemm_into(x, w, b, false, y);
-  if (b.defined() && b.numel() > 0) {
+// y = x · Wᵀ (+ b), or y += x · Wᵀ with `accumulate` (then without bias): the packed GEMM
+// (cpu_gemm.cpp, threads splitting the panels) when w is packed (3-D), else at::linear.
+static void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool accumulate,
+                    torch::Tensor& y, torch::Tensor& tmp) {
+  if (w.dim() == 3) return packed_gemm_into(x, w, b, accumulate, y);
+  TORCH_CHECK(w.dim() == 2, "packed weights need the packed GEMM (AVX2 + FMA)");
+  if (accumulate) {
+    at::linear_out(tmp, x, w);
+    y.add_(tmp);
+  } else if (b.defined() && b.numel() > 0) {
     at::linear_out(y, x, w, b);
   } else {
     at::linear_out(y, x, w);
@@ -122,16 +129,20 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors: input norm, fused q|k|v
 // weight, fused q|k|v bias (may be empty), o_proj, post norm, fused gate|up weight, down_proj; the
 // four matrices are all plain (N, K) or all packed (P, K, 16) with q|k|v and gate|up unpadded.
-// Packed: the requests are split over the threads once (by estimated cost: projections plus keys)
-// and each thread runs its requests through all layers with the packed GEMM (decode_rows). Plain:
-// layer by layer, projections through at::linear, attention split by keys. Per group
+// Packed with more than `panel_split_max_rows` requests: the requests are split over the threads
+// once (by estimated cost: projections plus keys) and each thread runs its requests through all
+// layers with the packed GEMM (decode_rows). Otherwise (a small batch: one thread's share of the
+// requests would leave the other threads idle, or each thread would stream all the weights for a
+// few rows) layer by layer, the threads splitting each projection's panels (packed) or at::linear
+// (plain), and the attention by keys. Per group
 // (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
 // table and the first key position. Returns hidden states after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
                             std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
                             std::vector<torch::Tensor> tables, std::vector<torch::Tensor> key_starts,
-                            torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale) {
+                            torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale,
+                            int64_t panel_split_max_rows) {
   const int64_t L = static_cast<int64_t>(caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
@@ -153,7 +164,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   }
   x = x.clone();  // the residual stream, updated in place
 #ifdef PDKV_PACKED_GEMM
-  if (packed) {
+  if (packed && (B > panel_split_max_rows || at::get_num_threads() == 1)) {
     // A request's cost in key-equivalents: its keys in every layer, plus the projections (2 flops
     // per weight against ~4 per key and query dimension, keys counted 3x for being read from DRAM).
     const int64_t params = (s.qw + 2 * s.kw) * H + s.qw * H + 3 * H * I;
@@ -172,14 +183,12 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       while (k < parts && run * parts >= total * k) bounds[k++] = b + 1;
     }
     float* xp = x.data_ptr<float>();
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        if (bounds[i] < bounds[i + 1]) decode_rows(s, layers, bounds[i], bounds[i + 1], xp);
+    chunked_for(parts, [&](int64_t i) {
+      if (bounds[i] < bounds[i + 1]) decode_rows(s, layers, bounds[i], bounds[i + 1], xp);
     });
     return x;
   }
 #endif
-  TORCH_CHECK(!packed, "packed weights need the packed GEMM (AVX2 + FMA)");
   // Scratch for every layer, allocated once per call.
   auto h = torch::empty({B, H}, x.options()), tmp = torch::empty({B, H}, x.options());
   auto qkv = torch::empty({B, s.qw + 2 * s.kw}, x.options()), attn = torch::empty({B, s.qw}, x.options());
@@ -188,22 +197,21 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const LayerView& lv = layers[l];
     const torch::Tensor* w = lv.w;
     rms_norm_rows(x, w[0], s.eps, h);
-    project(h, w[1], w[2], qkv);
+    project(h, w[1], w[2], false, qkv, tmp);
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
-    for_each_request_balanced(B, lv.key_start, s.key_end, [&](int64_t b) {
+    chunked_for(B, [&](int64_t b) {
       thread_local std::vector<float> qbuf, scores, acc;
       attend_new_token(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
     });
-    at::linear_out(tmp, attn, w[3]);
-    x.add_(tmp);
+    project(attn, w[3], torch::Tensor(), true, x, tmp);
     rms_norm_rows(x, w[4], s.eps, h);
-    project(h, w[5], torch::Tensor(), gu);
-    at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
-      silu_mul_rows(gu.data_ptr<float>() + begin * 2 * I, end - begin, I, act.data_ptr<float>() + begin * I);
+    project(h, w[5], torch::Tensor(), false, gu, tmp);
+    chunked_for((B + 7) / 8, [&](int64_t c) {
+      const int64_t r0 = 8 * c, rows = std::min<int64_t>(8, B - r0);
+      silu_mul_rows(gu.data_ptr<float>() + r0 * 2 * I, rows, I, act.data_ptr<float>() + r0 * I);
     });
-    at::linear_out(tmp, act, w[6]);
-    x.add_(tmp);
+    project(act, w[6], torch::Tensor(), true, x, tmp);
   }
   return x;
 }
@@ -218,4 +226,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, release());
   m.def("packed_rows", &packed_rows, release());
   m.def("packed_gemm_available", &packed_gemm_available);
+  m.def("packed_gemm_isa", &packed_gemm_isa);
 }

@@ -12,17 +12,22 @@ path, which is the reference.
 
 `decode_layers` goes further for steps made only of decode tokens: every
 decoder layer in one call (norms, RoPE, K/V write, attention and SiLU in C++,
-the projections through the packed-panel AVX2 GEMM of cpu_gemm.cpp where the
-CPU has AVX2 + FMA (`packed_gemm_available()`), else at::linear), so no
-per-layer Python or small torch ops.
+the projections through the packed-panel GEMM of cpu_gemm.cpp where the
+compiler targets AVX2 + FMA (`packed_gemm_available()`; `packed_gemm_isa()` says
+"avx512" or "avx2"), else at::linear), so no per-layer Python or small torch ops.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import logging
 import os
 import pathlib
+import platform
+import subprocess
+import sys
 import threading
 import time
 
@@ -30,24 +35,57 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order: cpu_kernels.cpp calls the other two.
+# One translation unit, in this order: each file calls those before it (cpu_pool.cpp: the threads'
+# chunked loops; cpu_gemm.cpp: the packed GEMM; cpu_attention.cpp; cpu_kernels.cpp: the bindings).
 _SOURCE_PATHS = [pathlib.Path(__file__).with_name(name)
-                 for name in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
+                 for name in ("cpu_pool.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
 
 _lock = threading.Lock()
 _module = None
 _failed = False
 
 
-_NAME = "pdkv_paged_decode_v12"
+_VERSION = "pdkv_paged_decode_v13"  # bump with any change of the kernels' Python-facing signatures
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
 
 
+def _compiler_version() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return compiler
+    return f"{compiler} {done.stdout.splitlines()[0] if done.stdout else ''}"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            lines = [line for line in handle if line.startswith(("model name", "flags", "Features"))]
+    except OSError:
+        return platform.processor()
+    firsts = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in reversed(lines)}
+    return "|".join(f"{key}={value}" for key, value in sorted(firsts.items()))
+
+
+@functools.cache
+def kernel_name() -> str:
+    """The build's module name: the kernels' version and a digest of all that makes a build specific to a
+    machine (CPU model and flags, for -march=native; compiler; torch and Python; flags). A cache shared by
+    machines (one home directory, a copied image) then never loads a build made for another CPU, whose
+    instructions this one may lack; torch's own check covers only the sources."""
+    ident = "\n".join([_VERSION, platform.machine(), _cpu_identity(), _compiler_version(), torch.__version__,
+                       sys.version.split()[0], " ".join(_CFLAGS)])
+    return f"{_VERSION}_{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
 def build_directory() -> pathlib.Path:
-    """Where the kernels are built and cached: `$PDKV_KERNEL_CACHE`, else ~/.cache/pdkv/kernels/<name>."""
+    """Where the kernels are built and cached: `$PDKV_KERNEL_CACHE`, else ~/.cache/pdkv/kernels/<kernel_name()>."""
     root = os.environ.get("PDKV_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkv", "kernels")
-    return pathlib.Path(root) / _NAME
+    return pathlib.Path(root) / kernel_name()
 
 
 @contextlib.contextmanager
@@ -85,14 +123,14 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                directory = build_directory()
+                directory, name = build_directory(), kernel_name()
                 with _build_lock(directory, BUILD_WAIT_S):
-                    if not (directory / f"{_NAME}.so").exists():
+                    if not (directory / f"{name}.so").exists():
                         logger.info("building the fused CPU kernels once into %s (a minute or two)", directory)
                     _module = load_inline(
                         # (the bindings, which release the GIL, are at the end of cpu_kernels.cpp)
-                        name=_NAME, cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                        name=name, cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
+                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                         build_directory=str(directory), verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
                 logger.warning("fused CPU decode attention unavailable, using the torch path: %s", exc)

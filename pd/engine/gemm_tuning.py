@@ -8,7 +8,7 @@ thread count and the shape, so it is measured: for each distinct (K, N) of a mod
 packed projections, both paths are timed at a ladder of row counts, and a projection
 takes the torch path from the smallest row count past which torch wins at every rung.
 
-The table is cached per machine (CPU model, thread count, torch version) beside the fused
+The table is cached per machine (CPU model and flags, thread count, torch version, kernel build) beside the fused
 kernels, so every worker process of a machine with the same thread count uses the same
 crossovers, and the measurement is paid once. Workers on other thread counts may cross
 over elsewhere: both paths are float32 GEMMs, so they agree to rounding, not bit for bit.
@@ -77,7 +77,9 @@ def _machine_key() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    # The kernel build's name digests the CPU's flags and the kernels' version: a new kernel (or an
+    # AVX-512 build where an AVX2 one ran) is measured again.
+    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}|{cpu_kernels.kernel_name()}"
 
 
 def _table_path() -> Path:

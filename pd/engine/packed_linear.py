@@ -1,7 +1,7 @@
 """Linear layers whose weights are held in the packed-panel layout of pd/engine/cpu_gemm.cpp.
 
 On the fused CPU path the weights are re-laid once, as panels of 16 output
-columns ((N, K) -> (ceil(N/16), K, 16)), which the AVX2 kernel streams at
+columns ((N, K) -> (ceil(N/16), K, 16)), which the AVX-512 / AVX2 kernel streams at
 close to the FMA peak where MKL's sgemm at decode shapes reaches half of it.
 The model's own `nn.Linear` / tied `nn.Embedding` modules are swapped for the
 modules below, which read the same panels: the weights are held once, and

@@ -169,7 +169,7 @@ def main() -> None:
     if args.gemm:
         from pd.tools.gemm_bench import SMOLLM2_SHAPES, print_table
 
-        print_table(SMOLLM2_SHAPES, [1, 8, 32, 512], repeats=20)
+        print_table(SMOLLM2_SHAPES, [1, 2, 4, 8, 32, 512], repeats=20)
         return
     if args.model:
         v = bench_vs_hf_model(args.model, args.num_requests, args.new_tokens, args.rounds)

@@ -192,6 +192,9 @@ def run(args: argparse.Namespace, say) -> dict:
         else:
             out["pools"]["engine in-process"] = {"engine": audit}
             say(f"engine in-process: {describe_pools({'engine': audit})}")
+            from pd.tools.gemm_bench import peak_gflops
+
+            out["gemm_peak_gflops"] = peak_gflops()
     out["ratios"] = ratios(out["results"], LLAMA)
     out["served_share"] = served_share(out["results"], _rates(out))
     out["load_avg_end"] = _loadavg()
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_markdown(out["results"]))
         print()
         print(format_ratios(out["ratios"], LLAMA))
-        print(format_engine(out["engine_in_process"], out["served_share"], args.threads))
+        print(format_engine(out["engine_in_process"], out["served_share"], args.threads, out.get("gemm_peak_gflops")))
         print(format_breakdown(out["results"]))
     else:
         print("no server ran")

@@ -4,7 +4,8 @@ The same waves (prompts rendered with the model's chat template, as the router r
 the same output length (EOS ignored, greedy) and concurrency, fed straight to one engine built
 as a colocated worker builds it (pd.tools.vs_hf.serving_engine): a wave's c requests are added
 at once and stepped until all finish; its rate is its tokens over that wall time. Per c: the
-median over the measured rounds (the warm-up wave is run and dropped).
+median over the measured rounds (the warm-up wave is run and dropped), and the GFLOP/s of the
+projections that rate implies (their flops per token times tokens/s, prefill included).
 """
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def engine_rates(model_path: str, waves: list[Wave], output_len: int,
         audit = dataclasses.asdict(eng.audit())
     finally:
         eng.shutdown()
+    flops = projection_flops_per_token(eng.runner.model)
     rates = {c: {"tokens_per_s": statistics.median(r for r, _ in runs),
                  "ttft_p50_s": statistics.median(t for _, t in runs)} for c, runs in per_c.items()}
+    for v in rates.values():
+        v["gemm_gflops"] = v["tokens_per_s"] * flops / 1e9
     return rates, audit
+
+
+def projection_flops_per_token(model: torch.nn.Module) -> int:
+    """2 flops per weight of every projection and the lm_head (the GEMMs; embeddings are lookups)."""
+    return sum(2 * m.in_features * m.out_features for m in model.modules() if hasattr(m, "in_features")
+               and hasattr(m, "out_features") and not isinstance(m, torch.nn.Embedding))
 
 
 def _run_wave(eng, prompts: dict[str, list[int]], params: SamplingParams) -> tuple[float, float]:

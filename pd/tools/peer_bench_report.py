@@ -55,12 +55,19 @@ def format_ratios(ratio_table: dict[str, dict[int, dict]], baseline: str) -> str
     return "\n".join(lines)
 
 
-def format_engine(engine: dict[int, dict], shares: dict[str, dict[int, float]], threads: int) -> str:
+def format_engine(engine: dict[int, dict], shares: dict[str, dict[int, float]], threads: int,
+                  peak_gflops: float | None = None) -> str:
     if not engine:
         return "engine in-process: not run"
+    gemm = [(c, v["gemm_gflops"]) for c, v in sorted(engine.items()) if "gemm_gflops" in v]
+    gemm_line = ("  its projections (flops per token x tokens/s): " + ", ".join(
+        f"c={c} {g:.1f} GFLOP/s" + (f" ({100 * g / peak_gflops:.0f}%)" if peak_gflops else "") for c, g in gemm)
+        + (f" of a {peak_gflops:.0f} GFLOP/s torch.mm 2048^3 peak" if peak_gflops else "")) if gemm else None
     lines = ["engine in-process (same prompts, output length and concurrency, fed straight to one engine, "
              f"{threads} torch threads): " + ", ".join(f"c={c} {v['tokens_per_s']:.1f} tok/s (TTFT p50 "
                                                        f"{_ms(v['ttft_p50_s'])})" for c, v in sorted(engine.items()))]
+    if gemm_line:
+        lines.append(gemm_line)
     for server, per_c in shares.items():
         if server == LLAMA:
             continue
