@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pd.cluster.config import DeployConfig, Mode, Placement
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.worker.actor import WorkerActor
+from pd.worker.process_env import worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ def release_placement(pg: PlacementGroup | None) -> None:
 def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle_index: int = 0) -> dict:
     """Ray options of worker `bundle_index`: its resources, inside its bundle when `pg` is given."""
     num_gpus = 1 if config.topology.device == "cuda" else 0
-    options: dict[str, object] = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus}
+    options: dict[str, object] = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus,
+                                  "runtime_env": {"env_vars": worker_env()}}
     if pg is None:
         options["scheduling_strategy"] = "SPREAD"
     else:

@@ -16,6 +16,7 @@ from pathlib import Path
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.server import Router
+from pd.worker.process_env import worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "pd-bench-secret-0123456789abcdef0123"
@@ -48,7 +49,8 @@ class PinnedDeployment:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def _spawn(self, plan: WorkerPlan) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), *sys.path) if p)}
+        env = {**os.environ, **worker_env(),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), *sys.path) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "pd.tools.pinned_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, text=True, cwd=REPO)
         self.procs.append(proc)

@@ -40,6 +40,11 @@ class Probe:
     def where(self) -> tuple[str, list]:
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
+    def env(self, name: str) -> str | None:
+        import os
+
+        return os.environ.get(name)
+
 
 def _config(device: str, placement: str, num_prefill: int = 1, num_decode: int = 1) -> DeployConfig:
     return DeployConfig.from_dict({"topology": {"device": device, "placement": placement, "num_prefill": num_prefill,
@@ -122,6 +127,23 @@ def test_too_many_gpu_workers_fail_with_the_shortfall_and_release_everything(clu
     with pytest.raises(RuntimeError, match=r"needs 5 GPU .*has 4"):
         reserve_placement(config, timeout_s=2)
     _wait_all_free()  # the unplaceable group was removed
+
+
+def test_a_worker_process_starts_with_openmp_threads_that_sleep(cluster, monkeypatch):
+    """Set before torch loads, in the actor's own process (worker_env): torch's OpenMP threads must not
+    spin beside the fused kernels' pool; a caller's own OMP_WAIT_POLICY wins."""
+    config = _config("cpu", "none")
+    for want in ("PASSIVE", "ACTIVE"):
+        if want == "ACTIVE":
+            monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        else:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        probe = Probe.options(**actor_options(config)).remote()
+        try:
+            assert ray.get(probe.env.remote("OMP_WAIT_POLICY"), timeout=60) == want
+        finally:
+            ray.kill(probe)
+    _wait_all_free()
 
 
 def test_resource_shortfall_names_the_missing_gpus_without_a_cluster():
