@@ -39,17 +39,21 @@ class ChunkPool {
       return;
     }
     ensure_helpers(num_threads - 1);
-    fn_ = &fn;
-    num_chunks_.store(num_chunks, std::memory_order_relaxed);
+    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    // The job goes in the slot of its generation's parity: a helper still holding the previous
+    // generation reads that one's slot, never this job's chunk count or function (it would claim
+    // and run a chunk twice: a projection that accumulates into its output would add it twice).
+    Job& job = jobs_[gen & 1];
+    job.fn.store(&fn, std::memory_order_relaxed);
+    job.num_chunks.store(num_chunks, std::memory_order_relaxed);
     wanted_.store(num_threads - 1, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
     state_.store(gen << 32, std::memory_order_release);  // publish: generation gen, next chunk 0
     if (sleepers_.load(std::memory_order_acquire) > 0) {
       std::lock_guard<std::mutex> lock(sleep_mu_);
       wake_.notify_all();
     }
-    drain(gen, num_chunks);
+    drain(gen);
     // A helper still on a chunk may have lost its core: yield now and then, so that it gets it back.
     for (int64_t i = 1; done_.load(std::memory_order_acquire) < num_chunks; ++i) {
       if (i % 64 == 0) std::this_thread::yield(); else spin_pause();
@@ -66,12 +70,16 @@ class ChunkPool {
   }
 
  private:
-  // Takes and runs chunks of generation `gen` while any are left, counting each one done.
-  void drain(uint64_t gen, int64_t num_chunks) {
+  // Takes and runs chunks of generation `gen` while any are left, counting each one done. The chunk
+  // count and function are read from `gen`'s slot: while the state still names `gen`, no later job
+  // can have written that slot (a job starts only when every chunk of the one before is done).
+  void drain(uint64_t gen) {
+    const Job& job = jobs_[gen & 1];
     uint64_t s = state_.load(std::memory_order_acquire);
+    const int64_t num_chunks = job.num_chunks.load(std::memory_order_relaxed);
     while ((s >> 32) == gen && static_cast<int64_t>(s & 0xffffffffu) < num_chunks) {
       if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
-        (*fn_)(static_cast<int64_t>(s & 0xffffffffu));
+        (*job.fn.load(std::memory_order_relaxed))(static_cast<int64_t>(s & 0xffffffffu));
         done_.fetch_add(1, std::memory_order_acq_rel);
         s = state_.load(std::memory_order_acquire);
       }
@@ -108,7 +116,7 @@ class ChunkPool {
       }
       seen = s >> 32;
       if (index >= wanted_.load(std::memory_order_relaxed)) continue;
-      drain(seen, num_chunks_.load(std::memory_order_relaxed));
+      drain(seen);
     }
   }
 
@@ -117,9 +125,13 @@ class ChunkPool {
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;
   std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk
-  std::atomic<int64_t> num_chunks_{0}, wanted_{0}, done_{0}, sleepers_{0};
+  struct Job {
+    std::atomic<const std::function<void(int64_t)>*> fn{nullptr};
+    std::atomic<int64_t> num_chunks{0};
+  };
+  Job jobs_[2];  // by generation parity (see run)
+  std::atomic<int64_t> wanted_{0}, done_{0}, sleepers_{0};
   std::atomic<bool> stop_{false};
-  const std::function<void(int64_t)>* fn_ = nullptr;
 };
 
 // fn(chunk) for chunk in [0, num_chunks), over at::get_num_threads() threads (the caller's included).
