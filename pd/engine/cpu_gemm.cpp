@@ -60,61 +60,71 @@ static constexpr int64_t kAhead = 64;          // lines (k-steps) prefetched ahe
 template <int MR>
 static constexpr int unroll() { return MR * kVecs >= 8 ? 1 : (MR * kVecs >= 4 ? 2 : 4); }
 
-// C[MR, cols] (+)= A[MR, K] · B[K, 16] (+ bias[cols]); cols < 16 only in a padded last panel.
-// With `next`, also prefetches next[k * 16] for each k (one 64-byte line), so that DRAM reads
-// overlap this panel's FMAs. The k-sum runs in chunks of kChunk whose partial sums are added up
-// in `part` (in L1): the rounding error then grows with K / kChunk + kChunk rather than with K, as
-// in a blocked sgemm.
-template <int MR>
+// C[MR, NP*16 or cols] (+)= A[MR, K] · B[K, NP*16] (+ bias) for NP adjacent panels (B, B + K*16, ...);
+// cols < 16 only in a padded last panel (then NP == 1). NP == 2 halves the broadcasts of A per FMA
+// (AVX-512: 12 rows x 2 panels = 24 zmm accumulators), which lifts prefill-sized tiles off the
+// load ports. With `next`, also prefetches NP lines of the panels after these per k-step,
+// front to back, so that DRAM reads overlap this tile's FMAs. The k-sum runs in chunks of kChunk
+// whose partial sums are added up in `part` (in L1): the rounding error then grows with
+// K / kChunk + kChunk rather than with K, as in a blocked sgemm. Each output's sum runs in the same
+// order for any NP, so NP changes no bit of the result.
+template <int MR, int NP = 1>
 static void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
                  float* C, int64_t ldc, int64_t cols, const float* next) {
-  constexpr int U = unroll<MR>();
-  alignas(64) float part[MR][kPanel];
+  constexpr int U = unroll<MR * NP>();
+  constexpr int NV = NP * kVecs;  // vectors per row of the tile
+  alignas(64) float part[MR][NP * kPanel];
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    vec c[U][MR][kVecs];
+    vec c[U][MR][NV];
 #pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < kVecs; ++v) c[u][i][v] = vzero();
+        for (int v = 0; v < NV; ++v) c[u][i][v] = vzero();
     const int64_t k1 = std::min(K, k0 + kChunk);
     int64_t k = k0;
     for (; k + U <= k1; k += U) {
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
-        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (k + u) * kPanel), _MM_HINT_T0);
-        vec b[kVecs];
-        for (int v = 0; v < kVecs; ++v) b[v] = vload(B + (k + u) * kPanel + v * kWidth);
+        if (next != nullptr)
+          for (int q = 0; q < NP; ++q)
+            _mm_prefetch(reinterpret_cast<const char*>(next + (NP * (k + u) + q) * kPanel), _MM_HINT_T0);
+        vec b[NV];
+        for (int q = 0; q < NP; ++q)
+          for (int v = 0; v < kVecs; ++v) b[q * kVecs + v] = vload(B + q * K * kPanel + (k + u) * kPanel + v * kWidth);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const vec a = vset1(A[i * lda + k + u]);
-          for (int v = 0; v < kVecs; ++v) c[u][i][v] = vfma(a, b[v], c[u][i][v]);
+          for (int v = 0; v < NV; ++v) c[u][i][v] = vfma(a, b[v], c[u][i][v]);
         }
       }
     }
     for (; k < k1; ++k) {
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
+      if (next != nullptr)
+        for (int q = 0; q < NP; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + (NP * k + q) * kPanel), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         const vec a = vset1(A[i * lda + k]);
-        for (int v = 0; v < kVecs; ++v) c[0][i][v] = vfma(a, vload(B + k * kPanel + v * kWidth), c[0][i][v]);
+        for (int q = 0; q < NP; ++q)
+          for (int v = 0; v < kVecs; ++v)
+            c[0][i][q * kVecs + v] = vfma(a, vload(B + q * K * kPanel + k * kPanel + v * kWidth), c[0][i][q * kVecs + v]);
       }
     }
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kVecs; ++v) {
+      for (int v = 0; v < NV; ++v) {
         vec s = c[0][i][v];
         for (int u = 1; u < U; ++u) s = vadd(s, c[u][i][v]);
         if (k0 > 0) s = vadd(vload(part[i] + v * kWidth), s);
         vstore(part[i] + v * kWidth, s);
       }
   }
-  if (K == 0) std::fill(&part[0][0], &part[0][0] + MR * kPanel, 0.f);
+  if (K == 0) std::fill(&part[0][0], &part[0][0] + MR * NP * kPanel, 0.f);
   if (cols == kPanel) {
-    vec z[kVecs];
-    for (int v = 0; v < kVecs; ++v) z[v] = bias ? vload(bias + v * kWidth) : vzero();
+    vec z[NV];
+    for (int v = 0; v < NV; ++v) z[v] = bias ? vload(bias + v * kWidth) : vzero();
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       float* out = C + i * ldc;
-      for (int v = 0; v < kVecs; ++v) {
+      for (int v = 0; v < NV; ++v) {
         vec r = vload(part[i] + v * kWidth);
         if (bias) r = vadd(r, z[v]);
         if (accumulate) r = vadd(vload(out + v * kWidth), r);
@@ -134,20 +144,25 @@ static void tile(const float* A, int64_t lda, const float* B, int64_t K, const f
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, bool, float*, int64_t, int64_t,
                         const float*);
-template <int... R>
+template <int NP, int... R>
 static constexpr std::array<TileFn, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
+  return {&tile<R + 1, NP>...};
 }
-static constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kRows>{});  // kTiles[r - 1]: r rows
+static constexpr auto kTiles = tiles_of<1>(std::make_integer_sequence<int, kRows>{});  // kTiles[r - 1]: r rows
+// Two panels per tile where that fits the registers (AVX-512: 2 x 12 accumulators; AVX2 keeps one:
+// its 16 ymm hold 6 rows x 2 vectors).
+static constexpr int kPairPanels = kVecs == 1 ? 2 : 1;
+static constexpr auto kPairTiles = tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
-// Rows [0, M) of x against one panel, in row blocks of at most kRows, sized evenly (32 = 6+6+5+5+5+5);
-// the first block prefetches `next` (may be null).
+// Rows [0, M) of x against `np` adjacent full panels (1, or kPairPanels) or one padded one, in row
+// blocks of at most kRows, sized evenly (32 = 6+6+5+5+5+5); the first block prefetches `next` (may be null).
 static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
-                       bool accumulate, float* C, int64_t ldc, int64_t cols, const float* next) {
+                       bool accumulate, float* C, int64_t ldc, int64_t cols, const float* next, int np) {
+  const auto& tiles = np == 1 ? kTiles : kPairTiles;
   const int64_t blocks = (M + kRows - 1) / kRows;
   for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
     const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-    kTiles[rows - 1](A + m * lda, lda, B, K, bias, accumulate, C + m * ldc, ldc, cols, blk == 0 ? next : nullptr);
+    tiles[rows - 1](A + m * lda, lda, B, K, bias, accumulate, C + m * ldc, ldc, cols, blk == 0 ? next : nullptr);
     m += rows;
   }
 }
@@ -171,10 +186,15 @@ static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K
   const int64_t chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    for (int64_t p = p0; p < p1;) {
+      const int64_t n0 = p * kPanel;
+      // kPairPanels at once where they are all full and this thread's; else one.
+      const int np = (p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
+      const int64_t ahead = p + 2 * np;  // the panels two tiles on, prefetched from this one
       panel_rows(A + m0 * lda, lda, rows, W + p * K * kPanel, K, bias ? bias + n0 : nullptr, accumulate,
-                 C + m0 * ldc + n0, ldc, cols, p + 2 < p1 ? W + (p + 2) * K * kPanel : nullptr);
+                 C + m0 * ldc + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0),
+                 ahead + np <= p1 ? W + ahead * K * kPanel : nullptr, np);
+      p += np;
     }
   }
 }
@@ -211,7 +231,8 @@ static void packed_gemm_into(const torch::Tensor& x, const torch::Tensor& packed
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias of N values");
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   // Chunks of whole panels, about 8 per thread, taken by whichever thread is free (cpu_pool.cpp).
-  const int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  if (M > kSmallRows) per = (per + kPairPanels - 1) / kPairPanels * kPairPanels;  // whole pairs
   const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   chunked_for((P + per - 1) / per, [&](int64_t c) {

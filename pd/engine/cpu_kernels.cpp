@@ -82,18 +82,19 @@ struct LayerView {
   const int64_t* slot_block;
 };
 
-// Request b's new token in one layer: RoPE, K/V written into its slot, then attention over its
-// keys (the token included, read back through the page). qkv: b's q|k|v row; out: Hq * D values.
-static void attend_new_token(const StepShape& s, const LayerView& lv, int64_t b, const float* qkv,
-                             std::vector<float>& qbuf, std::vector<float>& scores, std::vector<float>& acc,
-                             float* out) {
-  qbuf.resize(s.qw);
-  const float* cs = s.cos + b * s.D;
-  const float* sn = s.sin + b * s.D;
+// Row b's token in one layer, first half: its K (RoPE'd) and V written into its slot. qkv: b's q|k|v row.
+static inline void write_new_kv(const StepShape& s, const LayerView& lv, int64_t b, const float* qkv) {
   float* kdst = lv.cache + lv.slot_block[b] * lv.s_blk + s.slot_offsets[b] * lv.s_tok;
-  rope_heads(qkv + s.qw, cs, sn, s.Hkv, s.D, kdst);
+  rope_heads(qkv + s.qw, s.cos + b * s.D, s.sin + b * s.D, s.Hkv, s.D, kdst);
   std::copy(qkv + s.qw + s.kw, qkv + s.qw + 2 * s.kw, kdst + lv.s_kv);
-  rope_heads(qkv, cs, sn, s.Hq, s.D, qbuf.data());
+}
+
+// Second half: its query (RoPE'd) attends over its keys, read back through the pages (its own
+// included, and those of the step's earlier tokens of the same prompt). out: Hq * D values.
+static void attend_row(const StepShape& s, const LayerView& lv, int64_t b, const float* qkv,
+                       std::vector<float>& qbuf, std::vector<float>& scores, std::vector<float>& acc, float* out) {
+  qbuf.resize(s.qw);
+  rope_heads(qkv, s.cos + b * s.D, s.sin + b * s.D, s.Hq, s.D, qbuf.data());
   attend_one(qbuf.data(), lv.cache, lv.table + b * lv.W, lv.key_start[b], s.key_end[b], lv.bs, lv.s_blk, lv.s_kv,
              lv.s_tok, s.Hq, s.Hkv, s.D, s.scale, scores, acc, out);
 }
@@ -112,8 +113,10 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
     const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
     for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[0].data_ptr<float>(), H, s.eps, h.data() + r * H);
     packed_gemm_serial(h.data(), H, R, H, w[1].data_ptr<float>(), nqkv, bias, false, qkv.data(), nqkv, 0, panels(w[1]));
-    for (int64_t r = 0; r < R; ++r)
-      attend_new_token(s, lv, r0 + r, qkv.data() + r * nqkv, qbuf, scores, acc, attn.data() + r * s.qw);
+    for (int64_t r = 0; r < R; ++r) {  // in order: a prompt's token sees its predecessors' K/V of this layer
+      write_new_kv(s, lv, r0 + r, qkv.data() + r * nqkv);
+      attend_row(s, lv, r0 + r, qkv.data() + r * nqkv, qbuf, scores, acc, attn.data() + r * s.qw);
+    }
     packed_gemm_serial(attn.data(), s.qw, R, s.qw, w[3].data_ptr<float>(), H, nullptr, true, xr, H, 0, panels(w[3]));
     for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[4].data_ptr<float>(), H, s.eps, h.data() + r * H);
     packed_gemm_serial(h.data(), H, R, H, w[5].data_ptr<float>(), 2 * I, nullptr, false, gu.data(), 2 * I, 0,
@@ -124,14 +127,17 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 }
 #endif
 
-// Every decoder layer for a batch of decode tokens (one per request), float32 on the CPU: the
-// per-layer small ops (norms, RoPE, K/V write, attention, SiLU) run here. x: (B, hidden)
-// embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors: input norm, fused q|k|v
+// Every decoder layer for a batch of B token rows, float32 on the CPU: the per-layer small ops
+// (norms, RoPE, K/V write, attention, SiLU) run here. A row is a decode token or one token of a
+// prompt chunk; each has its own position, slot, block table row and key range [key_start,
+// key_end), and a prompt's rows come in position order (each attends to the K/V of the rows before
+// it, written in the same layer). x: (B, hidden) embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors: input norm, fused q|k|v
 // weight, fused q|k|v bias (may be empty), o_proj, post norm, fused gate|up weight, down_proj; the
 // four matrices are all plain (N, K) or all packed (P, K, 16) with q|k|v and gate|up unpadded.
-// Packed with more than `panel_split_max_rows` requests: the requests are split over the threads
+// Packed with more than `panel_split_max_rows` rows (or one thread): the rows are split over the threads
 // once (by estimated cost: projections plus keys) and each thread runs its requests through all
-// layers with the packed GEMM (decode_rows). Otherwise (a small batch: one thread's share of the
+// layers with the packed GEMM (decode_rows); a step with prompt rows must then run on one thread or
+// pass panel_split_max_rows >= B, as a prompt's rows on two threads would race. Otherwise (a small batch: one thread's share of the
 // requests would leave the other threads idle, or each thread would stream all the weights for a
 // few rows) layer by layer, the threads splitting each projection's panels (packed) or at::linear
 // (plain), and the attention by keys. Per group
@@ -200,9 +206,12 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     project(h, w[1], w[2], false, qkv, tmp);
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
+    // Every row's K/V first (a few hundred floats each), then the attention in parallel: a prompt's
+    // token attends to the K/V its predecessors in the step wrote into this layer.
+    for (int64_t b = 0; b < B; ++b) write_new_kv(s, lv, b, qkvp + b * qkv.size(1));
     chunked_for(B, [&](int64_t b) {
       thread_local std::vector<float> qbuf, scores, acc;
-      attend_new_token(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
+      attend_row(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
     });
     project(attn, w[3], torch::Tensor(), true, x, tmp);
     rms_norm_rows(x, w[4], s.eps, h);

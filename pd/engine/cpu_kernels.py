@@ -45,7 +45,7 @@ _module = None
 _failed = False
 
 
-_VERSION = "pdkv_paged_decode_v13"  # bump with any change of the kernels' Python-facing signatures
+_VERSION = "pdkv_paged_decode_v14"  # bump with any change of the kernels' Python-facing signatures
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
 

@@ -1,13 +1,13 @@
-"""Decode-only steps through one C++ call for all layers (pd/engine/cpu_kernels.cpp `decode_layers`).
+"""Engine steps through one C++ call for all layers (pd/engine/cpu_kernels.cpp `decode_layers`).
 
-When every scheduled chunk of a step is a single decode token and the fused
-CPU kernels are available, the runner skips the per-layer Python path: the
-step's metadata is built straight from the chunks' Python lists (a handful of
-small tensors), and the layers run in C++ with the projections through the
-packed-panel GEMM (pd/engine/cpu_gemm.cpp, AVX-512 or AVX2, weights re-laid once by
-pd/engine/packed_linear.py), or at::linear where that GEMM is not built. The
-q/k/v and gate/up weights are concatenated once at construction, so each layer
-makes four matmuls instead of seven.
+When the fused CPU kernels are available, a step of decode tokens, or of decode tokens and prompt
+chunks under the row and key caps below, skips the per-layer Python path: the step's metadata is
+built straight from the chunks' Python lists (a handful of small tensors, one row per token), and
+the layers run in C++ with the projections through the packed-panel GEMM (pd/engine/cpu_gemm.cpp,
+AVX-512 or AVX2, weights re-laid once by pd/engine/packed_linear.py), or at::linear where that GEMM
+is not built. A prompt's token attends to the K/V that the chunk's earlier tokens wrote into the same
+layer. The q/k/v and gate/up weights are concatenated once at construction, so each layer makes four
+matmuls instead of seven.
 """
 from __future__ import annotations
 
@@ -32,9 +32,17 @@ _EMPTY = torch.empty(0)
 # Up to this many decode tokens the layers run one by one, every thread on its share of each
 # projection's panels (the weights are read once per step, by all threads); above it each thread
 # runs its own requests through all layers (cpu_kernels.cpp `decode_layers`). On SmolLM2-135M
-# (2-core Xeon, AVX-512) the panel split took 26 against 37 ms a step at 1 token, 36 against 46 at
-# 8 and 63 against 68 at 16; at 32 the two were level.
-PANEL_SPLIT_MAX_ROWS = 16
+# (2-core Xeon, AVX-512, contexts of ~60 tokens), with the GEMM's two-panel tiles, the panel split
+# took 39 against 39 ms a step at 8 tokens, 66 against 88 at 24, 73-76 against 92-99 at 32 and 133
+# against 146 at 64.
+PANEL_SPLIT_MAX_ROWS = 64
+# Steps with prompt chunks run here too, up to this many rows (tokens) and (row, key) pairs of
+# attention (counted as if every row of a chunk saw all its keys), which the kernel computes one row
+# at a time. On SmolLM2-135M (2-core Xeon, AVX-512, 2 threads) a lone prompt of 64 / 256 / 1000
+# tokens took 123 / 476 / 2407 ms here against 276 / 773 / 2730 ms through the torch path, and
+# 1-12 prompts of ~40 tokens at once 1.7-2x less.
+FUSED_PROMPT_MAX_ROWS = 1024
+FUSED_PROMPT_MAX_KEYS = 1 << 20
 _HUGE = 1 << 21
 _MADV_HUGEPAGE = 14
 
@@ -70,10 +78,10 @@ def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class FusedDecoder:
-    """Runs pure-decode steps of a float32 CPU model in one kernel call.
+    """Runs the decode and short-prompt steps of a float32 CPU model in one kernel call.
 
-    Guarantees: writes K/V only into the slot of each chunk's own position and
-    returns float32 logits, one row per chunk, in chunk order; raises
+    Guarantees: writes K/V only into the slots of each chunk's own positions and
+    returns float32 logits, one row per chunk with `needs_logits`, in chunk order; raises
     ValueError (before writing anything) when a token's slot would be the null
     block. Weights are read once at construction (the model's weights never
     change afterwards) and held once: the model's own layers then read the same
@@ -97,6 +105,7 @@ class FusedDecoder:
         # Packed panels for the AVX-512/AVX2 GEMM where it is built and the shapes allow, else plain
         # weights through at::linear (MKL); either way the weights are held once.
         self.panel_split_max_rows = PANEL_SPLIT_MAX_ROWS
+        self.prompt_max_rows, self.prompt_max_keys = FUSED_PROMPT_MAX_ROWS, FUSED_PROMPT_MAX_KEYS
         self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
         if self.packed_gemm:
             self.weights = packed_linear.pack_model(model, _on_huge_pages)
@@ -150,34 +159,64 @@ class FusedDecoder:
             for proj, part in zip((mlp.gate_proj, mlp.up_proj), gate_up_parts, strict=True):
                 proj.weight.data = part
 
-    @staticmethod
-    def applies(chunks: list[ScheduledChunk]) -> bool:
-        return all(len(c.token_ids) == 1 and c.needs_logits for c in chunks)
+    def applies(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step runs here: decode tokens, and prompt chunks while the step's rows (one per
+        token) and the keys they attend to stay small (`FUSED_PROMPT_MAX_ROWS`, `FUSED_PROMPT_MAX_KEYS`).
+        Past those the torch path's GEMM and attention run a prompt faster."""
+        num_rows = 0
+        num_keys = 0
+        prompt = False
+        for c in chunks:
+            n = len(c.token_ids)
+            num_rows += n
+            if n > 1:
+                prompt = True
+                num_keys += n * (c.start + n)  # an upper bound: every row counted at the chunk's end
+        if not prompt:
+            return all(c.needs_logits for c in chunks)
+        return num_rows <= self.prompt_max_rows and num_keys <= self.prompt_max_keys
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits of the chunks with `needs_logits`, one row each, in chunk order."""
         bs = self.layout.block_size
-        positions = [c.start for c in chunks]
+        positions: list[int] = []
+        ids: list[int] = []
+        chunk_of_row: list[int] = []
+        logit_rows: list[int] = []
+        for i, c in enumerate(chunks):
+            positions.extend(range(c.start, c.start + len(c.token_ids)))
+            ids.extend(c.token_ids)
+            chunk_of_row.extend([i] * len(c.token_ids))
+            if c.needs_logits:
+                logit_rows.append(len(ids) - 1)
         key_end = torch.tensor([p + 1 for p in positions], dtype=torch.long)
         slot_blocks, tables, key_starts = [], [], []
         for g, grp in enumerate(self.layout.groups):
-            rows = [c.block_ids[g] for c in chunks]
-            width = max(len(r) for r in rows)
+            width = max(len(c.block_ids[g]) for c in chunks)
+            padded = [c.block_ids[g] + [0] * (width - len(c.block_ids[g])) for c in chunks]
+            rows = [chunks[i].block_ids[g] for i in chunk_of_row]
             blocks = [r[p // bs] if p // bs < len(r) else 0 for r, p in zip(rows, positions, strict=True)]
             if 0 in blocks:
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
             slot_blocks.append(torch.tensor(blocks, dtype=torch.long))
-            tables.append(torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long))
+            table = torch.tensor(padded, dtype=torch.long)
+            tables.append(table if len(chunks) == len(ids) else table[torch.tensor(chunk_of_row)])
             key_starts.append(torch.zeros_like(key_end) if grp.window is None
                               else torch.clamp(key_end - grp.window, min=0))
         offsets = torch.tensor([p % bs for p in positions], dtype=torch.long)
-        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
         body = self.model.model
-        x = body.embed_tokens(ids)
+        x = body.embed_tokens(torch.tensor(ids, dtype=torch.long))
         cos, sin = body.rotary.cos_sin(torch.tensor(positions), x.dtype)
+        # A prompt's rows must stay on one thread's share in the per-thread split (they would race
+        # across threads), so a step holding prompt rows runs layer by layer.
+        split_max = self.panel_split_max_rows if len(ids) == len(chunks) else len(ids)
         module = cpu_kernels.load()
         hidden = module.decode_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches,
                                       self.layer_group, slot_blocks, offsets, tables, key_starts, key_end,
-                                      self.num_heads, self.num_kv_heads, self.eps, self.scale,
-                                      self.panel_split_max_rows)
+                                      self.num_heads, self.num_kv_heads, self.eps, self.scale, split_max)
+        if len(logit_rows) != len(ids):
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        if not logit_rows:
+            return torch.empty((0, self.model.config.vocab_size))
         return self.model.compute_logits(body.norm(hidden))

@@ -61,15 +61,16 @@ class ModelRunner:
         self.token_rows = layout.token_rows(page_pool)
         self.device = page_pool.device
         self.workspace = Workspace()
-        # fused: decode tokens use the C++ kernel (float32 on CPU); prefill chunks always use torch.
+        # fused: decode tokens use the C++ kernel (float32 on CPU), and so do prompt chunks in the
+        # steps FusedDecoder.applies to.
         self.fused_decode = use_fused_decode(attention_backend, layout.dtype, self.device)
-        # Steps made only of decode tokens skip the per-layer Python path entirely.
+        # Steps of decode tokens and short prompt chunks skip the per-layer Python path entirely.
         self.fused_decoder = FusedDecoder(model, layout, self.group_views) if self.fused_decode else None
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         if not chunks:
             return torch.empty((0, self.model.config.vocab_size))
-        if self.fused_decoder is not None and FusedDecoder.applies(chunks):
+        if self.fused_decoder is not None and self.fused_decoder.applies(chunks):
             return self.fused_decoder.execute(chunks)
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
         backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace,

@@ -54,3 +54,61 @@ def test_fused_engine_same_tokens_as_torch_path(name):
         eng = Engine(engine_config(cfg, attention_backend="fused", **kw))
         assert eng.generate_sync(prompts, params) == torch_out
         assert_all_free(eng.kv_cache_manager)
+
+
+@pytest.mark.parametrize("split", [0, 1 << 20], ids=["requests", "panels"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
+    """Steps that mix prompt chunks (each token attending to the chunk's earlier tokens, written in
+    the same layer) with decode tokens run through the fused kernel and agree with the dense
+    reference, whichever split the decode-only steps use."""
+    cfg = MODELS[name]
+    model = build_model(cfg, seed=9)
+    layout = KVLayout(cfg, 4)
+    runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+    runner.fused_decoder.panel_split_max_rows = split
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 30, 45)]
+    num_groups = len(layout.groups)
+    tables = [tuple(list(range(1 + (i * num_groups + g) * 12, 13 + (i * num_groups + g) * 12)) for g in range(num_groups))
+              for i in range(3)]
+    refs = [model.reference_logits(p) for p in prompts]
+    # Chunk sizes per step and prompt (0: the prompt has ended): 1-token chunks beside prompt chunks,
+    # chunks that end inside a block and ones that cross several.
+    plan = [(3, 5, 1), (1, 11, 6), (1, 1, 17), (1, 13, 1), (1, 0, 20)]
+    done = [0, 0, 0]
+    for sizes in plan:
+        chunks = []
+        for i, n in enumerate(sizes):
+            n = min(n, len(prompts[i]) - done[i])
+            if n:
+                chunks.append(ScheduledChunk(str(i), prompts[i][done[i]:done[i] + n], done[i], tables[i], True))
+                done[i] += n
+        assert runner.fused_decoder.applies(chunks)
+        rows = runner.execute(chunks)
+        assert rows.shape[0] == len(chunks)
+        for row, c in zip(rows, chunks):
+            end = c.start + len(c.token_ids) - 1
+            assert torch.allclose(row, refs[int(c.request_id)][end], atol=1e-5, rtol=0)
+    assert done == [len(p) for p in prompts]
+
+
+def test_fused_prompt_rows_only_where_small():
+    """Prompt chunks go to the fused kernel only under its row and key caps; the rows that need no
+    logits return none."""
+    cfg = MODELS[sorted(MODELS)[0]]
+    model = build_model(cfg, seed=9)
+    layout = KVLayout(cfg, 4)
+    runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+    fused = runner.fused_decoder
+    table = tuple([list(range(1, 40))] * len(layout.groups))
+    small = [ScheduledChunk("a", list(range(10)), 0, table, False)]
+    assert fused.applies(small)
+    assert runner.execute(small).shape == (0, cfg.vocab_size)
+    fused.prompt_max_rows = 9
+    assert not fused.applies(small)
+    fused.prompt_max_rows, fused.prompt_max_keys = 10, 99
+    assert not fused.applies(small)
+    fused.prompt_max_keys = 100
+    assert fused.applies(small)
+    assert fused.applies([ScheduledChunk("b", [1], 50, table, True)] * 3)
