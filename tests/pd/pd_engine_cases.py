@@ -1,7 +1,14 @@
 """Tiny models, engine configs and prompt sets shared by the engine tests."""
+import dataclasses
 import random
 
+import torch
+
 from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.kv_layout import KVLayout
+from pd.engine.model import CausalLM, build_model
+from pd.engine.page_pool import PagePool
+from pd.engine.runner import ModelRunner
 
 FULL_MODEL = ModelConfig(num_layers=2)
 HYBRID_MODEL = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"),
@@ -18,3 +25,27 @@ def engine_config(model: ModelConfig, **kw) -> EngineConfig:
 def mixed_prompts(n: int = 32, lo: int = 1, hi: int = 150, seed: int = 0) -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {f"req{i}": [rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for i in range(n)}
+
+
+@dataclasses.dataclass
+class FusedRunnerCase:
+    """A fused-backend runner over a seeded model, with random prompts, a disjoint block table per
+    prompt (12 blocks of 4 tokens per group) and each prompt's dense reference logits."""
+
+    model: CausalLM
+    runner: ModelRunner
+    prompts: list[list[int]]
+    tables: list[tuple[list[int], ...]]
+    refs: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, lengths: tuple[int, ...], seed: int) -> "FusedRunnerCase":
+        model = build_model(cfg, seed=9)
+        layout = KVLayout(cfg, 4)
+        runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+        gen = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+        num_groups = len(layout.groups)
+        tables = [tuple(list(range(1 + (i * num_groups + g) * 12, 13 + (i * num_groups + g) * 12))
+                        for g in range(num_groups)) for i in range(len(lengths))]
+        return cls(model, runner, prompts, tables, [model.reference_logits(p) for p in prompts])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from kvcache.audit import assert_all_free
-from pd_engine_cases import MODELS, engine_config, mixed_prompts
+from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts
 
 from pd.engine.page_pool import PagePool
 from pd.engine import cpu_kernels
@@ -26,17 +26,9 @@ def intra_op_threads(request):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fused_decode_logits_match_reference(name, intra_op_threads):
-    cfg = MODELS[name]
-    model = build_model(cfg, seed=9)
-    layout = KVLayout(cfg, 4)
-    runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+    case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=1)
+    runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
     assert runner.fused_decode
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 30, 45)]
-    num_groups = len(layout.groups)
-    tables = [tuple(list(range(1 + (i * num_groups + g) * 12, 13 + (i * num_groups + g) * 12)) for g in range(num_groups))
-              for i in range(3)]
-    refs = [model.reference_logits(p) for p in prompts]
     for pos in range(max(map(len, prompts))):
         chunks = [ScheduledChunk(str(i), [p[pos]], pos, tables[i], True) for i, p in enumerate(prompts) if pos < len(p)]
         rows = runner.execute(chunks)
@@ -62,17 +54,9 @@ def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
     """Steps that mix prompt chunks (each token attending to the chunk's earlier tokens, written in
     the same layer) with decode tokens run through the fused kernel and agree with the dense
     reference, whichever split the decode-only steps use."""
-    cfg = MODELS[name]
-    model = build_model(cfg, seed=9)
-    layout = KVLayout(cfg, 4)
-    runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+    case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=2)
+    runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
     runner.fused_decoder.panel_split_max_rows = split
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 30, 45)]
-    num_groups = len(layout.groups)
-    tables = [tuple(list(range(1 + (i * num_groups + g) * 12, 13 + (i * num_groups + g) * 12)) for g in range(num_groups))
-              for i in range(3)]
-    refs = [model.reference_logits(p) for p in prompts]
     # Chunk sizes per step and prompt (0: the prompt has ended): 1-token chunks beside prompt chunks,
     # chunks that end inside a block and ones that cross several.
     plan = [(3, 5, 1), (1, 11, 6), (1, 1, 17), (1, 13, 1), (1, 0, 20)]

@@ -10,15 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvcache.audit import assert_all_free
-from pd_engine_cases import MODELS, engine_config, mixed_prompts
+from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts
 
 from pd.engine import cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import build_model
 from pd.engine.packed_linear import num_panels, pack_into
-from pd.engine.page_pool import PagePool
-from pd.engine.runner import ModelRunner, ScheduledChunk
+from pd.engine.runner import ScheduledChunk
 from pd.engine.sampling import SamplingParams
 
 module = cpu_kernels.load()
@@ -93,17 +90,9 @@ def test_concurrent_callers_each_get_their_own_result():
 def test_both_decode_splits_match_the_reference(name, split, threads):
     """A step of a few tokens split by requests (each thread all layers) or by panels (layer by layer,
     the threads sharing each projection): the logits of both match the dense reference."""
-    cfg = MODELS[name]
-    model = build_model(cfg, seed=9)
-    layout = KVLayout(cfg, 4)
-    runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
+    case = FusedRunnerCase.build(MODELS[name], (5, 21, 40), seed=2)
+    runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
     runner.fused_decoder.panel_split_max_rows = split
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 21, 40)]
-    num_groups = len(layout.groups)
-    tables = [tuple(list(range(1 + (i * num_groups + g) * 12, 13 + (i * num_groups + g) * 12))
-                    for g in range(num_groups)) for i in range(3)]
-    refs = [model.reference_logits(p) for p in prompts]
     for pos in range(max(map(len, prompts))):
         chunks = [ScheduledChunk(str(i), [p[pos]], pos, tables[i], True) for i, p in enumerate(prompts) if pos < len(p)]
         for row, c in zip(runner.execute(chunks), chunks, strict=True):
