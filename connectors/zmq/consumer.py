@@ -16,11 +16,9 @@ Guarantees:
 """
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -29,37 +27,17 @@ import zmq
 
 from connectors.zmq import handshake as hs
 from connectors.zmq import wire
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.consumer_config import ConsumerConfig
+from connectors.zmq.consumer_session import SessionState, RemoteSession, data_mode, side_socket
 from connectors.zmq.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.session import ClientSession
 from connectors.zmq.stream_load import StreamedLoad, StreamLoads
 from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 _U64 = 1 << 64
-
-
-class _HS(enum.Enum):
-    HANDSHAKING = 1
-    READY = 2
-
-
-class _Session:
-    def __init__(self, remote: RemoteAddr, sock: zmq.Socket, deadline: float):
-        self.remote = remote
-        self.sock = sock
-        self.state: _HS | None = _HS.HANDSHAKING  # None once closed
-        self.deadline = deadline
-        self.handshake: hs.ConsumerHandshake | None = None
-        self.client: ClientSession | None = None  # after WELCOME: signs what this session sends
-        self.streams: list[PullStream] = []
-        self.pending: list[LoadHandle] = []
-        self.pending_done: list[str] = []
-        self.pending_watch: list[str] = []  # streamed loads' remote request ids, WATCHed once READY
-        self.next_stream = 0
 
 
 class Consumer(StreamLoads):
@@ -70,7 +48,7 @@ class Consumer(StreamLoads):
         self.host_id = hs.local_host_id()
         self._ctx: zmq.Context = zmq.Context.instance()
         self._lock = threading.Lock()
-        self._sessions: dict[RemoteAddr, _Session] = {}
+        self._sessions: dict[RemoteAddr, RemoteSession] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, LoadHandle] = {}
         self._finished: list[LoadResult] = []
@@ -113,7 +91,7 @@ class Consumer(StreamLoads):
                          time.monotonic() + self.config.transfer_timeout_s, start, trace_context)
         with self._lock:
             session = self._sessions.get(remote)
-            ready = session is not None and session.state is _HS.READY
+            ready = session is not None and session.state is SessionState.READY
             job.warm = ready
             if session is not None and ready:
                 self._dispatch_locked(session, job)
@@ -139,7 +117,7 @@ class Consumer(StreamLoads):
             return out
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_locked(self, session: _Session, job: LoadHandle) -> None:
+    def _dispatch_locked(self, session: RemoteSession, job: LoadHandle) -> None:
         if job.result is not None:  # already ended (deadline passed while waiting for the handshake)
             return
         if isinstance(job, StreamedLoad):  # its parts come as the producer publishes them
@@ -147,7 +125,7 @@ class Consumer(StreamLoads):
             return
         self._send_parts(session, job, job.src, job.dst)
 
-    def _send_parts(self, session: _Session, job: LoadHandle, all_src: list[int], all_dst: list[int]) -> None:
+    def _send_parts(self, session: RemoteSession, job: LoadHandle, all_src: list[int], all_dst: list[int]) -> None:
         live = [s for s in session.streams if not s.dead] or session.streams
         n = len(all_dst)
         k = min(len(live), n // 4) if n >= 8 else 1  # tiny loads ride one stream
@@ -196,7 +174,7 @@ class Consumer(StreamLoads):
             # producer may well live on: let it free the blocks now, not at lease expiry); never
             # reconnect just to tell a producer that is probably gone.
             session = self._sessions.get(job.remote)
-            if job.cause is not FailureCause.PEER_GONE or (session is not None and session.state is _HS.READY):
+            if job.cause is not FailureCause.PEER_GONE or (session is not None and session.state is SessionState.READY):
                 self._inbox.put(("done", job.remote, [job.remote_request_id]))
                 self._wake()
         job.done.set()
@@ -260,27 +238,21 @@ class Consumer(StreamLoads):
             session = self._session_for(remote, poller)
             with self._lock:
                 if item[0] == "load":
-                    if session.state is _HS.READY:
+                    if session.state is SessionState.READY:
                         self._dispatch_locked(session, item[1])
                     else:
                         session.pending.append(item[1])
                 else:
                     session.pending_done.extend(item[2])
-            if session.state is _HS.READY:
+            if session.state is SessionState.READY:
                 self._flush_done(session)
 
-    def _session_for(self, remote: RemoteAddr, poller) -> _Session:
+    def _session_for(self, remote: RemoteAddr, poller) -> RemoteSession:
         session = self._sessions.get(remote)
         if session is not None:
             return session
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
-        # A fixed identity survives reconnects (the producer binds the session to it; ROUTER_HANDOVER)
-        sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # (a leading zero byte is reserved)
-        sock.connect(f"tcp://{remote.host}:{remote.port}")
-        session = _Session(remote, sock, time.monotonic() + self.config.handshake_timeout_s)
+        sock = side_socket(self._ctx, remote)
+        session = RemoteSession(remote, sock, time.monotonic() + self.config.handshake_timeout_s)
         with self._lock:
             self._sessions[remote] = session
         poller.register(sock, zmq.POLLIN)
@@ -289,7 +261,7 @@ class Consumer(StreamLoads):
         self._send(session, session.handshake.hello())
         return session
 
-    def _on_socket(self, session: _Session, poller) -> None:
+    def _on_socket(self, session: RemoteSession, poller) -> None:
         while True:
             try:
                 payload = session.sock.recv(zmq.NOBLOCK)
@@ -312,47 +284,39 @@ class Consumer(StreamLoads):
             if session.sock.closed:
                 return
 
-    def _on_message(self, session: _Session, msg_type: MsgType, msg: dict, poller) -> None:
+    def _on_message(self, session: RemoteSession, msg_type: MsgType, msg: dict, poller) -> None:
         if msg_type is MsgType.REFUSE:
             raise hs.HandshakeRefused.from_message(msg)
-        shaking = session.state is _HS.HANDSHAKING
+        shaking = session.state is SessionState.HANDSHAKING
         handshake = session.handshake
         assert handshake is not None  # (set before the HELLO went out)
         if msg_type is MsgType.CHALLENGE and shaking and not handshake.authed:
             self._send(session, handshake.on_challenge(msg))
         elif msg_type is MsgType.WELCOME and shaking and handshake.authed:
             self._open_streams(session, msg)
-        elif msg_type is MsgType.PUBLISHED and session.state is _HS.READY and session.client is not None:
+        elif msg_type is MsgType.PUBLISHED and session.state is SessionState.READY and session.client is not None:
             session.client.check_published(msg)
             self._on_published(session, msg)
         else:
             state = session.state.name if session.state else None
             raise MalformedMessage(f"unexpected {msg_type.value} in state {state}")
 
-    def _open_streams(self, session: _Session, msg: dict) -> None:
+    def _open_streams(self, session: RemoteSession, msg: dict) -> None:
         cfg = self.config
-        same_host = msg["host_id"] == self.host_id and msg["shm"]
-        wants_shm = cfg.data_path in (DataPath.SHM, DataPath.SHM_STAGED)
-        use_shm = wants_shm or (cfg.data_path is DataPath.AUTO and same_host)
-        if wants_shm and not same_host:
-            logger.warning("KV producer %s is not on this host; using tcp", session.remote.engine_id)
-            use_shm = False
-        map_pool = cfg.data_path is not DataPath.SHM_STAGED and self.pool.device.type == "cpu"
-        mode = ("map" if map_pool else "shm") if use_shm else "tcp"
-        count = cfg.num_shm_streams if use_shm else cfg.num_tcp_streams
+        mode, count = data_mode(cfg, msg, self.host_id, self.pool.device.type, session.remote.engine_id)
         assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
         session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, mode,
                                       cfg.io_timeout_s, cfg.spin_us / 1e6)
                            for _ in range(count)]
         with self._lock:
-            session.state = _HS.READY
+            session.state = SessionState.READY
             for job in session.pending:
                 self._dispatch_locked(session, job)
             session.pending = []
         self._flush_done(session)
 
-    def _flush_done(self, session: _Session) -> None:
+    def _flush_done(self, session: RemoteSession) -> None:
         if session.pending_watch:
             ids, session.pending_watch = session.pending_watch, []
             assert session.client is not None  # (flushed once READY)
@@ -368,14 +332,14 @@ class Consumer(StreamLoads):
         for remote in beats.keys() - self._sessions.keys():
             self._session_for(remote, poller)
         for remote, session in list(self._sessions.items()):  # an empty heartbeat keeps an idle session alive
-            if session.state is _HS.READY:
+            if session.state is SessionState.READY:
                 assert session.client is not None  # (set before READY)
                 self._send(session, session.client.side_message(MsgType.HEARTBEAT, beats.get(remote, [])))
 
     def _check_deadlines(self, now: float, poller) -> None:
         for session in list(self._sessions.values()):
-            dead_streams = session.state is _HS.READY and any(s.dead for s in session.streams)
-            if session.state is not _HS.READY and now > session.deadline:
+            dead_streams = session.state is SessionState.READY and any(s.dead for s in session.streams)
+            if session.state is not SessionState.READY and now > session.deadline:
                 logger.error("KV handshake with %s at %s:%d timed out", session.remote.engine_id,
                              session.remote.host, session.remote.port)
                 self._close_session(session, poller, FailureCause.TIMEOUT)
@@ -401,7 +365,7 @@ class Consumer(StreamLoads):
                     if id(job) in self._active:
                         self._fail_locked(job, FailureCause.TIMEOUT)
 
-    def _close_session(self, session: _Session, poller, cause: FailureCause) -> None:
+    def _close_session(self, session: RemoteSession, poller, cause: FailureCause) -> None:
         with self._lock:
             if self._sessions.get(session.remote) is session:
                 del self._sessions[session.remote]
@@ -419,7 +383,7 @@ class Consumer(StreamLoads):
             pass
         session.sock.close(linger=100)  # lets a final REFUSE reach the producer
 
-    def _send(self, session: _Session, payload: bytes) -> None:
+    def _send(self, session: RemoteSession, payload: bytes) -> None:
         try:
             session.sock.send(payload, zmq.NOBLOCK)
         except zmq.ZMQError as e:

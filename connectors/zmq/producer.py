@@ -63,6 +63,7 @@ class ProducerConfig:
     max_preauth: int = 32  # data connections waiting for their ATTACH (oldest evicted)
     max_side_connections: int = 256  # ZMQ connections to the side channel (newest refused)
     max_sessions: int = 1024  # least recently used evicted
+    max_watchers: int = 4096  # streamed requests WATCHed at once (a WATCH past it is refused)
     session_idle_s: float = 300.0  # consumers keep theirs alive with heartbeats
     shm_chunk_bytes: int = 8 * 1024 * 1024
     offer_shm: bool = True
@@ -74,8 +75,10 @@ class ProducerConfig:
             raise ValueError("secret must be at least 16 bytes (the side channel is always authenticated)")
         if min(self.lease_s, self.io_timeout_s, self.handshake_timeout_s, self.session_idle_s) <= 0:
             raise ValueError("timeouts must be positive")
-        if min(self.max_streams, self.max_preauth, self.max_side_connections, self.max_sessions) < 1:
-            raise ValueError("max_streams, max_preauth, max_side_connections and max_sessions must be >= 1")
+        if min(self.max_streams, self.max_preauth, self.max_side_connections, self.max_sessions,
+               self.max_watchers) < 1:
+            raise ValueError("max_streams, max_preauth, max_side_connections, max_sessions and max_watchers "
+                             "must be >= 1")
         if not (0 <= self.port < 65536 and 0 <= self.data_port < 65536):
             raise ValueError("ports must be in [0, 65535]")
 
@@ -101,7 +104,8 @@ class Producer:
         self._threads: list[threading.Thread] = []
         self._streams: set[socket.socket] = set()
         self._seal_access = PageAccess(pool)
-        self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics)  # streamed leases
+        self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics,  # streamed leases
+                                      config.max_watchers)
         self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
                                                config.handshake_timeout_s)
         self.port = 0
@@ -238,8 +242,7 @@ class Producer:
             elif msg_type is MsgType.WATCH:
                 self.stream.watch(session, msg["request_ids"], self._send)
             else:
-                self.stream.forget(msg["request_ids"])
-                for rid in msg["request_ids"]:
+                for rid in self.stream.forget(session, msg["request_ids"]):
                     self.leases.end(rid, LeaseEnd.DONE)
         else:
             self.metrics.record_malformed()

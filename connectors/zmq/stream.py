@@ -12,11 +12,17 @@ its lease (`LeaseEnd.ABORTED`) and tells the watcher at once (PUBLISHED with
 `ok` false), so the consumer fails its load rather than wait for its deadline.
 
 Watchers are kept at most `2 x lease_s` without a lease (a WATCH that came
-before the request reached the engine, or for one that never will).
+before the request reached the engine, or for one that never will), and at
+most `max_watchers` at once: past that a WATCH for a new request is refused
+(counted as `capacity`). A request is watched by the first live session that
+names it: a WATCH or DONE for it from any other session is refused (counted as
+`claimed`) and changes nothing, so one authenticated peer can neither divert
+another's stream nor end it.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import socket
 import threading
@@ -32,8 +38,18 @@ logger = logging.getLogger(__name__)
 Send = Callable[[bytes, bytes], None]  # (ZMQ identity, payload)
 
 
+class WatchRefused(str, enum.Enum):
+    """Why a WATCH or DONE changed nothing (metric keys: `TransferMetrics.record_refused`)."""
+    CAPACITY = "capacity"  # max_watchers live watchers already
+    CLAIMED = "claimed"  # another live session watches the request
+
+
 class StreamPublisher:
-    def __init__(self, leases: LeaseTable, seal: Callable[[list[int]], list[int]], metrics: TransferMetrics):
+    def __init__(self, leases: LeaseTable, seal: Callable[[list[int]], list[int]], metrics: TransferMetrics,
+                 max_watchers: int = 4096):
+        if max_watchers < 1:
+            raise ValueError("max_watchers must be >= 1")
+        self.max_watchers = max_watchers
         self._leases = leases
         self._seal = seal
         self._metrics = metrics
@@ -66,7 +82,8 @@ class StreamPublisher:
     def watch(self, session: ProducerSession, request_ids: list[str], send: Send) -> None:
         now = time.monotonic()
         for rid in dict.fromkeys(request_ids):  # (a name listed twice is told once)
-            self._watchers[rid] = (session, now)
+            if not self._claim(session, rid, now):
+                continue
             with self._lock:
                 failed = rid in self._failed
             if failed:
@@ -80,12 +97,34 @@ class StreamPublisher:
         """Whether a consumer WATCHes `request_id` now (a read: any thread)."""
         return request_id in self._watchers
 
-    def forget(self, request_ids: list[str]) -> None:
+    def forget(self, session: ProducerSession, request_ids: list[str]) -> list[str]:
         """DONE: the consumer needs nothing more for these; one not yet published never will be
-        (else a prefill that starts late would lease its blocks until expiry, for nobody)."""
+        (else a prefill that starts late would lease its blocks until expiry, for nobody). Returns
+        the ids whose lease may end: all but those another live session watches."""
+        done = []
         for rid in request_ids:
+            watcher = self._watchers.get(rid)
+            if watcher is not None and watcher[0] is not session and not watcher[0].closed:
+                self._metrics.record_refused(WatchRefused.CLAIMED)
+                continue
+            done.append(rid)
             if self._watchers.pop(rid, None) is not None:
                 self._leases.close_stream(rid)
+        return done
+
+    def _claim(self, session: ProducerSession, rid: str, now: float) -> bool:
+        """Makes `session` the watcher of `rid`, unless another live session is, or the table is full."""
+        watcher = self._watchers.get(rid)
+        if watcher is not None and watcher[0] is not session and not watcher[0].closed:
+            self._metrics.record_refused(WatchRefused.CLAIMED)
+            return False
+        if watcher is None and len(self._watchers) >= self.max_watchers:
+            self.expire()
+            if len(self._watchers) >= self.max_watchers:
+                self._metrics.record_refused(WatchRefused.CAPACITY)
+                return False
+        self._watchers[rid] = (session, now)
+        return True
 
     def flush(self, send: Send) -> None:
         """Seals and sends what was published since the last call; expires old watchers."""
