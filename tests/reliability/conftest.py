@@ -7,6 +7,7 @@ did, pools after); the file is written at the end of the session and
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
@@ -29,9 +30,13 @@ def fault_record(request):
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("PDKV_FAULT_REPORT")
     if path and _ROWS:
-        existing = []
-        if os.path.exists(path):
-            with open(path) as f:
-                existing = json.load(f)
-        with open(path, "w") as f:
-            json.dump(existing + _ROWS, f, indent=1)
+        # each xdist worker ends its own session: the lock keeps one worker's rows from
+        # overwriting another's
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            existing = []
+            if os.path.exists(path) and os.path.getsize(path):
+                with open(path) as f:
+                    existing = json.load(f)
+            with open(path, "w") as f:
+                json.dump(existing + _ROWS, f, indent=1)
