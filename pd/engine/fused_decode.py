@@ -43,6 +43,13 @@ PANEL_SPLIT_MAX_ROWS = 64
 # 1-12 prompts of ~40 tokens at once 1.7-2x less.
 FUSED_PROMPT_MAX_ROWS = 1024
 FUSED_PROMPT_MAX_KEYS = 1 << 20
+# ... and while the prompt rows attend to at most this many keys each on average (exact count). The
+# kernel reads a row's keys one row at a time, where the torch path's attention is a GEMM, so deep
+# into a long prompt the torch path wins: for one 2000-token prompt in 256-token steps on 1 thread,
+# the fused step cost 0.92 / 0.94 / 0.99 / 1.49 / 2.07x the torch path's at a mean of 128 / 384 / 640
+# / 896 / 1896 keys per row (1.04x at 768 in 512-token steps on 2 threads), and the whole prefill
+# took 17.4 s against 10.7-11.5 s before this cap.
+FUSED_PROMPT_MAX_MEAN_KEYS = 640
 _HUGE = 1 << 21
 _MADV_HUGEPAGE = 14
 
@@ -106,6 +113,7 @@ class FusedDecoder:
         # weights through at::linear (MKL); either way the weights are held once.
         self.panel_split_max_rows = PANEL_SPLIT_MAX_ROWS
         self.prompt_max_rows, self.prompt_max_keys = FUSED_PROMPT_MAX_ROWS, FUSED_PROMPT_MAX_KEYS
+        self.prompt_max_mean_keys = FUSED_PROMPT_MAX_MEAN_KEYS
         self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
         if self.packed_gemm:
             self.weights = packed_linear.pack_model(model, _on_huge_pages)
@@ -161,20 +169,23 @@ class FusedDecoder:
 
     def applies(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether the step runs here: decode tokens, and prompt chunks while the step's rows (one per
-        token) and the keys they attend to stay small (`FUSED_PROMPT_MAX_ROWS`, `FUSED_PROMPT_MAX_KEYS`).
-        Past those the torch path's GEMM and attention run a prompt faster."""
+        token) and the keys they attend to stay small (`FUSED_PROMPT_MAX_ROWS`, `FUSED_PROMPT_MAX_KEYS`,
+        `FUSED_PROMPT_MAX_MEAN_KEYS`). Past those the torch path's GEMM and attention run a prompt faster."""
         num_rows = 0
-        num_keys = 0
-        prompt = False
+        num_keys = 0  # an upper bound: every row counted at its chunk's end
+        num_prompt_rows = 0
+        num_prompt_keys = 0  # exact: row i of a chunk sees start + i + 1 keys
         for c in chunks:
             n = len(c.token_ids)
             num_rows += n
             if n > 1:
-                prompt = True
-                num_keys += n * (c.start + n)  # an upper bound: every row counted at the chunk's end
-        if not prompt:
+                num_keys += n * (c.start + n)
+                num_prompt_rows += n
+                num_prompt_keys += n * c.start + n * (n + 1) // 2
+        if not num_prompt_rows:
             return all(c.needs_logits for c in chunks)
-        return num_rows <= self.prompt_max_rows and num_keys <= self.prompt_max_keys
+        return (num_rows <= self.prompt_max_rows and num_keys <= self.prompt_max_keys
+                and num_prompt_keys <= self.prompt_max_mean_keys * num_prompt_rows)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -96,3 +96,9 @@ def test_fused_prompt_rows_only_where_small():
     fused.prompt_max_keys = 100
     assert fused.applies(small)
     assert fused.applies([ScheduledChunk("b", [1], 50, table, True)] * 3)
+    # deep into a long prompt the rows see many keys each: the torch path takes the chunk
+    fused.prompt_max_rows, fused.prompt_max_keys = 1024, 1 << 20
+    assert fused.applies([ScheduledChunk("c", list(range(64)), 600, table, False)])  # mean 632.5 keys
+    assert not fused.applies([ScheduledChunk("c", list(range(64)), 610, table, False)])  # mean 642.5
+    fused.prompt_max_mean_keys = 650
+    assert fused.applies([ScheduledChunk("c", list(range(64)), 610, table, False)])
