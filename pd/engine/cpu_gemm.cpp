@@ -5,8 +5,12 @@
 // (in chunks, through cpu_pool.cpp's chunked_for).
 // Two kernels over that one layout, chosen by M at run time inside the same entry point:
 // - M > kSmallRows: register tiles of up to kRows rows × 16 columns (AVX2: 6 rows, two ymm per
-//   row; AVX-512: 12 rows, one zmm per row), each panel reused from cache by every row block of x
-//   while the panel two ahead is prefetched;
+//   row; AVX-512: 12 rows, one zmm per row). AVX-512 (two panels a tile): each panel reused from
+//   cache by every row block of x while the panels two ahead are prefetched. AVX2, up to
+//   kStreamRows rows: the panel in k-chunks of 4 KiB, every row block on a chunk while it is in L1
+//   (a panel of K = 576 is 36 KiB, more than Zen 3's 32 KiB L1: row block by row block, each
+//   re-read it from L2), the first row block prefetching kAhead lines ahead as the small-M kernel
+//   does;
 // - M <= kSmallRows (decode at small batch, bound by memory bandwidth): all M rows in one tile
 //   whose k-loop is unrolled over independent accumulators, streaming each thread's panels once,
 //   front to back, with a software prefetch kAhead lines ahead (the panels are contiguous, so the
@@ -154,6 +158,85 @@ static constexpr auto kTiles = tiles_of<1>(std::make_integer_sequence<int, kRows
 static constexpr int kPairPanels = kVecs == 1 ? 2 : 1;
 static constexpr auto kPairTiles = tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
+// One kChunk-wide k-range [k0, k1) of an MR-row, one-panel tile, summed into `part` (MR x 16, in L1):
+// part = (k0 == 0 ? 0 : part) + the range's sum. The sums run in the same order as `tile`'s (the same
+// U accumulator sets, added up the same way, then onto the running total), so a panel computed range
+// by range is bit-identical to one computed by `tile`. With `ahead`, also prefetches the line
+// kAhead lines on per k-step.
+template <int MR>
+static void tile_krange(const float* A, int64_t lda, const float* B, int64_t k0, int64_t k1, float* part,
+                        const float* ahead) {
+  constexpr int U = unroll<MR>();
+  vec c[U][MR][kVecs];
+#pragma GCC unroll 16
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kVecs; ++v) c[u][i][v] = vzero();
+  int64_t k = k0;
+  for (; k + U <= k1; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k + u) * kPanel), _MM_HINT_T0);
+      vec b[kVecs];
+      for (int v = 0; v < kVecs; ++v) b[v] = vload(B + (k + u) * kPanel + v * kWidth);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const vec a = vset1(A[i * lda + k + u]);
+        for (int v = 0; v < kVecs; ++v) c[u][i][v] = vfma(a, b[v], c[u][i][v]);
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) {
+      const vec a = vset1(A[i * lda + k]);
+      for (int v = 0; v < kVecs; ++v) c[0][i][v] = vfma(a, vload(B + k * kPanel + v * kWidth), c[0][i][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kVecs; ++v) {
+      vec s = c[0][i][v];
+      for (int u = 1; u < U; ++u) s = vadd(s, c[u][i][v]);
+      if (k0 > 0) s = vadd(vload(part + i * kPanel + v * kWidth), s);
+      vstore(part + i * kPanel + v * kWidth, s);
+    }
+}
+
+using RangeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, const float*);
+template <int... R>
+static constexpr std::array<RangeFn, sizeof...(R)> ranges_of(std::integer_sequence<int, R...>) {
+  return {&tile_krange<R + 1>...};
+}
+static constexpr auto kRanges = ranges_of(std::make_integer_sequence<int, kRows>{});  // kRanges[r - 1]: r rows
+static constexpr int64_t kStreamRows = 64;  // the k-chunk-outer schedule's row limit (its sums: 4 KiB on the stack)
+
+// Rows [0, M) (M <= kStreamRows) of x against one panel, k-chunk by k-chunk: each 4 KiB chunk of the
+// panel is read from memory once and used by every row block (of at most kRows, sized evenly as in
+// panel_rows) while it is in L1; the first row block prefetches `ahead` (may be null) as it goes.
+// Bit-identical to panel_rows with np = 1.
+static void panel_rows_streamed(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
+                                bool accumulate, float* C, int64_t ldc, int64_t cols, const float* ahead) {
+  alignas(64) float part[kStreamRows][kPanel];
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
+      const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
+      kRanges[rows - 1](A + m * lda, lda, B, k0, k1, part[m], blk == 0 ? ahead : nullptr);
+      m += rows;
+    }
+  }
+  if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+  for (int64_t i = 0; i < M; ++i) {
+    float* out = C + i * ldc;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = part[i][j] + (bias ? bias[j] : 0.f);
+      out[j] = accumulate ? out[j] + v : v;
+    }
+  }
+}
+
 // Rows [0, M) of x against `np` adjacent full panels (1, or kPairPanels) or one padded one, in row
 // blocks of at most kRows, sized evenly (32 = 6+6+5+5+5+5); the first block prefetches `next` (may be null).
 static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
@@ -168,7 +251,8 @@ static void panel_rows(const float* A, int64_t lda, int64_t M, const float* B, i
 }
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W packed (ceil(N/16), K, 16).
-// M <= kSmallRows: one pass over the panels, front to back, prefetching kAhead lines ahead. Else
+// M <= kSmallRows: one pass over the panels, front to back, prefetching kAhead lines ahead. AVX2 up
+// to kStreamRows rows: the same pass, each panel k-chunk by k-chunk (panel_rows_streamed). Else
 // rows of A in chunks that stay in L2 (a panel, reused by each row block, stays in L1/L2), each
 // panel's first row block prefetching the panel two ahead.
 static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const float* W, int64_t N,
@@ -180,6 +264,15 @@ static void packed_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K
       const float* B = W + p * K * kPanel;
       kTiles[M - 1](A, lda, B, K, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0),
                     B + kAhead * kPanel);
+    }
+    return;
+  }
+  if (kPairPanels == 1 && M <= kStreamRows) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      const float* B = W + p * K * kPanel;
+      panel_rows_streamed(A, lda, M, B, K, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc,
+                          std::min(kPanel, N - n0), B + kAhead * kPanel);
     }
     return;
   }

@@ -234,6 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, release());
   m.def("packed_linear", &packed_linear, release());
   m.def("packed_rows", &packed_rows, release());
+  m.def("screened_argmax", &screened_argmax, release());
   m.def("packed_gemm_available", &packed_gemm_available);
   m.def("packed_gemm_isa", &packed_gemm_isa);
 }

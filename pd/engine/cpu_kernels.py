@@ -36,16 +36,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: each file calls those before it (cpu_pool.cpp: the threads'
-# chunked loops; cpu_gemm.cpp: the packed GEMM; cpu_attention.cpp; cpu_kernels.cpp: the bindings).
+# chunked loops; cpu_gemm.cpp: the packed GEMM; cpu_argmax.cpp: greedy tokens screened through an int8
+# lm_head; cpu_attention.cpp; cpu_kernels.cpp: the bindings).
 _SOURCE_PATHS = [pathlib.Path(__file__).with_name(name)
-                 for name in ("cpu_pool.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
+                 for name in ("cpu_pool.cpp", "cpu_gemm.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
 
 _lock = threading.Lock()
 _module = None
 _failed = False
 
 
-_VERSION = "pdkv_paged_decode_v14"  # bump with any change of the kernels' Python-facing signatures
+_VERSION = "pdkv_paged_decode_v15"  # bump with any change of the kernels' Python-facing signatures
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
 

@@ -40,7 +40,7 @@ from pd.engine.kv_layout import KVLayout
 from pd.engine.model import build_model
 from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput, RequestState, SchedulerOutput
 from pd.engine.runner import ModelRunner
-from pd.engine.sampling import SamplingParams, sample
+from pd.engine.sampling import SamplingParams
 from pd.engine.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
 from pd.engine.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
@@ -252,12 +252,9 @@ class Engine:
 
     def _run_chunks(self, chunks: list) -> dict[str, int]:
         self.fault_marks.check(chunks, STEP)
-        logits = self.runner.execute(chunks)
         ids = [c.request_id for c in chunks if c.needs_logits]
-        if not ids:
-            return {}
         states = [self.scheduler.requests[rid] for rid in ids]
-        tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
+        tokens = self.runner.next_tokens(chunks, [s.params for s in states], [s.generator for s in states])
         return dict(zip(ids, tokens, strict=True))
 
     def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:

@@ -190,6 +190,14 @@ class FusedDecoder:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits of the chunks with `needs_logits`, one row each, in chunk order."""
+        hidden = self.final_hidden(chunks)
+        if not hidden.shape[0]:
+            return torch.empty((0, self.model.config.vocab_size))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def final_hidden(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The final-norm hidden states of the chunks with `needs_logits`, one row each, in chunk order."""
         bs = self.layout.block_size
         positions: list[int] = []
         ids: list[int] = []
@@ -228,6 +236,4 @@ class FusedDecoder:
                                       self.num_heads, self.num_kv_heads, self.eps, self.scale, split_max)
         if len(logit_rows) != len(ids):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
-        if not logit_rows:
-            return torch.empty((0, self.model.config.vocab_size))
-        return self.model.compute_logits(body.norm(hidden))
+        return body.norm(hidden)

@@ -14,10 +14,12 @@ import torch
 from pd.engine.page_pool import PagePool
 from pd.engine import cpu_kernels
 from pd.engine.fused_decode import FusedDecoder
+from pd.engine.greedy_head import greedy_head_for
 from pd.engine.kv_layout import KVLayout
 from pd.engine.model import CausalLM
 from pd.engine.outputs import ScheduledChunk
 from pd.engine.paged_attention import PagedAttention, SeqSlice, Workspace
+from pd.engine.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +68,42 @@ class ModelRunner:
         self.fused_decode = use_fused_decode(attention_backend, layout.dtype, self.device)
         # Steps of decode tokens and short prompt chunks skip the per-layer Python path entirely.
         self.fused_decoder = FusedDecoder(model, layout, self.group_views) if self.fused_decode else None
+        # Greedy rows read an int8 copy of the packed lm_head, then their few candidates in float32.
+        self.greedy_head = greedy_head_for(model.lm_head) if self.fused_decoder is not None else None
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        if not chunks:
+        hidden = self.final_hidden(chunks)
+        if not hidden.shape[0]:
             return torch.empty((0, self.model.config.vocab_size))
+        return self.model.compute_logits(hidden)
+
+    def next_tokens(self, chunks: list[ScheduledChunk], params: list[SamplingParams],
+                    generators: list[torch.Generator | None]) -> list[int]:
+        """One sampled token per chunk with `needs_logits` (params and generators in that order). Greedy
+        rows go through the int8-screened exact argmax where the runner has one (`greedy_head.py`);
+        the others (and any row the screen leaves) through the full logits and `sample`."""
+        hidden = self.final_hidden(chunks)
+        tokens: list[int | None] = [None] * hidden.shape[0]
+        head = self.greedy_head
+        greedy = [i for i, p in enumerate(params) if p.greedy] if head is not None else []
+        if head is not None and greedy:
+            rows = hidden if len(greedy) == len(tokens) else hidden[torch.tensor(greedy)]
+            for i, token in zip(greedy, head.tokens(rows), strict=True):
+                tokens[i] = token
+        rest = [i for i, t in enumerate(tokens) if t is None]
+        if rest:
+            rows = hidden if len(rest) == len(tokens) else hidden[torch.tensor(rest)]
+            drawn = sample(self.model.compute_logits(rows), [params[i] for i in rest], [generators[i] for i in rest])
+            for i, token in zip(rest, drawn, strict=True):
+                tokens[i] = token
+        return [t for t in tokens if t is not None]  # (every row has its token by now)
+
+    def final_hidden(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The final-norm hidden states (R, hidden) of the chunks with `needs_logits`, in chunk order."""
+        if not chunks:
+            return torch.empty((0, self.model.config.hidden_size))
         if self.fused_decoder is not None and self.fused_decoder.applies(chunks):
-            return self.fused_decoder.execute(chunks)
+            return self.fused_decoder.final_hidden(chunks)
         seqs = [SeqSlice(c.start, len(c.token_ids), c.block_ids) for c in chunks]
         backend = PagedAttention(self.layout, self.group_views, seqs, self.token_rows, self.workspace,
                                  self.fused_decode)
@@ -83,6 +115,4 @@ class ModelRunner:
                 logit_rows.append(len(flat) - 1)
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self.model(ids, backend.positions.to(self.device), backend)
-        if not logit_rows:
-            return torch.empty((0, self.model.config.vocab_size))
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        return hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]

@@ -85,7 +85,7 @@ def test_steps_failing_for_every_request_end_the_loop():
     def broken(chunks):
         raise RuntimeError("device lost")
 
-    engine.runner.execute = broken  # (the fault: the real model's forward, replaced by one that always fails)
+    engine.runner.final_hidden = broken  # (the fault: the real model's forward, replaced by one that always fails)
     errors = []
     with pytest.raises(RuntimeError, match="in a row failed for every request"):
         for step in range(MAX_FAILED_STEPS):
