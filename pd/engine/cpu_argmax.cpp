@@ -83,8 +83,10 @@ torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor q, torch::Tens
   }
   // 1. approximate logits and, per chunk of panels, each row's largest a - bound; the threads take
   //    chunks of about 8 panels each
-  auto approx = torch::empty({M, N}, torch::kFloat32);
-  float* ap = approx.data_ptr<float>();
+  // (the caller's own buffer, kept between steps: a fresh 200 KB-per-row tensor each step costs page faults)
+  thread_local std::vector<float> approx;
+  approx.resize(static_cast<size_t>(M * N));
+  float* ap = approx.data();
   const int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads())), num_chunks = (P + per - 1) / per;
   std::vector<float> floors(M * num_chunks, -std::numeric_limits<float>::max());
   chunked_for(num_chunks, [&](int64_t c) {

@@ -158,13 +158,13 @@ static constexpr auto kTiles = tiles_of<1>(std::make_integer_sequence<int, kRows
 static constexpr int kPairPanels = kVecs == 1 ? 2 : 1;
 static constexpr auto kPairTiles = tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
-// One kChunk-wide k-range [k0, k1) of an MR-row, one-panel tile, summed into `part` (MR x 16, in L1):
-// part = (k0 == 0 ? 0 : part) + the range's sum. The sums run in the same order as `tile`'s (the same
-// U accumulator sets, added up the same way, then onto the running total), so a panel computed range
-// by range is bit-identical to one computed by `tile`. With `ahead`, also prefetches the line
-// kAhead lines on per k-step.
+// One kChunk-wide k-range (n <= kChunk k-steps, A and B at its start) of an MR-row, one-panel tile,
+// summed into `part` (MR x 16, in L1): part = (first ? 0 : part) + the range's sum. The sums run in
+// the same order as `tile`'s (the same U accumulator sets, added up the same way, then onto the
+// running total), so a panel computed range by range is bit-identical to one computed by `tile`.
+// With `ahead`, also prefetches the line kAhead lines on per k-step.
 template <int MR>
-static void tile_krange(const float* A, int64_t lda, const float* B, int64_t k0, int64_t k1, float* part,
+static void tile_krange(const float* A, int64_t lda, const float* B, int64_t n, float* part, bool first,
                         const float* ahead) {
   constexpr int U = unroll<MR>();
   vec c[U][MR][kVecs];
@@ -172,8 +172,8 @@ static void tile_krange(const float* A, int64_t lda, const float* B, int64_t k0,
   for (int u = 0; u < U; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kVecs; ++v) c[u][i][v] = vzero();
-  int64_t k = k0;
-  for (; k + U <= k1; k += U) {
+  int64_t k = 0;
+  for (; k + U <= n; k += U) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k + u) * kPanel), _MM_HINT_T0);
@@ -186,7 +186,7 @@ static void tile_krange(const float* A, int64_t lda, const float* B, int64_t k0,
       }
     }
   }
-  for (; k < k1; ++k) {
+  for (; k < n; ++k) {
     if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
       const vec a = vset1(A[i * lda + k]);
@@ -198,12 +198,12 @@ static void tile_krange(const float* A, int64_t lda, const float* B, int64_t k0,
     for (int v = 0; v < kVecs; ++v) {
       vec s = c[0][i][v];
       for (int u = 1; u < U; ++u) s = vadd(s, c[u][i][v]);
-      if (k0 > 0) s = vadd(vload(part + i * kPanel + v * kWidth), s);
+      if (!first) s = vadd(vload(part + i * kPanel + v * kWidth), s);
       vstore(part + i * kPanel + v * kWidth, s);
     }
 }
 
-using RangeFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, const float*);
+using RangeFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool, const float*);
 template <int... R>
 static constexpr std::array<RangeFn, sizeof...(R)> ranges_of(std::integer_sequence<int, R...>) {
   return {&tile_krange<R + 1>...};
@@ -211,23 +211,21 @@ static constexpr std::array<RangeFn, sizeof...(R)> ranges_of(std::integer_sequen
 static constexpr auto kRanges = ranges_of(std::make_integer_sequence<int, kRows>{});  // kRanges[r - 1]: r rows
 static constexpr int64_t kStreamRows = 64;  // the k-chunk-outer schedule's row limit (its sums: 4 KiB on the stack)
 
-// Rows [0, M) (M <= kStreamRows) of x against one panel, k-chunk by k-chunk: each 4 KiB chunk of the
-// panel is read from memory once and used by every row block (of at most kRows, sized evenly as in
-// panel_rows) while it is in L1; the first row block prefetches `ahead` (may be null) as it goes.
-// Bit-identical to panel_rows with np = 1.
-static void panel_rows_streamed(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
-                                bool accumulate, float* C, int64_t ldc, int64_t cols, const float* ahead) {
-  alignas(64) float part[kStreamRows][kPanel];
+// One k-range of `B` (n <= kChunk lines, A and B at its start) for rows [0, M) in row blocks of at
+// most kRows, sized evenly as in panel_rows; the first block prefetches `ahead` (may be null).
+static inline void rows_krange(const float* A, int64_t lda, int64_t M, const float* B, int64_t n,
+                               float (*part)[kPanel], bool first, const float* ahead) {
   const int64_t blocks = (M + kRows - 1) / kRows;
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
-      const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-      kRanges[rows - 1](A + m * lda, lda, B, k0, k1, part[m], blk == 0 ? ahead : nullptr);
-      m += rows;
-    }
+  for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
+    const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
+    kRanges[rows - 1](A + m * lda, lda, B, n, part[m], first, blk == 0 ? ahead : nullptr);
+    m += rows;
   }
-  if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+}
+
+// C rows [0, M), columns [0, cols) (+)= part (+ bias).
+static inline void store_part(const float (*part)[kPanel], int64_t M, const float* bias, bool accumulate, float* C,
+                              int64_t ldc, int64_t cols) {
   for (int64_t i = 0; i < M; ++i) {
     float* out = C + i * ldc;
     for (int64_t j = 0; j < cols; ++j) {
@@ -235,6 +233,19 @@ static void panel_rows_streamed(const float* A, int64_t lda, int64_t M, const fl
       out[j] = accumulate ? out[j] + v : v;
     }
   }
+}
+
+// Rows [0, M) (M <= kStreamRows) of x against one panel, k-chunk by k-chunk: each 4 KiB chunk of the
+// panel is read from memory once and used by every row block while it is in L1; the first row block
+// prefetches `ahead` (may be null) as it goes. Bit-identical to panel_rows with np = 1.
+static void panel_rows_streamed(const float* A, int64_t lda, int64_t M, const float* B, int64_t K, const float* bias,
+                                bool accumulate, float* C, int64_t ldc, int64_t cols, const float* ahead) {
+  alignas(64) float part[kStreamRows][kPanel];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+    rows_krange(A + k0, lda, M, B + k0 * kPanel, std::min(kChunk, K - k0), part, k0 == 0,
+                ahead ? ahead + k0 * kPanel : nullptr);
+  if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+  store_part(part, M, bias, accumulate, C, ldc, cols);
 }
 
 // Rows [0, M) of x against `np` adjacent full panels (1, or kPairPanels) or one padded one, in row

@@ -48,10 +48,20 @@ static inline void rope_heads(const float* src, const float* cs, const float* sn
   }
 }
 
-// y = x · Wᵀ (+ b), or y += x · Wᵀ with `accumulate` (then without bias): the packed GEMM
-// (cpu_gemm.cpp, threads splitting the panels) when w is packed (3-D), else at::linear.
-static void project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool accumulate,
+// A weight matrix as the step reads it: plain (N, K) or packed panels (P, K, 16), and where the
+// panels' values are exactly 4-bit blocks (cpu_q4.cpp), their codes and scales (else undefined).
+struct Weight {
+  const torch::Tensor& w;
+  torch::Tensor codes, scales;
+};
+
+// y = x · Wᵀ (+ b), or y += x · Wᵀ with `accumulate` (then without bias): from the 4-bit codes
+// where the matrix has them and the rows are few (cpu_q4.cpp), else the packed GEMM (cpu_gemm.cpp,
+// threads splitting the panels) when w is packed (3-D), else at::linear.
+static void project(const torch::Tensor& x, const Weight& weight, const torch::Tensor& b, bool accumulate,
                     torch::Tensor& y, torch::Tensor& tmp) {
+  const torch::Tensor& w = weight.w;
+  if (q4_usable(weight.codes, x.size(0))) return q4_gemm_into(x, weight.codes, weight.scales, b, accumulate, y);
   if (w.dim() == 3) return packed_gemm_into(x, w, b, accumulate, y);
   TORCH_CHECK(w.dim() == 2, "packed weights need the packed GEMM (AVX2 + FMA)");
   if (accumulate) {
@@ -75,6 +85,7 @@ struct StepShape {
 };
 struct LayerView {
   const torch::Tensor* w;  // the layer's 7 weights
+  const torch::Tensor* q4;  // codes and scales of its 4 matrices (8 tensors, undefined where none), or null
   float* cache;
   int64_t bs, s_blk, s_kv, s_tok, W;
   const int64_t* table;
@@ -107,22 +118,29 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
   const int64_t R = r1 - r0, H = s.H, I = s.I, nqkv = s.qw + 2 * s.kw;
   std::vector<float> h(R * H), qkv(R * nqkv), attn(R * s.qw), gu(R * 2 * I), act(R * I), qbuf, scores, acc;
   float* xr = x + r0 * H;
-  const auto panels = [](const torch::Tensor& t) { return t.size(0); };
+  // matrix i of the layer (0: q|k|v, 1: o, 2: gate|up, 3: down), from its 4-bit codes where it has them
+  const auto gemm = [R](const LayerView& lv, int i, const float* A, int64_t K, int64_t N, const float* bias, bool acc,
+                        float* C) {
+    const torch::Tensor& w = lv.w[i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 5 : 6];
+    if (lv.q4 != nullptr && q4_usable(lv.q4[2 * i], R))
+      return q4_gemm_serial(A, K, R, K, lv.q4[2 * i].data_ptr<uint8_t>(), lv.q4[2 * i + 1].data_ptr<float>(), N, bias,
+                            acc, C, N, 0, w.size(0));
+    packed_gemm_serial(A, K, R, K, w.data_ptr<float>(), N, bias, acc, C, N, 0, w.size(0));
+  };
   for (const LayerView& lv : layers) {
     const torch::Tensor* w = lv.w;
     const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
     for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[0].data_ptr<float>(), H, s.eps, h.data() + r * H);
-    packed_gemm_serial(h.data(), H, R, H, w[1].data_ptr<float>(), nqkv, bias, false, qkv.data(), nqkv, 0, panels(w[1]));
+    gemm(lv, 0, h.data(), H, nqkv, bias, false, qkv.data());
     for (int64_t r = 0; r < R; ++r) {  // in order: a prompt's token sees its predecessors' K/V of this layer
       write_new_kv(s, lv, r0 + r, qkv.data() + r * nqkv);
       attend_row(s, lv, r0 + r, qkv.data() + r * nqkv, qbuf, scores, acc, attn.data() + r * s.qw);
     }
-    packed_gemm_serial(attn.data(), s.qw, R, s.qw, w[3].data_ptr<float>(), H, nullptr, true, xr, H, 0, panels(w[3]));
+    gemm(lv, 1, attn.data(), s.qw, H, nullptr, true, xr);
     for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, w[4].data_ptr<float>(), H, s.eps, h.data() + r * H);
-    packed_gemm_serial(h.data(), H, R, H, w[5].data_ptr<float>(), 2 * I, nullptr, false, gu.data(), 2 * I, 0,
-                       panels(w[5]));
+    gemm(lv, 2, h.data(), H, 2 * I, nullptr, false, gu.data());
     silu_mul_rows(gu.data(), R, I, act.data());
-    packed_gemm_serial(act.data(), I, R, I, w[6].data_ptr<float>(), H, nullptr, true, xr, H, 0, panels(w[6]));
+    gemm(lv, 3, act.data(), I, H, nullptr, true, xr);
   }
 }
 #endif
@@ -142,15 +160,19 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // few rows) layer by layer, the threads splitting each projection's panels (packed) or at::linear
 // (plain), and the attention by keys. Per group
 // (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
-// table and the first key position. Returns hidden states after the last layer (before the final norm).
+// table and the first key position. `q4`: empty, or per layer the codes and scales of its four
+// matrices (8 tensors; an undefined or empty pair where a matrix has none, cpu_q4.cpp): a step of at most
+// kStreamRows rows (per thread, in the per-thread split) reads those instead of the float32 panels,
+// with the same results. Returns hidden states after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
                             std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
                             std::vector<torch::Tensor> tables, std::vector<torch::Tensor> key_starts,
                             torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale,
-                            int64_t panel_split_max_rows) {
+                            int64_t panel_split_max_rows, std::vector<torch::Tensor> q4) {
   const int64_t L = static_cast<int64_t>(caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
+  TORCH_CHECK(q4.empty() || static_cast<int64_t>(q4.size()) == 8 * L, "q4: none, or 8 tensors per layer");
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "contiguous float32 inputs");
   const bool packed = weights[1].dim() == 3;
@@ -164,7 +186,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     const torch::Tensor& cache = caches[l];
     TORCH_CHECK(cache.size(4) == D && cache.stride(4) == 1 && cache.stride(3) == D, "head_dim layout");
     const int64_t g = layer_group[l];
-    layers.push_back({weights.data() + 7 * l, cache.data_ptr<float>(), cache.size(2), cache.stride(0),
+    layers.push_back({weights.data() + 7 * l, q4.empty() ? nullptr : q4.data() + 8 * l, cache.data_ptr<float>(),
+                      cache.size(2), cache.stride(0),
                       cache.stride(1), cache.stride(2), tables[g].size(1), tables[g].data_ptr<int64_t>(),
                       key_starts[g].data_ptr<int64_t>(), slot_blocks[g].data_ptr<int64_t>()});
   }
@@ -195,15 +218,30 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     return x;
   }
 #endif
-  // Scratch for every layer, allocated once per call.
-  auto h = torch::empty({B, H}, x.options()), tmp = torch::empty({B, H}, x.options());
-  auto qkv = torch::empty({B, s.qw + 2 * s.kw}, x.options()), attn = torch::empty({B, s.qw}, x.options());
-  auto gu = torch::empty({B, 2 * I}, x.options()), act = torch::empty({B, I}, x.options());
+  // Scratch for every layer, in the calling thread's buffer kept between steps (fresh tensors of a
+  // few hundred KB each step cost page faults).
+  thread_local std::vector<float> scratch;
+  const int64_t widths[6] = {H, H, s.qw + 2 * s.kw, s.qw, 2 * I, I};  // h, tmp, qkv, attn, gu, act
+  int64_t total = 0;
+  for (int64_t w : widths) total += B * w;
+  scratch.resize(static_cast<size_t>(total));
+  std::vector<torch::Tensor> views;
+  int64_t offset = 0;
+  for (int64_t w : widths) {
+    views.push_back(torch::from_blob(scratch.data() + offset, {B, w}, x.options()));
+    offset += B * w;
+  }
+  auto &h = views[0], &tmp = views[1], &qkv = views[2], &attn = views[3], &gu = views[4], &act = views[5];
+  const torch::Tensor none;
   for (int64_t l = 0; l < L; ++l) {
     const LayerView& lv = layers[l];
     const torch::Tensor* w = lv.w;
+    const auto matrix = [&](int i) {  // 0: q|k|v, 1: o, 2: gate|up, 3: down
+      const torch::Tensor& m = w[i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 5 : 6];
+      return lv.q4 == nullptr ? Weight{m, none, none} : Weight{m, lv.q4[2 * i], lv.q4[2 * i + 1]};
+    };
     rms_norm_rows(x, w[0], s.eps, h);
-    project(h, w[1], w[2], false, qkv, tmp);
+    project(h, matrix(0), w[2], false, qkv, tmp);
     const float* qkvp = qkv.data_ptr<float>();
     float* ap = attn.data_ptr<float>();
     // Every row's K/V first (a few hundred floats each), then the attention in parallel: a prompt's
@@ -213,14 +251,14 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
       thread_local std::vector<float> qbuf, scores, acc;
       attend_row(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
     });
-    project(attn, w[3], torch::Tensor(), true, x, tmp);
+    project(attn, matrix(1), none, true, x, tmp);
     rms_norm_rows(x, w[4], s.eps, h);
-    project(h, w[5], torch::Tensor(), false, gu, tmp);
+    project(h, matrix(2), none, false, gu, tmp);
     chunked_for((B + 7) / 8, [&](int64_t c) {
       const int64_t r0 = 8 * c, rows = std::min<int64_t>(8, B - r0);
       silu_mul_rows(gu.data_ptr<float>() + r0 * 2 * I, rows, I, act.data_ptr<float>() + r0 * I);
     });
-    project(act, w[6], torch::Tensor(), true, x, tmp);
+    project(act, matrix(3), none, true, x, tmp);
   }
   return x;
 }
@@ -235,6 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, release());
   m.def("packed_rows", &packed_rows, release());
   m.def("screened_argmax", &screened_argmax, release());
+  m.def("q4_linear", &q4_linear, release());
+  m.def("q4_gemm_available", &q4_gemm_available);
   m.def("packed_gemm_available", &packed_gemm_available);
   m.def("packed_gemm_isa", &packed_gemm_isa);
 }

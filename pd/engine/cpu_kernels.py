@@ -36,10 +36,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: each file calls those before it (cpu_pool.cpp: the threads'
-# chunked loops; cpu_gemm.cpp: the packed GEMM; cpu_argmax.cpp: greedy tokens screened through an int8
-# lm_head; cpu_attention.cpp; cpu_kernels.cpp: the bindings).
+# chunked loops; cpu_gemm.cpp: the packed GEMM; cpu_q4.cpp: the same GEMM from exact 4-bit codes;
+# cpu_argmax.cpp: greedy tokens screened through an int8 lm_head; cpu_attention.cpp; cpu_kernels.cpp:
+# the bindings).
 _SOURCE_PATHS = [pathlib.Path(__file__).with_name(name)
-                 for name in ("cpu_pool.cpp", "cpu_gemm.cpp", "cpu_argmax.cpp", "cpu_attention.cpp", "cpu_kernels.cpp")]
+                 for name in ("cpu_pool.cpp", "cpu_gemm.cpp", "cpu_q4.cpp", "cpu_argmax.cpp", "cpu_attention.cpp",
+                              "cpu_kernels.cpp")]
 
 _lock = threading.Lock()
 _module = None

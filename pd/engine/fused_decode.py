@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine import cpu_kernels, gemm_tuning, packed_linear
+from pd.engine import cpu_kernels, gemm_tuning, packed_linear, packed_q4
 from pd.engine.kv_layout import KVLayout
 from pd.engine.model import CausalLM
 
@@ -115,9 +115,14 @@ class FusedDecoder:
         self.prompt_max_rows, self.prompt_max_keys = FUSED_PROMPT_MAX_ROWS, FUSED_PROMPT_MAX_KEYS
         self.prompt_max_mean_keys = FUSED_PROMPT_MAX_MEAN_KEYS
         self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
+        # Codes of the matrices whose float32 values are exactly 4-bit blocks (packed_q4.py): steps of
+        # up to 64 rows read those instead of the panels. None elsewhere.
+        self.q4: list[torch.Tensor] = []
         if self.packed_gemm:
             self.weights = packed_linear.pack_model(model, _on_huge_pages)
             gemm_tuning.apply_crossovers(model)  # prefill-sized batches may run faster through torch's GEMM
+            if packed_q4.q4_enabled() and cpu_kernels.load().q4_gemm_available():
+                self.q4 = packed_q4.q4_for_layers(self.weights)
         else:
             self.weights = _pack_on_huge_pages(self._plain_weights())
             self._share_storage()
@@ -233,7 +238,7 @@ class FusedDecoder:
         module = cpu_kernels.load()
         hidden = module.decode_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches,
                                       self.layer_group, slot_blocks, offsets, tables, key_starts, key_end,
-                                      self.num_heads, self.num_kv_heads, self.eps, self.scale, split_max)
+                                      self.num_heads, self.num_kv_heads, self.eps, self.scale, split_max, self.q4)
         if len(logit_rows) != len(ids):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
         return body.norm(hidden)

@@ -1,0 +1,131 @@
+// Float32 weights held losslessly as 4-bit codes: the packed GEMM of up to kStreamRows rows reading
+// a sixth of the bytes (pd/engine/packed_q4.py finds such weights and proves them exact).
+//
+// A checkpoint dequantized from a 4-bit GGUF (Q4_1: blocks of 32 weights along K, each
+// w = d * q + m with half-precision d, m and q in 0..15) holds float32 weights that are exactly
+// fl(d * q + m): d * q is exact in float32 (an 11-bit significand times a 4-bit integer), so one
+// fused multiply-add gives the same single rounding. Per panel line (16 outputs at one k) that is 8
+// bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
+// A decode step at small batch reads every weight once, from memory: this reads 5.3x fewer bytes,
+// expands each k-chunk of a panel into float32 in L1 (the same values, bit for bit) and runs the
+// same register tiles on it as the float32 path, so the products and sums are those of the float32
+// panels (panel_rows_streamed), bit for bit.
+//
+// Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
+// output c + 8 in its high one; scales (P, K / 32, 2, 16) float32, d then m per output.
+
+#ifdef PDKV_PACKED_GEMM
+static constexpr int64_t kQ4Block = 32;  // weights per (d, m) along K
+static constexpr int64_t kQ4Ahead = 4;   // k-chunks of codes and scales prefetched ahead
+
+// Lines [k0, k0 + n) (n <= kChunk, k0 a multiple of kQ4Block) of one panel's codes and scales
+// expanded into out (n, 16) float32: the exact weights.
+static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t k0, int64_t n, float* out) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b0 = k0; b0 < k0 + n; b0 += kQ4Block) {
+    const float* dm = scales + (b0 / kQ4Block) * 2 * kPanel;
+    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
+    const __m256 m0 = _mm256_loadu_ps(dm + kPanel), m1 = _mm256_loadu_ps(dm + kPanel + 8);
+    for (int64_t k = b0; k < std::min(b0 + kQ4Block, k0 + n); ++k) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8));
+      const __m128i lo = _mm_and_si128(bytes, low4);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      float* o = out + (k - k0) * kPanel;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1));
+    }
+  }
+}
+
+// One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
+// (M <= kStreamRows, K a multiple of kQ4Block): each panel k-chunk by k-chunk, expanded into L1 and
+// used by every row block there. Bit-identical to packed_gemm_serial on the float32 panels.
+static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
+                           const float* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
+                           int64_t p0, int64_t p1) {
+  if (M <= 0) return;
+  alignas(64) float part[kStreamRows][kPanel];
+  alignas(64) float w[kChunk * kPanel];
+  const int64_t code_bytes = K * 8, scale_floats = (K / kQ4Block) * 2 * kPanel;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* pc = codes + p * code_bytes;
+    const float* ps = scales + p * scale_floats;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      // the codes and scales kQ4Ahead chunks on (into the next panels: they follow in memory)
+      const int64_t ahead = k0 + kQ4Ahead * kChunk;
+      for (int64_t b = 0; b < kChunk * 8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(pc + ahead * 8 + b), _MM_HINT_T0);
+      for (int64_t b = 0; b < (kChunk / kQ4Block) * 2 * kPanel; b += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(ps + (ahead / kQ4Block) * 2 * kPanel + b), _MM_HINT_T0);
+      const int64_t n = std::min(kChunk, K - k0);
+      q4_expand(pc, ps, k0, n, w);
+      rows_krange(A + k0, lda, M, w, n, part, k0 == 0, nullptr);
+    }
+    if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+    const int64_t n0 = p * kPanel;
+    store_part(part, M, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0));
+  }
+}
+#endif
+
+// Whether this build runs the 4-bit path: the packed GEMM with one panel per register tile (AVX2).
+// (An AVX-512 build keeps its two-panel tiles on the float32 panels.)
+bool q4_gemm_available() {
+#ifdef PDKV_PACKED_GEMM
+  return kPairPanels == 1;
+#else
+  return false;
+#endif
+}
+
+// Whether a step of M rows runs from `codes` (defined: the matrix has them).
+static bool q4_usable(const torch::Tensor& codes, int64_t M) {
+#ifdef PDKV_PACKED_GEMM
+  return kPairPanels == 1 && codes.defined() && codes.numel() > 0 && M <= kStreamRows;
+#else
+  (void)codes;
+  (void)M;
+  return false;
+#endif
+}
+
+// y (M, N) = x · Wᵀ + bias, or y += x · Wᵀ with `accumulate`, W as codes (P, K, 8) and scales
+// (P, K / 32, 2, 16); M <= kStreamRows. The threads split the panels as packed_gemm_into does.
+static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                         const torch::Tensor& bias, bool accumulate, torch::Tensor& y) {
+#ifdef PDKV_PACKED_GEMM
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), P = codes.size(0);
+  TORCH_CHECK(q4_gemm_available(), "the 4-bit path runs on builds with one panel per tile (AVX2)");
+  TORCH_CHECK(M <= kStreamRows, "the 4-bit path takes at most ", kStreamRows, " rows");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 3 && codes.size(1) == K && codes.size(2) == 8 &&
+              codes.is_contiguous(), "codes must be (P, K, 8) uint8");
+  TORCH_CHECK(K % kQ4Block == 0 && scales.dtype() == torch::kFloat32 && scales.is_contiguous() &&
+              scales.numel() == P * (K / kQ4Block) * 2 * kPanel, "scales must be (P, K / 32, 2, 16) float32");
+  TORCH_CHECK(P == (N + kPanel - 1) / kPanel && x.stride(1) == 1 && y.stride(1) == 1 && y.size(0) == M,
+              "P = ceil(N / 16), row-major x and y");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias of N values");
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  chunked_for((P + per - 1) / per, [&](int64_t c) {
+    q4_gemm_serial(xp, x.stride(0), M, K, cp, sp, N, bp, accumulate, yp, y.stride(0), c * per,
+                   std::min(P, (c + 1) * per));
+  });
+#else
+  TORCH_CHECK(false, "the 4-bit path needs the packed GEMM (AVX2 + FMA)");
+#endif
+}
+
+// (M, K) float32 -> (M, out_features) = x · Wᵀ + bias, W as codes and scales (see above): for tests
+// and benchmarks (the engine calls q4_gemm_into from decode_layers).
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features,
+                        torch::Tensor bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "float32 (M, K)");
+  auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  q4_gemm_into(xc, codes, scales, bias, false, y);
+  return y;
+}
