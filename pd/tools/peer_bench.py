@@ -185,7 +185,8 @@ def run(args: argparse.Namespace, say) -> dict:
         from pd.tools.peer_bench_engine import engine_rates as run_engine  # torch: only when it runs
 
         try:
-            out["engine_in_process"], audit = run_engine(SMOLLM2_MODEL_PATH, waves, args.output_len, args.threads)
+            config = str(REPO / PDKV_SERVERS["colocated"][1])
+            out["engine_in_process"], audit = run_engine(config, waves, args.output_len, args.threads)
         except Exception as exc:  # noqa: BLE001 - the servers' figures are still worth printing
             say(f"engine in-process: failed: {type(exc).__name__}: {exc}")
             out["skipped"]["engine in-process"] = f"{type(exc).__name__}: {exc}"
