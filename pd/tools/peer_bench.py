@@ -28,10 +28,10 @@ from pathlib import Path
 
 import aiohttp
 
-from pd.tools.llama_server_build import DEFAULT_VERSION, SMOLLM2_MODEL_PATH, build_for, convert_f32
+from pd.tools.llama_server_build import DEFAULT_VERSION, SMOLLM2_MODEL_PATH, build_for, convert_f32, smollm2_q4_gguf
 from pd.tools.loadgen_client import RequestOptions, first_model, send_request
-from pd.tools.peer_bench_report import (LLAMA, format_breakdown, format_engine, format_markdown, format_ratios,
-                                        format_table, plot)
+from pd.tools.peer_bench_report import (LLAMA, LLAMA_Q4, format_breakdown, format_engine, format_markdown,
+                                        format_ratios, format_table, plot)
 from pd.tools.peer_bench_servers import (REPO, LlamaServer, LlamaServerSpec, PdkvServer, ServerStartError,
                                          describe_pools, pdkv_launch, pool_audits, run_dir)
 from pd.tools.peer_bench_stats import class_figures, ratios, served_share, wave_figures
@@ -39,7 +39,8 @@ from pd.tools.peer_bench_workload import Wave, build_waves, messages_for
 
 PDKV_SERVERS = {"colocated": ("pdkv colocated", "deploy/smollm2-colocated.yaml"),
                 "1p1d": ("pdkv 1P1D", "deploy/smollm2.yaml")}
-SERVER_CHOICES = ("colocated", "1p1d", "llama")
+SERVER_CHOICES = ("colocated", "1p1d", "llama", "llama-q4")
+DEFAULT_SERVERS = ("colocated", "1p1d", "llama")
 TIMING_HEADERS = {"x-pdkv-timing": "1"}
 REQUEST_TIMEOUT_S = 300.0
 
@@ -106,7 +107,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "in-process engine (default: all cores, %(default)s)")
     ap.add_argument("--pdkv-threads", type=int, default=None,
                     help="threads per pdkv worker (default: --threads; 0: as the config and Ray give them)")
-    ap.add_argument("--servers", default=",".join(SERVER_CHOICES), help="which to run (default %(default)s)")
+    ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                    help=f"which to run, of {','.join(SERVER_CHOICES)} (default %(default)s; llama-q4: llama-server on "
+                         "the package's Q4_1 GGUF as it is)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: the build cache's)")
     ap.add_argument("--llama-model", default=None, help="F32 GGUF for llama-server (default: the build cache's)")
     ap.add_argument("--llama-cache-dir", default=None, help="pd.tools.llama_server_build's cache root")
@@ -133,7 +136,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if not args.concurrencies or min(args.concurrencies) <= 0:
         ap.error("--concurrency values must be positive")
-    if max(args.concurrencies) > args.llama_parallel and "llama" in args.server_list:
+    if max(args.concurrencies) > args.llama_parallel and {"llama", "llama-q4"} & set(args.server_list):
         ap.error(f"--concurrency {max(args.concurrencies)} exceeds --llama-parallel {args.llama_parallel}")
     return args
 
@@ -141,13 +144,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _server_for(key: str, args: argparse.Namespace, llama: LlamaServerSpec | str | None, rdir: Path,
                 say) -> tuple[str, AbstractContextManager[str] | None, bool]:
     """(name, server or None when skipped, whether it is pdkv)."""
-    if key == "llama":
+    if key in ("llama", "llama-q4"):
+        name = LLAMA if key == "llama" else LLAMA_Q4
         if isinstance(llama, str) or llama is None:
             say(llama)
-            return LLAMA, None, False
-        spec = LlamaServerSpec(llama.binary, llama.model, args.threads, args.llama_parallel)
-        say(f"{LLAMA}: {spec.binary} on {spec.model.name}, -t {spec.threads}, --parallel {spec.parallel}")
-        return LLAMA, LlamaServer(spec, rdir), False
+            return name, None, False
+        model = llama.model if key == "llama" else smollm2_q4_gguf()
+        spec = LlamaServerSpec(llama.binary, model, args.threads, args.llama_parallel)
+        say(f"{name}: {spec.binary} on {spec.model.name}, -t {spec.threads}, --parallel {spec.parallel}")
+        return name, LlamaServer(spec, rdir), False
     name, cfg = PDKV_SERVERS[key]
     launch = pdkv_launch(REPO / cfg, args.pdkv_threads, rdir)
     say(f"{name}: {cfg} (worker threads: {launch.threads_note})")
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace, say) -> dict:
         f"tokens/request, {args.threads} threads; load average at start {out['load_avg_start']}")
     rdir = run_dir()
     llama = find_llama(args.llama_server, args.llama_cache_dir, args.llama_version, args.llama_model) \
-        if "llama" in args.server_list else None
+        if {"llama", "llama-q4"} & set(args.server_list) else None
     for key in args.server_list:
         name, server, is_pdkv = _server_for(key, args, llama, rdir, say)
         if server is None:
@@ -197,6 +202,7 @@ def run(args: argparse.Namespace, say) -> dict:
 
             out["gemm_peak_gflops"] = peak_gflops()
     out["ratios"] = ratios(out["results"], LLAMA)
+    out["ratios_q4"] = {k: v for k, v in ratios(out["results"], LLAMA_Q4).items() if k != LLAMA}
     out["served_share"] = served_share(out["results"], _rates(out))
     out["load_avg_end"] = _loadavg()
     if any(rdir.iterdir()):
@@ -227,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_markdown(out["results"]))
         print()
         print(format_ratios(out["ratios"], LLAMA))
+        if out["ratios_q4"]:
+            print(format_ratios(out["ratios_q4"], LLAMA_Q4))
         print(format_engine(out["engine_in_process"], out["served_share"], args.threads, out.get("gemm_peak_gflops")))
         print(format_breakdown(out["results"]))
     else:

@@ -6,6 +6,8 @@ import math
 from pd.tools.ttft_breakdown import format_stages
 
 LLAMA = "llama-server F32"
+LLAMA_Q4 = "llama-server Q4_1"  # the package GGUF as it is (8-bit activations in its dot products)
+LLAMA_SERVERS = (LLAMA, LLAMA_Q4)
 
 
 def _ms(v: float | None) -> str:
@@ -69,7 +71,7 @@ def format_engine(engine: dict[int, dict], shares: dict[str, dict[int, float]], 
     if gemm_line:
         lines.append(gemm_line)
     for server, per_c in shares.items():
-        if server == LLAMA:
+        if server in LLAMA_SERVERS:
             continue
         lines.append(f"  {server} served / in-process: "
                      + ", ".join(f"c={c} {s * 100:.0f}%" for c, s in sorted(per_c.items()) if not math.isnan(s)))
@@ -78,10 +80,10 @@ def format_engine(engine: dict[int, dict], shares: dict[str, dict[int, float]], 
 
 def format_breakdown(results: dict[str, dict[int, dict]]) -> str:
     lines = ["TTFT breakdown (router's pdkv_timing, p50 per stage over the measured requests):"]
-    if all(server == LLAMA for server in results):
+    if all(server in LLAMA_SERVERS for server in results):
         return "TTFT breakdown: no pdkv server in this run"
     for server, per_c in results.items():
-        if server == LLAMA:
+        if server in LLAMA_SERVERS:
             continue
         for c in sorted(per_c):
             b = per_c[c].get("breakdown")
