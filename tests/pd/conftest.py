@@ -13,3 +13,12 @@ torch.set_num_threads(1)
 @pytest.fixture(params=sorted(MODELS))
 def model_config(request) -> ModelConfig:
     return MODELS[request.param]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The packed GEMM's kernels on one thread and on two (their chunked split over the threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

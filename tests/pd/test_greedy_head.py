@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_availab
                                 reason="C++ toolchain or AVX2/FMA unavailable")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _head(weight: torch.Tensor) -> tuple[GreedyHead, PackedLinear]:
     n, k = weight.shape
     linear = PackedLinear(pack_into(weight, torch.empty(num_panels(n), k, 16)), k, n, None)

@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(module is None or not module.q4_gemm_available()
                                 reason="the 4-bit path runs on builds with the AVX2 packed GEMM")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (N, K) quantized as GGUF's Q4_1 and dequantized to float32 (as gguf.quants does)."""
     n, k = weight.shape

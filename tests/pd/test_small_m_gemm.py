@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_availab
                                 reason="C++ toolchain or AVX2/FMA unavailable")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     return pack_into(weight, torch.empty(num_panels(weight.shape[0]), weight.shape[1], 16))
 
