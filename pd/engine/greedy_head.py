@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 _ENV = "PDKV_GREEDY_SCREEN"
 _U = 2.0 ** -24  # float32 unit roundoff
 _PANELS_PER_PASS = 256  # quantized in slices, so the float64 copy stays small
+ROWS_PER_CALL = 32  # rows per kernel call: its buffer holds rows x vocabulary floats (6 MB for SmolLM2)
 
 
 def screen_enabled() -> bool:
@@ -77,10 +78,16 @@ class GreedyHead:
                                 coef32).reshape(-1).contiguous()
 
     def tokens(self, hidden: torch.Tensor) -> list[int | None]:
-        """Greedy token per row of `hidden` (R, K) float32; None where the row is not finite."""
-        out = cpu_kernels.load().screened_argmax(hidden.contiguous(), self.q, self.scale, self.coef, self.packed,
-                                                 self.out_features)
-        return [t if t >= 0 else None for t in out.tolist()]
+        """Greedy token per row of `hidden` (R, K) float32; None where the row is not finite. Rows go
+        to the kernel `ROWS_PER_CALL` at a time: its approximate logits (rows x vocabulary floats) stay
+        in a buffer the calling thread keeps, so that buffer stays small."""
+        module = cpu_kernels.load()
+        out: list[int | None] = []
+        for r0 in range(0, hidden.shape[0], ROWS_PER_CALL):
+            rows = module.screened_argmax(hidden[r0:r0 + ROWS_PER_CALL].contiguous(), self.q, self.scale, self.coef,
+                                          self.packed, self.out_features)
+            out += [t if t >= 0 else None for t in rows.tolist()]
+        return out
 
 
 def greedy_head_for(lm_head: object) -> GreedyHead | None:

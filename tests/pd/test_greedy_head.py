@@ -14,7 +14,7 @@ from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 
 from pd.engine import cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.greedy_head import GreedyHead
+from pd.engine.greedy_head import ROWS_PER_CALL, GreedyHead
 from pd.engine.packed_linear import PackedLinear, num_panels, pack_into
 from pd.engine.sampling import SamplingParams
 
@@ -70,6 +70,13 @@ def test_near_ties_and_ties(nudge, winners, threads):
     assert got == [_full_argmax(linear, hidden[i:i + 1])[0] for i in range(6)]
     if len(winners) == 1:
         assert _full_argmax(linear, hidden) == got
+
+
+def test_more_rows_than_one_kernel_call_takes(threads):
+    gen = torch.Generator().manual_seed(11)
+    head, linear = _head(torch.randn(90, 48, generator=gen))
+    hidden = torch.randn(ROWS_PER_CALL * 2 + 5, 48, generator=gen)
+    assert head.tokens(hidden) == [_full_argmax(linear, hidden[i:i + 1])[0] for i in range(hidden.shape[0])]
 
 
 def test_non_finite_rows_are_left_to_the_full_logits(threads):

@@ -71,9 +71,11 @@ def _q4_engine(monkeypatch, setting: str) -> Engine:
     return Engine(engine_config(FULL_MODEL, attention_backend="fused"))
 
 
-def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch):
+def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
     """A model whose layer weights are Q4_1-shaped: the fused decoder finds every matrix, and decode and
-    small prompt steps give the same logits, bit for bit, and the same tokens as with the codes off."""
+    small prompt steps give the same logits, bit for bit, and the same tokens as with the codes off. On
+    one thread the step runs each request through all layers (decode_rows), on two layer by layer with
+    the threads splitting the panels: both read the codes."""
     import pd.engine.model as model_module
 
     build = model_module.build_model
