@@ -3,7 +3,9 @@
 Runs, one after another in one run and on the same workload: pdkv colocated
 (deploy/smollm2-colocated.yaml), pdkv 1P1D (deploy/smollm2.yaml), and llama.cpp's
 `llama-server` on the same GGUF converted to F32 (pdkv serves it in float32), with continuous
-batching, 32 slots and the same thread count; then the engine alone, in this process.
+batching, 32 slots and the same thread count (`--servers …,llama-q4` adds llama-server on the
+Q4_1 file as it is); then the colocated deploy's engine alone, in a child process
+(pd/tools/peer_bench_engine.py).
 
 Workload (pd/tools/peer_bench_workload.py): per concurrency c (default 1, 8, 32), one warm-up
 wave and `--rounds` measured waves of c streamed chat completions sent at once, each exactly
