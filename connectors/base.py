@@ -138,6 +138,13 @@ class KVConnectorScheduler(abc.ABC):
         """A streamed request's prefill advanced (`request.num_computed_tokens` is computed, in
         these blocks per KV cache group); its last step is `request_finished`'s."""
 
+    def layer_hook(self, steps: list[tuple[Request, tuple[list[int], ...], int, bool]]) -> Callable[[int], None] | None:
+        """Before a forward that advances streamed prefills: `steps` holds (request, its block ids per
+        group, tokens computed once the step ran, whether the step ends its prompt). None, or a
+        callable the forward calls with each model layer's index once that layer ran (layer
+        streaming: what it completed may be published then)."""
+        return None
+
 
 class KVConnectorWorker(abc.ABC):
     """Worker half: moves pages between page pools."""
@@ -243,6 +250,9 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def on_prefill_progress(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
         self.scheduler.on_prefill_progress(request, block_ids)
+
+    def layer_hook(self, steps: list[tuple[Request, tuple[list[int], ...], int, bool]]) -> Callable[[int], None] | None:
+        return self.scheduler.layer_hook(steps)
 
     # -- worker half ---------------------------------------------------------------
     @property  # the worker half decides

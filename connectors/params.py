@@ -46,7 +46,7 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def wants_stream(params: dict[str, Any] | None) -> bool:
-    """The request's KV is streamed (`transfer.streaming: chunk`): set by the router on both legs."""
+    """The request's KV is streamed (`transfer.streaming: chunk` or `layer`): set by the router on both legs."""
     return params is not None and params.get(STREAM_KEY) is True
 
 

@@ -31,12 +31,15 @@ from connectors.zmq.cuda_staging import StreamFences, fences_for
 from connectors.links.emulated_link import EmulatedLink
 from connectors.links.link_shape import LinkShape
 from connectors.zmq.handshake import CompatInfo
+from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
 
 logger = logging.getLogger(__name__)
+
+MAX_LAYER_PARTS = 64  # layer streaming: most slices per page (each slice is a PULL's unit and a digest)
 
 
 class KVRole(str, enum.Enum):
@@ -67,9 +70,12 @@ class ZmqConnectorConfig:
     # `EmulatedLink` of this shape (and shared memory is not offered, so the bytes cross it).
     emulated_link: LinkShape | None = None
     # KV streaming (`connectors.zmq.stream`): "chunk", a producer publishes a streamed request's
-    # blocks after each prefill step of at most `stream_chunk_tokens` tokens; "off", at its end.
+    # blocks after each prefill step of at most `stream_chunk_tokens` tokens; "layer", each step's
+    # blocks slice by slice of at most `stream_layer_parts` per page as the forward's layers run
+    # (`connectors.zmq.layer_slices`); "off", at its end.
     streaming: str = "off"
     stream_chunk_tokens: int = 256
+    stream_layer_parts: int = 6
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", KVRole(self.role))
@@ -80,8 +86,10 @@ class ZmqConnectorConfig:
             raise ValueError("secret must be at least 16 bytes")
         if not self.engine_id or not self.model_id:
             raise ValueError("engine_id and model_id must be non-empty")
-        if self.streaming not in ("off", "chunk") or self.stream_chunk_tokens < 1:
-            raise ValueError("streaming must be 'off' or 'chunk', stream_chunk_tokens >= 1")
+        if self.streaming not in ("off", "chunk", "layer") or self.stream_chunk_tokens < 1:
+            raise ValueError("streaming must be 'off', 'chunk' or 'layer', stream_chunk_tokens >= 1")
+        if not 1 <= self.stream_layer_parts <= MAX_LAYER_PARTS:
+            raise ValueError(f"stream_layer_parts must be in [1, {MAX_LAYER_PARTS}]")
         if self.lease_s <= 0 or (self.heartbeat_interval_s is not None and self.heartbeat_interval_s <= 0):
             raise ValueError("lease_s and heartbeat_interval_s must be positive")
 
@@ -97,8 +105,11 @@ class ZmqConnectorConfig:
 class ZmqConnectorWorker(KVConnectorWorker):
     """Worker half: owns the producer and consumer of this engine."""
 
-    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...], metrics: TransferMetrics):
+    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...], metrics: TransferMetrics,
+                 num_slices: int = 1):
+        """`num_slices` > 1: layer streaming, every page moves as that many layer slices."""
         self.config = config
+        self.num_slices = num_slices
         self.metrics = metrics
         self._groups = kv_cache_groups
         self.producer: Producer | None = None
@@ -118,6 +129,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
         self._fences = fences_for(page_pool)
+        if self.num_slices > 1:
+            page_pool = self._sliced(page_pool)
         compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()
         if cfg.is_producer:
             self.producer = Producer(ProducerConfig(
@@ -135,6 +148,15 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 transfer_timeout_s=cfg.transfer_timeout_s, io_timeout_s=cfg.io_timeout_s,
                 heartbeat_interval_s=cfg.heartbeat_interval_s or cfg.lease_s / 6), page_pool, self.metrics)
             self.consumer.start()
+
+    def _sliced(self, page_pool: KVPages) -> KVPages:
+        """Layer streaming: the pool as layer slices, after checking a page is its slots' layers and
+        nothing else (else a slice would not be whole layers)."""
+        biggest = max(self._groups, key=lambda g: len(g.layer_names))
+        if int(biggest.spec.page_size_bytes) * len(biggest.layer_names) != page_pool.page_size_bytes:
+            raise ValueError(f"layer streaming: a page of {page_pool.page_size_bytes} bytes is not "
+                             f"{len(biggest.layer_names)} layers of {biggest.spec.page_size_bytes}")
+        return SlicedPages(page_pool, self.num_slices)
 
     def _start_link(self, shape: LinkShape) -> None:
         """Puts the side channel and the data port behind one emulated link: the WELCOME and
@@ -231,8 +253,9 @@ class ZmqConnectorWorker(KVConnectorWorker):
         recving = set()
         for r in results:
             recving.add(r.request_id)
-            if not r.ok:
-                self._invalid.update(r.invalid_block_ids)
+            if not r.ok:  # (layer streaming: the blocks of the bad units)
+                self._invalid.update(blocks_of(r.invalid_block_ids, self.num_slices) if self.num_slices > 1
+                                     else r.invalid_block_ids)
                 if r.cause is not None:
                     self._failures[r.request_id] = r.cause
         if self._fences is not None:  # CUDA: later forwards run after every H2D landed so far
@@ -287,9 +310,14 @@ class ZmqConnector(KVConnector):
         self.config = config
         self.metrics = TransferMetrics()
         layouts = tuple(GroupLayout.from_spec(g.spec) for g in kv_cache_groups)
-        chunk = config.stream_chunk_tokens if config.streaming == "chunk" and config.is_producer else None
-        super().__init__(ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint, chunk),
-                         ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics))
+        chunk = config.stream_chunk_tokens if config.streaming != "off" and config.is_producer else None
+        clock = None
+        if config.streaming == "layer":
+            num_slots = max(len(g.layer_names) for g in kv_cache_groups)
+            clock = LayerClock.from_groups(kv_cache_groups, choose_num_slices(num_slots, config.stream_layer_parts))
+        super().__init__(
+            ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint, chunk, clock),
+            ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics, clock.num_slices if clock else 1))
 
     def _endpoint(self) -> tuple[str, int, Producer | None]:
         producer = self.worker.producer
@@ -311,7 +339,7 @@ class ZmqConnector(KVConnector):
     def stream_source(self) -> dict[str, Any] | None:
         """Producer with streaming on: what a router names in a streamed request's decode-side params
         (this engine's id and the side channel consumers dial); None otherwise."""
-        if self.config.streaming != "chunk" or self.worker.producer is None:
+        if self.config.streaming == "off" or self.worker.producer is None:
             return None
         return {"engine_id": self.config.engine_id, "host": self.config.advertise_host or self.config.host,
                 "port": self.worker.advertised_port}

@@ -26,6 +26,13 @@ Streamed requests (`streaming: true` in the params, `transfer.streaming: chunk`)
 - decode side: the external tokens are the prompt past the local prefix hit;
   the load names its destination blocks by (group, position) and pulls each
   part as it is published (`connectors.zmq.stream_load`); an abort cancels it.
+
+Layer streaming (`transfer.streaming: layer`, `connectors.zmq.layer_slices`):
+every block id this half hands the worker half or the producer is a transfer
+unit (a page's layer slice), and a streamed prefill step's blocks are
+published slice by slice while the forward runs (`layer_hook`): slice k as
+soon as its last layer ran. A step that runs every layer in one call (the
+fused kernel) publishes its slices after the step, as chunk mode does.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from typing import Any
 from collections.abc import Callable
 
 from connectors.base import KV_TRACE_CONTEXT_KEY, ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
+from connectors.zmq.layer_slices import LayerClock, units
 from connectors.zmq.loads import RemoteAddr
 from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params, make_stream_params,
                                parse_remote_prefill, valid_trace_context, wants_remote_decode,
@@ -74,9 +82,11 @@ class ZmqConnectorMetadata(ConnectorMetadata):
 
 class ZmqConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, groups: tuple[GroupLayout, ...], lease_s: float,
-                 endpoint: Callable[[], tuple[str, int, Any]], stream_chunk_tokens: int | None = None):
+                 endpoint: Callable[[], tuple[str, int, Any]], stream_chunk_tokens: int | None = None,
+                 clock: LayerClock | None = None):
         """`endpoint()` -> (advertised host, side-channel port, producer or None);
-        `stream_chunk_tokens`: None, streaming off; else a streamed prefill's largest chunk."""
+        `stream_chunk_tokens`: None, streaming off; else a streamed prefill's largest chunk;
+        `clock`: layer streaming (both sides), else None."""
         self.engine_id = engine_id
         self.groups = groups
         self.lease_s = lease_s
@@ -90,6 +100,10 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self.stream_chunk_tokens = stream_chunk_tokens
         self._stream_next: dict[str, set[tuple[int, int]]] = {}  # streamed prefills: (group, position) published
         self._stream_gone: set[str] = set()  # streamed prefills whose lease ended while they ran
+        self._clock = clock
+        self.num_slices = clock.num_slices if clock is not None else 1
+        # layer streaming: a streamed prefill's completed blocks not yet published, by (group, slice)
+        self._slices_due: dict[str, dict[tuple[int, int], list[tuple[int, int]]]] = {}
 
     # ------------------------------------------------------------------ decode side
     def on_new_request(self, request) -> None:
@@ -119,15 +133,18 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         local = self._local_hits.pop(rid, 0)
         trace_context = valid_trace_context((request.kv_transfer_params or {}).get(KV_TRACE_CONTEXT_KEY))
         if rp.streamed:  # destinations by (group, position); the producer's blocks come as published
-            wanted = [[g, pos, d] for g, layout in enumerate(self.groups) for pos, d in enumerate(
+            n = self.num_slices
+            wanted = [[g, pos * n + k, d * n + k] for g, layout in enumerate(self.groups) for pos, d in enumerate(
                 blocks.get_block_ids()[g][: -(-(local + num_external_tokens) // layout.block_size)])
-                if pos >= local // layout.block_size and d != 0]
+                if pos >= local // layout.block_size and d != 0 for k in range(n)]
             self._meta.loads[rid] = {
                 "remote_engine_id": rp.engine_id, "remote_host": rp.host, "remote_port": rp.port,
                 "remote_request_id": rp.request_id, "streamed": True, "wanted": wanted, "src": [],
                 "dst": [d for _, _, d in wanted], "invalid": [], "trace_context": trace_context}
             return
         src, dst, invalid = self.plan(rp, blocks.get_block_ids(), local, local + num_external_tokens)
+        if self.num_slices > 1:
+            src, dst, invalid = (units(x, self.num_slices) for x in (src, dst, invalid))
         self._meta.loads[rid] = {
             "remote_engine_id": rp.engine_id, "remote_host": rp.host, "remote_port": rp.port,
             "remote_request_id": rp.request_id, "src": src, "dst": dst, "invalid": invalid,
@@ -227,7 +244,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         if producer is None:
             logger.warning("request %s asks for remote decode but this engine is not a KV producer", rid)
             return False, None
-        producer.add_lease(rid, flat, self.lease_s)
+        producer.add_lease(rid, units(flat, self.num_slices) if self.num_slices > 1 else flat, self.lease_s)
         self._meta.saves[rid] = {"block_ids": flat}
         return True, make_remote_prefill_params(self.engine_id, host, port, rid, clipped, request.num_computed_tokens)
 
@@ -257,17 +274,73 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         if rid in self._stream_gone or request.num_computed_tokens >= request.num_prompt_tokens:
             return  # the lease ended (nobody to publish to), or the last part goes with request_finished
         entries = self._completed(request, block_ids, final=False)
-        producer = self._endpoint()[2]
-        if entries and (producer is None or not producer.stream.publish(rid, entries, False)):
-            self._stream_gone.add(rid)
+        if self._clock is not None:
+            self._add_due(rid, entries)
+            entries = self._take_due(rid)
+        if entries:
+            self._publish(rid, entries, False)
 
-    def _completed(self, request, block_ids, final: bool) -> list[tuple[int, int, int]]:
-        """(group, position, block id) completed since the last publication: full blocks (all, at
-        the end), in the final window of sliding-window groups, state groups only at the end.
-        Mid-prefill, a sliding-window group's block is published only once no later step can let
-        it go (two blocks inside the final window's edge); the edge goes at the end."""
+    def layer_hook(self, steps: list[tuple[Any, Any, int, bool]]) -> Callable[[int], None] | None:
+        """Layer streaming, before a forward: `steps` holds (request, block ids, tokens computed after
+        this step, whether it is the prompt's last step) of the step's streamed prefills. Their blocks
+        this step completes are due; the callable returned, called after each model layer, publishes
+        every (group, slice) whose last layer that was. None: nothing to publish in this step."""
+        clock = self._clock
+        if clock is None:
+            return None
+        rids = []
+        for request, block_ids, num_tokens, final in steps:
+            rid = request.request_id
+            if rid in self._stream_next and rid not in self._stream_gone:
+                self._add_due(rid, self._completed(request, block_ids, final, num_tokens))
+                rids.append(rid)
+        if not any(self._slices_due.get(rid) for rid in rids):
+            return None
+
+        def after_layer(layer: int) -> None:
+            for rid in rids:
+                if rid not in self._stream_gone:
+                    entries = self._take_due(rid, clock.due_after(layer))
+                    if entries:
+                        self._publish(rid, entries, False)
+
+        after_layer(-1)  # slices that hold no layer of their group
+        return after_layer
+
+    def _add_due(self, rid: str, entries: list[tuple[int, int, int]]) -> None:
+        due = self._slices_due.setdefault(rid, {})
+        for g, pos, block in entries:
+            for k in range(self.num_slices):
+                due.setdefault((g, k), []).append((pos, block))
+
+    def _take_due(self, rid: str, which: list[tuple[int, int]] | None = None) -> list[tuple[int, int, int]]:
+        """The due (group, position, block) entries of `which` (group, slice) pairs (None: all), as
+        transfer units: (group, position * slices + slice, unit)."""
+        due, n = self._slices_due.get(rid), self.num_slices
+        out: list[tuple[int, int, int]] = []
+        if not due:
+            return out
+        for g, k in list(due) if which is None else which:
+            for pos, block in due.pop((g, k), ()):
+                out.append((g, pos * n + k, block * n + k))
+        return out
+
+    def _publish(self, rid: str, entries: list[tuple[int, int, int]], final: bool) -> bool:
+        producer = self._endpoint()[2]
+        if producer is None or not producer.stream.publish(rid, entries, final):
+            self._stream_gone.add(rid)
+            return False
+        return True
+
+    def _completed(self, request, block_ids, final: bool, num_tokens: int | None = None) -> list[tuple[int, int, int]]:
+        """(group, position, block id) completed since the last publication once `num_tokens` (default:
+        those computed) are: full blocks (all, at the end), in the final window of sliding-window
+        groups, state groups only at the end. Mid-prefill, a sliding-window group's block is published
+        only once no later step can let it go (two blocks inside the final window's edge); the edge
+        goes at the end."""
         done = self._stream_next[request.request_id]
-        num_tokens, out = request.num_computed_tokens, []
+        num_tokens = request.num_computed_tokens if num_tokens is None else num_tokens
+        out: list[tuple[int, int, int]] = []
         for g, layout in enumerate(self.groups):
             if layout.final_only and not final:
                 continue
@@ -289,10 +362,15 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         host, port, producer = self._endpoint()
         if producer is None:
             self._stream_next.pop(rid)
+            self._slices_due.pop(rid, None)
             return False, None
         ok = getattr(request.status, "name", "") in _FINISHED_OK
         entries = self._completed(request, block_ids, final=True) if ok else []
+        if self._clock is not None:
+            self._add_due(rid, entries)
+            entries = self._take_due(rid) if ok else []
         self._stream_next.pop(rid)
+        self._slices_due.pop(rid, None)
         if not ok or gone or not producer.stream.publish(rid, entries, True):
             if not gone:
                 producer.stream.fail(rid)

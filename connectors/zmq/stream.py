@@ -1,8 +1,10 @@
 """KV streaming, producer side: what a streamed prefill publishes, and to whom.
 
-A streamed request (`transfer.streaming: chunk`) has its lease from the first
+A streamed request (`transfer.streaming: chunk` or `layer`) has its lease from the first
 publication on (`LeaseTable.publish`). After each prefill step that completed
-some of its blocks, the engine's thread hands them here (`publish`); the
+some of its blocks (layer: after each slice of layers of the step, during the
+forward; the ids are then transfer units, `layer_slices.py`), the engine's
+thread hands them here (`publish`); the
 side-channel thread seals their digests (`LeaseTable.seal_published`: only
 then may they be pulled) and sends one PUBLISHED per part to the consumer that
 WATCHes the request, signed with its session's key and counter (`session.py`).

@@ -22,7 +22,7 @@ MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
 DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
 DATA_PATHS = get_args(DataPathName)
-StreamingName = Literal["off", "chunk"]  # KV streaming (connectors.zmq.stream); "layer" is not built
+StreamingName = Literal["off", "chunk", "layer"]  # KV streaming (connectors.zmq.stream, .layer_slices)
 STREAMING_MODES = get_args(StreamingName)
 
 
@@ -39,6 +39,7 @@ class TransferSettings:
     emulated_link: LinkShape | None = None  # a producer's consumers reach it through this link (tcp)
     streaming: StreamingName = "off"  # chunk: P publishes a prompt's blocks after each prefill step
     stream_chunk_tokens: int = 256  # a streamed prefill's largest step (tokens)
+    stream_layer_parts: int = 6  # layer: most slices per page (the largest divisor of its layers not above)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +50,8 @@ class TransferSettings:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {self.data_path!r}")
         if self.streaming not in STREAMING_MODES or self.stream_chunk_tokens < 1:
             raise ValueError(f"streaming must be one of {STREAMING_MODES} and stream_chunk_tokens >= 1")
+        if not 1 <= self.stream_layer_parts <= 64:
+            raise ValueError(f"stream_layer_parts must be in [1, 64], got {self.stream_layer_parts}")
         if self.emulated_link is not None and self.data_path == "shm":
             raise ValueError("an emulated link carries tcp only: data_path must be 'auto' or 'tcp', not 'shm'")
 
@@ -69,4 +72,5 @@ class TransferSettings:
             lease_s=self.lease_s, heartbeat_interval_s=self.lease_s / HEARTBEATS_PER_LEASE,
             handshake_timeout_s=self.step_timeout_s, transfer_timeout_s=self.timeout_s,
             io_timeout_s=self.step_timeout_s, data_path=DataPath(self.data_path), emulated_link=self.emulated_link,
-            streaming=self.streaming, stream_chunk_tokens=self.stream_chunk_tokens)
+            streaming=self.streaming, stream_chunk_tokens=self.stream_chunk_tokens,
+            stream_layer_parts=self.stream_layer_parts)

@@ -194,9 +194,12 @@ class TransferSection(StrictModel):
         None, description="tests and benchmarks only: the P->D KV path crosses a link of this bandwidth and latency")
     streaming: StreamingName = Field(_TRANSFER.streaming, description=(
         "chunk: the router sends a request to P and D at once; P publishes the blocks each prefill step "
-        "completed and D pulls them as they come (off: D pulls after P's whole prefill)"))
+        "completed and D pulls them as they come; layer: the same, each step's blocks published slice by "
+        "slice of layers as P's forward runs them (off: D pulls after P's whole prefill)"))
     stream_chunk_tokens: int = Field(_TRANSFER.stream_chunk_tokens, ge=16, le=1 << 20, description=(
         "with streaming: a streamed prompt's largest prefill step on P (tokens): more steps, more parts"))
+    stream_layer_parts: int = Field(_TRANSFER.stream_layer_parts, ge=1, le=64, description=(
+        "with streaming: layer: the most slices a page moves in (the largest divisor of its layers not above)"))
 
     @model_validator(mode="after")
     def _link_takes_tcp(self) -> TransferSection:
@@ -209,7 +212,8 @@ class TransferSection(StrictModel):
         link = self.emulated_link.link_shape() if self.emulated_link is not None else None
         return TransferSettings(port=self.port, timeout_s=self.timeout_s, lease_s=self.lease_s,
                                 data_path=self.data_path, emulated_link=link, streaming=self.streaming,
-                                stream_chunk_tokens=self.stream_chunk_tokens)
+                                stream_chunk_tokens=self.stream_chunk_tokens,
+                                stream_layer_parts=self.stream_layer_parts)
 
 
 class ConnectionsSection(StrictModel):

@@ -63,7 +63,7 @@ class KVTransferParams(StrictModel):
     remote_request_id: str | None = None
     remote_block_ids: list[list[BlockId]] | None = None
     remote_num_tokens: int | None = Field(None, ge=0)
-    streaming: bool | None = None  # KV streaming (`transfer.streaming: chunk`): set by the router on both legs
+    streaming: bool | None = None  # KV streaming (`transfer.streaming` chunk or layer): the router sets it on both legs
 
     def to_dict(self) -> dict:
         """The fields that are set, as the connector reads them."""

@@ -254,7 +254,8 @@ class Engine:
         self.fault_marks.check(chunks, STEP)
         ids = [c.request_id for c in chunks if c.needs_logits]
         states = [self.scheduler.requests[rid] for rid in ids]
-        tokens = self.runner.next_tokens(chunks, [s.params for s in states], [s.generator for s in states])
+        tokens = self.runner.next_tokens(chunks, [s.params for s in states], [s.generator for s in states],
+                                         on_layer=self.scheduler.layer_hook(chunks))
         return dict(zip(ids, tokens, strict=True))
 
     def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:

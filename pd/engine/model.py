@@ -12,6 +12,7 @@ reference used to check the paged path.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -136,11 +137,15 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """`on_layer(i)`: called after layer i ran (its K/V are written), e.g. to publish them."""
         x = self.model.embed_tokens(token_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, backend)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ block tables) and returns logits for the chunks that end a sequence.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -78,11 +79,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def next_tokens(self, chunks: list[ScheduledChunk], params: list[SamplingParams],
-                    generators: list[torch.Generator | None]) -> list[int]:
+                    generators: list[torch.Generator | None],
+                    on_layer: Callable[[int], None] | None = None) -> list[int]:
         """One sampled token per chunk with `needs_logits` (params and generators in that order). Greedy
         rows go through the int8-screened exact argmax where the runner has one (`greedy_head.py`);
-        the others (and any row the screen leaves) through the full logits and `sample`."""
-        hidden = self.final_hidden(chunks)
+        the others (and any row the screen leaves) through the full logits and `sample`.
+        `on_layer`: see `final_hidden`."""
+        hidden = self.final_hidden(chunks, on_layer)
         tokens: list[int | None] = [None] * hidden.shape[0]
         head = self.greedy_head
         greedy = [i for i, p in enumerate(params) if p.greedy] if head is not None else []
@@ -98,8 +101,10 @@ class ModelRunner:
                 tokens[i] = token
         return [t for t in tokens if t is not None]  # (every row has its token by now)
 
-    def final_hidden(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The final-norm hidden states (R, hidden) of the chunks with `needs_logits`, in chunk order."""
+    def final_hidden(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The final-norm hidden states (R, hidden) of the chunks with `needs_logits`, in chunk order.
+        `on_layer(i)`: called once layer i's K/V are in the pages, on the per-layer path (the fused
+        kernel runs every layer in one call: its caller learns of them when the step is over)."""
         if not chunks:
             return torch.empty((0, self.model.config.hidden_size))
         if self.fused_decoder is not None and self.fused_decoder.applies(chunks):
@@ -114,5 +119,5 @@ class ModelRunner:
             if c.needs_logits:
                 logit_rows.append(len(flat) - 1)
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, backend.positions.to(self.device), backend)
+        hidden = self.model(ids, backend.positions.to(self.device), backend, on_layer)
         return hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]

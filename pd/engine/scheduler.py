@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 
 from kvcache import KVCacheManager, RequestStatus
 
@@ -139,6 +140,18 @@ class Scheduler:
         meta = self.connector.build_connector_meta() if self.connector is not None else None
         self.stats.num_steps += 1
         return SchedulerOutput(chunks=chunks, connector_metadata=meta, num_preempted=len(preempted))
+
+    def layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None] | None:
+        """The connector's per-layer callback for a forward of these chunks (layer streaming), or None."""
+        if not self._stream_chunks or self.connector is None:
+            return None
+        steps = []
+        for c in chunks:
+            state = self.requests.get(c.request_id)
+            if c.request_id in self._stream_chunks and state is not None:
+                end = c.start + len(c.token_ids)
+                steps.append((state.request, c.block_ids, end, end >= state.request.num_prompt_tokens))
+        return self.connector.layer_hook(steps) if steps else None
 
     def _num_new_tokens(self, req, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed

@@ -214,9 +214,9 @@ _TRANSFER_COUNTERS = (
     ("blocks_recv", "pdkv_kv_transfer_blocks_recv", "KV blocks received from prefill workers"),
     ("malformed_frames", "pdkv_kv_transfer_malformed_frames", "Side-channel frames dropped as malformed"),
     ("stream_parts_published", "pdkv_kv_stream_parts_published",
-     "Streamed KV parts a prefill worker published (transfer.streaming: chunk)"),
+     "Streamed KV parts a prefill worker published (transfer.streaming: chunk or layer)"),
     ("stream_parts_received", "pdkv_kv_stream_parts_received",
-     "Streamed KV parts a decode worker landed and verified (transfer.streaming: chunk)"),
+     "Streamed KV parts a decode worker landed and verified (transfer.streaming: chunk or layer)"),
 )
 # Transfer counts by a label: (stats key holding {label value: count}, name, label, help).
 _TRANSFER_LABELLED = (

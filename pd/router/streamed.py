@@ -1,4 +1,4 @@
-"""The P/D flow with KV streaming (`transfer.streaming: chunk`): P and D get the request at once.
+"""The P/D flow with KV streaming (`transfer.streaming: chunk` or `layer`): P and D get the request at once.
 
 A prefill worker that streams says so in its stats (`kv_stream`: its engine id and the side
 channel consumers dial, from `KVConnector.stream_source`); the router learns it with the

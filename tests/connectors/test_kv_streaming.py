@@ -1,4 +1,5 @@
-"""KV streaming (`transfer.streaming: chunk`) between two real engines with real ZMQ connectors.
+"""KV streaming (`transfer.streaming: chunk`) between two real engines with real ZMQ connectors
+(layer mode's own tests, on this harness: `test_kv_layer_streaming.py`).
 
 P prefills a streamed request in chunks and publishes the blocks each step completed; D, given
 only P's address and request id, pulls every part as it is published. Engines are stepped from
@@ -42,15 +43,16 @@ def prompt(n: int, start: int = 3) -> list[int]:
 
 def make_engine(engine_id: str, role: KVRole | None, model: ModelConfig = FULL, block_size: int = 16,
                 timeout_s: float = 2.0, policy: str = "recompute", data_path: str = "auto",
-                num_blocks: int = 160) -> Engine:
+                num_blocks: int = 160, streaming: str = "chunk", layer_parts: int = 6,
+                backend: str = "torch") -> Engine:
     config = EngineConfig(model=model, seed=5, block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=512,
-                          max_num_seqs=16, kv_load_failure_policy=policy, engine_id=engine_id)
+                          max_num_seqs=16, kv_load_failure_policy=policy, engine_id=engine_id, attention_backend=backend)
     connector = None
     if role is not None:
         connector = ZmqConnector(ZmqConnectorConfig(
             engine_id=engine_id, role=role, secret=SECRET, model_id=f"tiny-{model.num_layers}@5", lease_s=10.0,
             handshake_timeout_s=timeout_s, transfer_timeout_s=timeout_s, io_timeout_s=timeout_s,
-            data_path=data_path, streaming="chunk", stream_chunk_tokens=CHUNK),
+            data_path=data_path, streaming=streaming, stream_chunk_tokens=CHUNK, stream_layer_parts=layer_parts),
             KVLayout(model, block_size).kv_cache_groups())
     return Engine(config, connector=connector)
 
@@ -95,13 +97,23 @@ class Drive:
         self.p.add_request(rid, tokens, PREFILL_ONLY, kv_transfer_params=dict(STREAMED))
         if num_p_steps is None:
             return
-        landed = stats(self.d)["stream_parts_received"]
+        landed, published = stats(self.d)["stream_parts_received"], stats(self.p)["stream_parts_published"]
         for _ in range(num_p_steps):
             self.step_p_sealed()
-        while stats(self.d)["stream_parts_received"] < landed + num_p_steps:  # (each a part: no pull in flight)
+        sealed = self.p.connector.worker.producer.leases.published(rid)
+        while sealed is None or len(sealed.entries) < self._num_published(num_p_steps):  # (layer: a step's
+            assert time.monotonic() < deadline, "P's parts were never sealed"  # slices seal one by one)
+            time.sleep(0.002)
+            sealed = self.p.connector.worker.producer.leases.published(rid)
+        parts = stats(self.p)["stream_parts_published"] - published  # each a part on D once landed
+        while stats(self.d)["stream_parts_received"] < landed + parts:  # (all landed: no pull in flight)
             assert time.monotonic() < deadline, "D landed no part"
             self.step(p_too=False)
         assert self.p.has_unfinished_requests()  # P still prefills: the stream is mid-way
+
+    def _num_published(self, num_p_steps: int) -> int:
+        """Units P published in its first `num_p_steps` steps of two blocks each (layer: per slice)."""
+        return num_p_steps * 2 * self.p.connector.scheduler.num_slices
 
     def step_p_sealed(self) -> None:
         """One P step that publishes a part, then waits until P's side channel sealed (and sent) it."""
@@ -425,7 +437,7 @@ _P_PROC = r"""
 import json, sys
 sys.path.insert(0, {here!r})
 from test_kv_streaming import KVRole, PREFILL_ONLY, STREAMED, make_engine
-p = make_engine("prefill-0", KVRole.PRODUCER, data_path="tcp")
+p = make_engine("prefill-0", KVRole.PRODUCER, data_path="tcp", streaming={streaming!r})
 print(json.dumps({{"port": p.connector.port}}), flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -446,12 +458,13 @@ def _ask(proc: subprocess.Popen, timeout_s: float = 30, **cmd) -> dict:
     return json.loads(proc.stdout.readline())
 
 
-def test_killed_p_mid_stream_is_recomputed():
+@pytest.mark.parametrize("streaming", ["chunk", "layer"])
+def test_killed_p_mid_stream_is_recomputed(streaming):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-c", _P_PROC.format(here=here)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
-    d = make_engine("decode-0", KVRole.CONSUMER, timeout_s=5.0)
+    proc = subprocess.Popen([sys.executable, "-c", _P_PROC.format(here=here, streaming=streaming)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    d = make_engine("decode-0", KVRole.CONSUMER, timeout_s=5.0, streaming=streaming)
     try:
         port = _ask(proc, 60)["port"]
         tokens = prompt(256, 2)
@@ -490,7 +503,9 @@ def test_streaming_config_and_params_are_checked_at_the_edge():
 
     assert TransferSection().streaming == "off"  # the default: the flow as before
     assert TransferSection(streaming="chunk", stream_chunk_tokens=64).transfer_settings().stream_chunk_tokens == 64
-    for bad in ({"streaming": "layer"}, {"streaming": True}, {"stream_chunk_tokens": 0}):
+    assert TransferSection(streaming="layer", stream_layer_parts=4).transfer_settings().stream_layer_parts == 4
+    for bad in ({"streaming": "layers"}, {"streaming": True}, {"stream_chunk_tokens": 0},
+                {"stream_layer_parts": 0}, {"stream_layer_parts": 65}):
         with pytest.raises(ValidationError):
             TransferSection(**bad)
     params = make_stream_params("prefill-0", "127.0.0.1", 5555, "r")

@@ -1,7 +1,8 @@
-"""1P1D with KV streaming (`transfer.streaming: chunk`) on a local Ray instance, over real HTTP and ZMQ.
+"""1P1D with KV streaming (`transfer.streaming: chunk` and `layer`) on a local Ray instance, over real
+HTTP and ZMQ.
 
 The router sends each request to P and D at once; P publishes the blocks of every prefill step
-and D pulls them as they come. Outputs must equal the colocated deployment's token for token
+(layer: slice by slice of layers, as its forward runs them) and D pulls them as they come. Outputs must equal the colocated deployment's token for token
 (greedy and seeded), the parts must really be several, and every pool ends all free.
 """
 from __future__ import annotations
@@ -32,9 +33,10 @@ def colocated(ray_instance):
         yield dep.url
 
 
-@pytest.fixture(scope="module")
-def streamed(ray_instance):
-    with Deployment(e2e_config("local.yaml", transfer__streaming="chunk", transfer__stream_chunk_tokens=16)) as dep:
+@pytest.fixture(scope="module", params=["chunk", "layer"])
+def streamed(ray_instance, request):
+    config = e2e_config("local.yaml", transfer__streaming=request.param, transfer__stream_chunk_tokens=16)
+    with Deployment(config) as dep:
         deadline = time.monotonic() + 30  # the router learns P's stream source from its first stats poll
         while not any("kv_stream" in r["stats"] for r in worker_reports(dep.url).values() if r["role"] == "prefill"):
             assert time.monotonic() < deadline, "the prefill worker never reported its stream source"
