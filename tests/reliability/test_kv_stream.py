@@ -117,9 +117,11 @@ def test_subscribers_without_the_secret_receive_nothing():
             # so does any subscriber with the secret: batches and heartbeats, all verified
             deadline = time.monotonic() + TIMEOUT_S
             seen: list = []
+            attempt = 0
             while not any(not b.heartbeat and b.events for b in seen):
                 assert time.monotonic() < deadline, "the subscriber with the secret received no batch"
-                dep.complete(PROMPT + f" turn {len(seen)}")
+                attempt += 1  # a new prompt each time: a repeated one is a prefix hit, which stores nothing
+                dep.complete(PROMPT + f" fresh turn {attempt}")
                 seen += [decode_batch(event_key(SECRET), f) for f in _drain(good, 1000)]
             assert any(b.heartbeat for b in seen + [decode_batch(event_key(SECRET), f) for f in _drain(good, 2000)])
             assert publisher.info()["num_refused_subscribers"] >= 1  # the guessed key reached ZAP: refused
