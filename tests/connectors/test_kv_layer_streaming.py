@@ -6,7 +6,9 @@ checked all free at the end) is `test_kv_streaming.py`'s; the killed-P case is p
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from connectors.zmq.connector import KVRole
 from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices, units
 from pd.engine.config import ModelConfig
+from pd.engine.engine import Engine
 from pd.engine.kv_layout import KVLayout
 from pd.engine.page_pool import PagePool
 from pd.engine.sampling import SamplingParams
@@ -22,13 +25,19 @@ from test_kv_streaming import CHUNK, FULL, HYBRID, PREFILL_ONLY, Drive, colocate
 FOUR = ModelConfig(num_layers=4)
 
 
+@contextlib.contextmanager
 def layer_engines(model: ModelConfig = FULL, parts: int = 2, d_parts: int | None = None, block_size: int = 16,
-                  backend: str = "torch"):
+                  backend: str = "torch", data_path: str = "auto") -> Iterator[tuple[Engine, Engine]]:
+    """P and D with layer streaming (D cutting pages into `d_parts`, default P's), shut down after."""
     p = make_engine("prefill-0", KVRole.PRODUCER, model, block_size, streaming="layer", layer_parts=parts,
-                    backend=backend)
+                    backend=backend, data_path=data_path)
     d = make_engine("decode-0", KVRole.CONSUMER, model, block_size, streaming="layer",
-                    layer_parts=parts if d_parts is None else d_parts)
-    return p, d
+                    layer_parts=parts if d_parts is None else d_parts, data_path=data_path)
+    try:
+        yield p, d
+    finally:
+        for e in (p, d):
+            e.shutdown()
 
 
 def record_publications(p) -> list[tuple[int, set[int]]]:
@@ -50,11 +59,6 @@ def record_publications(p) -> list[tuple[int, set[int]]]:
     return calls
 
 
-def shutdown(*engines) -> None:
-    for e in engines:
-        e.shutdown()
-
-
 def test_slices_and_units():
     assert [choose_num_slices(30, k) for k in (1, 4, 6, 7, 64)] == [1, 3, 6, 6, 30]
     assert units([3, 5], 3) == [9, 10, 11, 15, 16, 17] and blocks_of([9, 11, 16], 3) == {3, 5}
@@ -73,16 +77,11 @@ def test_slices_and_units():
                                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=1234)],
                          ids=["greedy", "seeded"])
 def test_each_slice_is_published_after_its_layers_and_tokens_match(sampling):
-    p, d = layer_engines(FOUR, parts=4)
-    try:
+    with layer_engines(FOUR, parts=4) as (p, d):
         calls = record_publications(p)
         tokens = prompt(200)
         drive = Drive(p, d)
-        drive.start("r1", tokens, sampling)
-        while "r1" not in p.scheduler.held:
-            drive.step_p_sealed()
-        drive.until_done()
-        assert drive.got["r1"]["error"] is None
+        drive.stream_whole("r1", tokens, sampling)
         assert drive.got["r1"]["tokens"] == colocated(tokens, sampling, FOUR)
         # every step published slice k alone, right after layer k ran (while layers k+1.. had not)
         steps = -(-200 // CHUNK)
@@ -93,8 +92,6 @@ def test_each_slice_is_published_after_its_layers_and_tokens_match(sampling):
         assert 1 < got["stream_parts_received"] <= 4 * steps  # (slices sealed at once travel as one part)
         assert d.scheduler.stats.num_remote_tokens == 200
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
@@ -103,28 +100,21 @@ def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
 
     if not use_fused_decode("auto", torch.float32, torch.device("cpu")):
         pytest.skip("the fused CPU kernel cannot be built here")
-    p, d = layer_engines(FULL, parts=2, backend="fused")
-    try:
+    with layer_engines(FULL, parts=2, backend="fused") as (p, d):
         calls = record_publications(p)
         tokens = prompt(100, 4)
         sampling = SamplingParams(max_tokens=5, ignore_eos=True)
         drive = Drive(p, d)
-        drive.start("f", tokens, sampling)
-        while "f" not in p.scheduler.held:
-            drive.step_p_sealed()
-        drive.until_done()
+        drive.stream_whole("f", tokens, sampling)
         assert drive.got["f"]["tokens"] == colocated(tokens, sampling)
         assert p.runner.fused_decoder is not None and p.runner.fused_decoder.applies
         assert all(ran in (0, 2) and slices == {0, 1} for ran, slices in calls if slices)  # whole steps
         assert stats(d)["blocks_recv"] == 2 * -(-100 // 16) and not stats(d)["failures"]
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 def test_prefix_hit_on_d_pulls_only_the_missing_slices():
-    p, d = layer_engines()
-    try:
+    with layer_engines() as (p, d):
         shared = prompt(96)
         second = shared + prompt(70, 11)
         drive = Drive(p, d)
@@ -136,32 +126,22 @@ def test_prefix_hit_on_d_pulls_only_the_missing_slices():
         assert stats(d)["blocks_recv"] - before == 2 * (-(-len(second) // 16) - 96 // 16)
         assert drive.got["b"]["tokens"] == colocated(second, SamplingParams(max_tokens=4, ignore_eos=True))
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 def test_sliding_window_groups_stream_only_the_final_window():
-    p, d = layer_engines(HYBRID, parts=2, block_size=4)
-    try:
+    with layer_engines(HYBRID, parts=2, block_size=4) as (p, d):
         tokens = prompt(150)
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         drive = Drive(p, d)
-        drive.start("w", tokens, sampling)
-        while "w" not in p.scheduler.held:
-            drive.step_p_sealed()
-        drive.until_done()
-        assert drive.got["w"]["error"] is None
+        drive.stream_whole("w", tokens, sampling)
         assert drive.got["w"]["tokens"] == colocated(tokens, sampling, HYBRID, 4)
         keep = -(-12 // 4) + 1  # the window's blocks, plus the one it starts in
         assert stats(d)["blocks_recv"] == 2 * (-(-150 // 4) + keep)
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 def test_a_slice_that_never_arrives_is_recomputed():
-    p, d = layer_engines()
-    try:
+    with layer_engines() as (p, d):
         tokens = prompt(200, 5)
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         drive = Drive(p, d)
@@ -171,13 +151,10 @@ def test_a_slice_that_never_arrives_is_recomputed():
         assert stats(d)["failures"] == {"timeout": 1} and d.scheduler.stats.num_load_failures_recomputed == 1
         p.abort_request("stall")
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 def test_abort_mid_stream_frees_both_sides():
-    p, d = layer_engines()
-    try:
+    with layer_engines() as (p, d):
         tokens = prompt(240, 7)
         drive = Drive(p, d)
         drive.start("gone", tokens, SamplingParams(max_tokens=8, ignore_eos=True), num_p_steps=2)
@@ -185,13 +162,10 @@ def test_abort_mid_stream_frees_both_sides():
         drive.settle()
         assert stats(p)["leases_ended"] == {"done": 1}
         assert stats(d)["failures"] == {"shutdown": 1} and not d.has_unfinished_requests()
-    finally:
-        shutdown(p, d)
 
 
 def test_sides_that_cut_pages_differently_refuse_each_other():
-    p, d = layer_engines(FOUR, parts=4, d_parts=2)
-    try:
+    with layer_engines(FOUR, parts=4, d_parts=2) as (p, d):
         tokens = prompt(64, 6)
         sampling = SamplingParams(max_tokens=4, ignore_eos=True)
         drive = Drive(p, d)
@@ -204,17 +178,13 @@ def test_sides_that_cut_pages_differently_refuse_each_other():
         assert stats(d)["failures"] == {"handshake_refused": 1}
         p.abort_request("cut")
         drive.settle()
-    finally:
-        shutdown(p, d)
 
 
 @pytest.mark.parametrize("data_path", ["auto", "tcp"])
 def test_a_whole_load_in_a_layer_deployment_moves_slices(data_path):
     """The `off` flow in a layer-mode deployment (a router's first request, before it knows P
     streams): P leases its blocks' slices at the end, D pulls them all, the same tokens."""
-    p = make_engine("prefill-0", KVRole.PRODUCER, FOUR, streaming="layer", layer_parts=4, data_path=data_path)
-    d = make_engine("decode-0", KVRole.CONSUMER, FOUR, streaming="layer", layer_parts=4, data_path=data_path)
-    try:
+    with layer_engines(FOUR, parts=4, data_path=data_path) as (p, d):
         tokens = prompt(120, 8)
         sampling = SamplingParams(max_tokens=6, ignore_eos=True)
         p.add_request("whole", tokens, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True})
@@ -232,5 +202,3 @@ def test_a_whole_load_in_a_layer_deployment_moves_slices(data_path):
         assert stats(d)["blocks_recv"] == 4 * -(-120 // 16) and stats(d)["loads_ok"] == 1
         assert stats(p)["blocks_sent"] == stats(d)["blocks_recv"]
         drive.settle()
-    finally:
-        shutdown(p, d)

@@ -111,6 +111,15 @@ class Drive:
             self.step(p_too=False)
         assert self.p.has_unfinished_requests()  # P still prefills: the stream is mid-way
 
+    def stream_whole(self, rid: str, tokens: list[int], params: SamplingParams) -> None:
+        """`start`, then P's steps one by one (each part told to D on its own) and D to the end."""
+        self.start(rid, tokens, params)
+        assert self.p is not None
+        while rid not in self.p.scheduler.held:
+            self.step_p_sealed()
+        self.until_done()
+        assert self.got[rid]["error"] is None
+
     def _num_published(self, num_p_steps: int) -> int:
         """Units P published in its first `num_p_steps` steps of two blocks each (layer: per slice)."""
         return num_p_steps * 2 * self.p.connector.scheduler.num_slices
