@@ -129,7 +129,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
         self._fences = fences_for(page_pool)
-        if self.num_slices > 1:
+        if cfg.streaming == "layer":  # (one slice too: publishing inside the forward needs a CPU pool)
             page_pool = self._sliced(page_pool)
         compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()
         if cfg.is_producer:

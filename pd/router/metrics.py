@@ -209,9 +209,11 @@ _WORKER_COUNTERS = (
 _ENGINE_PHASES = ("schedule", "model", "update")  # stats key `<phase>_s`: seconds spent since start
 _TRANSFER_COUNTERS = (
     ("bytes_sent", "pdkv_kv_transfer_bytes_sent", "KV bytes sent to decode workers"),
-    ("blocks_sent", "pdkv_kv_transfer_blocks_sent", "KV blocks sent to decode workers"),
+    ("blocks_sent", "pdkv_kv_transfer_blocks_sent",
+     "KV blocks sent to decode workers (transfer.streaming layer: layer slices)"),
     ("bytes_recv", "pdkv_kv_transfer_bytes_recv", "KV bytes received from prefill workers"),
-    ("blocks_recv", "pdkv_kv_transfer_blocks_recv", "KV blocks received from prefill workers"),
+    ("blocks_recv", "pdkv_kv_transfer_blocks_recv",
+     "KV blocks received from prefill workers (transfer.streaming layer: layer slices)"),
     ("malformed_frames", "pdkv_kv_transfer_malformed_frames", "Side-channel frames dropped as malformed"),
     ("stream_parts_published", "pdkv_kv_stream_parts_published",
      "Streamed KV parts a prefill worker published (transfer.streaming: chunk or layer)"),

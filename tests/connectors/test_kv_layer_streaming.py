@@ -202,3 +202,19 @@ def test_a_whole_load_in_a_layer_deployment_moves_slices(data_path):
         assert stats(d)["blocks_recv"] == 4 * -(-120 // 16) and stats(d)["loads_ok"] == 1
         assert stats(p)["blocks_sent"] == stats(d)["blocks_recv"]
         drive.settle()
+
+
+def test_layer_streaming_refuses_a_pool_off_the_cpu_even_in_one_slice():
+    """Publishing inside the forward is safe only where the forward's writes are done when a layer
+    returns (a CPU pool): any other pool is refused at start, whatever the slice count."""
+    from connectors.metrics import TransferMetrics
+    from connectors.zmq.connector import ZmqConnectorConfig, ZmqConnectorWorker
+
+    groups = KVLayout(FULL, 16).kv_cache_groups()
+    pool = PagePool(8, KVLayout(FULL, 16).page_size_bytes, torch.device("cpu"))
+    pool.device = torch.device("meta")  # (what a non-CPU pool reports; no GPU needed to check the refusal)
+    config = ZmqConnectorConfig(engine_id="p", role=KVRole.PRODUCER, secret=b"s" * 16, model_id="m",
+                                streaming="layer", stream_layer_parts=1)
+    worker = ZmqConnectorWorker(config, tuple(groups), TransferMetrics(), num_slices=1)
+    with pytest.raises(ValueError, match="CPU page pool"):
+        worker.register_kv_caches(pool)
