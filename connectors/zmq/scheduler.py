@@ -298,9 +298,10 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             return None
 
         def after_layer(layer: int) -> None:
+            which = clock.due_after(layer)
             for rid in rids:
-                if rid not in self._stream_gone:
-                    entries = self._take_due(rid, clock.due_after(layer))
+                if which and rid not in self._stream_gone:
+                    entries = self._take_due(rid, which)
                     if entries:
                         self._publish(rid, entries, False)
 

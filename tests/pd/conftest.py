@@ -1,7 +1,7 @@
 """Fixtures for the engine tests (helpers live in pd_engine_cases.py)."""
 import pytest
 import torch
-from pd_engine_cases import MODELS
+from pd_engine_cases import MODELS, torch_threads
 
 from pd.engine.config import ModelConfig
 
@@ -18,7 +18,5 @@ def model_config(request) -> ModelConfig:
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     """The packed GEMM's kernels on one thread and on two (their chunked split over the threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param) as n:
+        yield n

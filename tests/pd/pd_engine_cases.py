@@ -1,6 +1,8 @@
 """Tiny models, engine configs and prompt sets shared by the engine tests."""
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 
 import torch
 
@@ -14,6 +16,17 @@ FULL_MODEL = ModelConfig(num_layers=2)
 HYBRID_MODEL = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"),
                            sliding_window=12)
 MODELS = {"full": FULL_MODEL, "hybrid": HYBRID_MODEL}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[int]:
+    """torch's intra-op threads set to `n` for the block, then back to what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
 
 
 def engine_config(model: ModelConfig, **kw) -> EngineConfig:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from kvcache.audit import assert_all_free
-from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts
+from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts, torch_threads
 
 from pd.engine.page_pool import PagePool
 from pd.engine import cpu_kernels
@@ -18,10 +18,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="C++ toolchai
 @pytest.fixture(params=[1, 3], ids=["1thread", "3threads"])
 def intra_op_threads(request):
     """The kernel splits requests over torch's threads by their key counts: check 1 and several."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param) as n:
+        yield n
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
