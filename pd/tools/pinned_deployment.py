@@ -1,5 +1,6 @@
 """A deployment for benchmarks: workers each in a process of its own, pinned to given cores, and the
-real Router in the benchmark's process (used by `pd.tools.pd_bench` and `pd.tools.planner_bench`)."""
+real Router in the benchmark's process (used by `pd.tools.pd_bench`, `pd.tools.planner_bench` and
+`pd.tools.route_bench`)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,9 +37,11 @@ class PinnedDeployment:
     connector and HTTP API, pinned to the cores of its plan) and the real Router here, on a private
     event-loop thread; a context manager that stops all of it."""
 
-    def __init__(self, config: DeployConfig, plans: list[WorkerPlan], label: str) -> None:
+    def __init__(self, config: DeployConfig, plans: list[WorkerPlan], label: str,
+                 router_options: dict | None = None) -> None:
         self.config = config
         self.plans = plans
+        self.router_options = router_options or {}  # Router keywords: `policy`, `policy_options`
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"router-{label}", daemon=True)
         self.procs: list[subprocess.Popen] = []
@@ -69,7 +72,7 @@ class PinnedDeployment:
             procs = [self._spawn(plan) for plan in plans]
             endpoints = [WorkerEndpoint(plan.worker_id, plan.role, _read_url(proc, WORKER_START_TIMEOUT_S))
                          for plan, proc in zip(plans, procs, strict=True)]
-            self.router = Router(self.config, endpoints, SECRET)
+            self.router = Router(self.config, endpoints, SECRET, **self.router_options)
             self.url = self.run(self.router.start(), 60.0)
         except BaseException:
             self.__exit__()

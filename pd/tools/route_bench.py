@@ -2,11 +2,14 @@
 
 `python -m pd.tools.route_bench [--workload sessions|branching] [--seeds 3] ...`
 
-Starts a 2P2D deployment in this process for each policy (real Workers with
-engines, ZMQ connectors and KV event streams; the real Router and its KV
-index; loopback HTTP), runs the same workload against it (pd.tools.route_bench_workload:
-`sessions`, multi-turn chains, or `branching`, tree-shaped multi-tenant traffic with
-one-offs and client aborts) and prints one table row per policy:
+Starts a 2P2D deployment for each policy (real Workers, each in a process of its own as a
+deployment runs them, with engines, ZMQ connectors and KV event streams; the real Router
+and its KV index in this process; loopback HTTP), runs the same workload against it
+(pd.tools.route_bench_workload: `sessions`, multi-turn chains, or `branching`, tree-shaped
+multi-tenant traffic with one-offs and client aborts) and prints one table row per policy.
+The load is closed loop by default (`--concurrency` conversations at once, the next one
+starting when one ends) or open loop with `--rate R` (conversations start at Poisson
+arrival times, R per second, whatever the deployment's speed, as users arrive). Columns:
 - prefix hit rate: prompt tokens P served from its prefix cache / prompt tokens;
 - oracle: per request, the best hit any P held when the request was routed
   (the index knows every cache), over prompt tokens;
@@ -23,35 +26,39 @@ table a line per policy gives the share of requests on the busiest P and D, and 
 the slowest tenth of requests their mean TTFT stages (the router's `pdkv_timing`),
 prompt, cached and best-hit tokens. With `--seeds N` the workload runs with seeds
 seed..seed+N-1 and a last table compares, per seed, prefix_aware's hit rate to its
-oracle and its TTFT p90 to least_loaded's. `--side-by-side` runs the policies at
-once, each deployment in a child process, so that they share the machine's load.
+oracle and its TTFT p90 to least_loaded's. `--repeats K` runs each seed and policy K
+times, each on a fresh deployment, and pools their requests into one row: the TTFT p90
+of one ~100-request run is its 10th-slowest request and varies from run to run.
+`--side-by-side` runs the policies at once, each deployment in a child process, so that
+they share the machine's load (on a shared machine; on a quiet one, one after another
+gives each deployment the cores it would have alone).
 The model is `pdkv-small`: random weights, 4 layers, hidden 256, byte tokenizer.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import torch
 
 from pd.cluster.config import DeployConfig
-from pd.cluster.roles import Role, WorkerEndpoint
-from pd.router.server import Router
-from pd.tools.route_bench_workload import Abort, BranchingWorkload, Node, Workload, unbounded_bound
+from pd.cluster.roles import Role
+from pd.tools.route_bench_workload import Abort, BranchingWorkload, Node, Workload, arrival_offsets, unbounded_bound
 from pd.tools.sse_stream import SSEStream
-from pd.worker.worker import Worker, WorkerSpec
+from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 
-SECRET = "route-bench-secret-0123456789abcdef"
 ARCH = {"vocab_size": 260, "hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
         "num_kv_heads": 4}
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
@@ -59,7 +66,7 @@ WORKLOADS = {"sessions": Workload, "branching": BranchingWorkload}
 KV_MEMORY_MB = {"sessions": 16.0, "branching": 12.0}  # 256 and 192 blocks per worker: every worker evicts
 
 
-def _config(kv_memory_mb: float) -> DeployConfig:
+def bench_config(kv_memory_mb: float) -> DeployConfig:
     return DeployConfig.from_dict({
         "model": {"name": "pdkv-small", "seed": 0, "architecture": ARCH},
         "cache": {"block_size": 16, "kv_memory_mb": kv_memory_mb},
@@ -82,42 +89,30 @@ class Record:
     stages: dict | None = None  # the `pdkv_timing` extension's stages, where the router has them
 
 
-class _Deployment:
-    def __init__(self, config: DeployConfig, policy: str, policy_options: dict | None) -> None:
-        self.config, self.policy, self.options = config, policy, policy_options
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.workers: list[Worker] = []
-        self.router: Router | None = None
+PLANS = [WorkerPlan(wid, role, None, 1) for wid, role in (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL),
+                                                          ("decode-0", Role.DECODE), ("decode-1", Role.DECODE))]
 
-    def run(self, coro, timeout_s: float = 600.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def __enter__(self) -> _Deployment:
-        self.thread.start()
-        endpoints = []
-        for wid, role in (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL),
-                          ("decode-0", Role.DECODE), ("decode-1", Role.DECODE)):
-            worker = Worker(WorkerSpec(wid, role, self.config, SECRET))
-            self.workers.append(worker)
-            endpoints.append(WorkerEndpoint(wid, role, self.run(worker.start())))
-        router = self.router = Router(self.config, endpoints, SECRET, policy=self.policy, policy_options=self.options)
-        self.url = self.run(router.start())
-        assert router.kv_feed is not None  # (the config turns prefix caching on)
-        self.run(router.kv_feed.wait_exact([w.spec.worker_id for w in self.workers]))
-        return self
+@contextlib.contextmanager
+def deployment(config: DeployConfig, policy: str, policy_options: dict | None) -> Iterator[PinnedDeployment]:
+    """2P2D, each worker in a process of its own (as a deployment runs them), the router here, its
+    index exact on every worker before the first request."""
+    with PinnedDeployment(config, PLANS, f"route-{policy}",
+                          {"policy": policy, "policy_options": policy_options}) as dep:
+        assert dep.router is not None and dep.router.kv_feed is not None  # (the config turns prefix caching on)
+        dep.run(dep.router.kv_feed.wait_exact([p.worker_id for p in PLANS]), 120.0)
+        yield dep
 
-    def __exit__(self, *exc) -> None:
-        assert self.router is not None  # (set by __enter__)
-        self.run(self.router.stop())
-        for worker in self.workers:
-            self.run(worker.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
-    def blocks_recv(self) -> int:
-        return sum(int(w.stats().get("transfer", {}).get("blocks_recv", 0)) for w in self.workers
-                   if w.spec.role is Role.DECODE)
+def _blocks_recv(dep: PinnedDeployment) -> int:
+    """Blocks the D workers pulled from P, from their own stats."""
+    assert dep.router is not None  # (set by __enter__)
+    total = 0
+    for load in dep.router.pool.all():
+        if load.endpoint.role is Role.DECODE:
+            stats = dep.run(dep.router.client.get_json(load.endpoint.url, "/internal/stats", 30.0), 60.0)
+            total += int(stats.get("transfer", {}).get("blocks_recv", 0))
+    return total
 
 
 async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens: int, pool) -> Record | None:
@@ -154,10 +149,14 @@ async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens:
                   (route.get("prefill_worker"), route.get("decode_worker")), stages)
 
 
-async def _drive(url: str, trees: list[Node], concurrency: int, max_tokens: int, abort_max_tokens: int,
+async def _drive(url: str, trees: list[Node], work: Workload | BranchingWorkload,
                  pool) -> tuple[list[Record], int, float]:
-    """Runs `concurrency` trees at once; a node's children go together once it answered."""
-    sem = asyncio.Semaphore(concurrency)
+    """Runs `work.concurrency` trees at once (closed loop), or starts each tree at its Poisson arrival
+    time (`work.rate` > 0, open loop: later trees do not wait for earlier ones); a node's children go
+    together once it answered."""
+    sem = asyncio.Semaphore(work.concurrency if work.rate <= 0 else len(trees) or 1)
+    offsets = arrival_offsets(len(trees), work.rate, work.seed) if work.rate > 0 else [0.0] * len(trees)
+    max_tokens, abort_max_tokens = work.max_tokens, getattr(work, "abort_max_tokens", work.max_tokens)
     records: list[Record] = []
     aborted = 0
 
@@ -171,14 +170,15 @@ async def _drive(url: str, trees: list[Node], concurrency: int, max_tokens: int,
             records.append(record)
         await asyncio.gather(*(node_then_children(c) for c in node.children))
 
-    async def tree(root: Node) -> None:
+    async def tree(root: Node, offset: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
         async with sem:
             await node_then_children(root)
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(tree(t) for t in trees))
+        await asyncio.gather(*(tree(t, offset) for t, offset in zip(trees, offsets, strict=True)))
         return records, aborted, time.perf_counter() - t0
 
 
@@ -186,25 +186,53 @@ def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def run_policy(policy: str, work: Workload | BranchingWorkload, kv_memory_mb: float, options: dict) -> dict:
-    trees = work.trees()
-    abort_max = getattr(work, "abort_max_tokens", work.max_tokens)
-    with _Deployment(_config(kv_memory_mb), policy, (options or None) if policy == "prefix_aware" else {}) as dep:
-        assert dep.router is not None  # (set by __enter__)
-        records, aborted, seconds = asyncio.run(_drive(dep.url, trees, work.concurrency, work.max_tokens,
-                                                       abort_max, dep.router.pool))
-        blocks = dep.blocks_recv()
+@dataclasses.dataclass
+class Run:
+    """One run of a workload against a fresh deployment."""
+
+    records: list[Record]
+    aborted: int
+    seconds: float
+    blocks_p_to_d: int
+
+
+def run_policy(policy: str, work: Workload | BranchingWorkload, kv_memory_mb: float, options: dict,
+               repeats: int = 1) -> dict:
+    """`repeats` runs, each on a fresh deployment (cold caches), pooled into one table row."""
+    runs = []
+    for _ in range(repeats):
+        with deployment(bench_config(kv_memory_mb), policy,
+                        (options or None) if policy == "prefix_aware" else None) as dep:
+            runs.append(measure(dep, work))
+    return summarize(policy, work.seed, runs)
+
+
+def measure(dep: PinnedDeployment, work: Workload | BranchingWorkload) -> Run:
+    """Runs the workload against the deployment."""
+    assert dep.router is not None  # (set by __enter__)
+    records, aborted, seconds = asyncio.run(_drive(dep.url, work.trees(), work, dep.router.pool))
+    return Run(records, aborted, seconds, _blocks_recv(dep))
+
+
+def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
+    """One table row over the runs' requests pooled: rates over all prompt tokens, TTFT percentiles over
+    all requests (a p90 over a few hundred requests, not the 10th-slowest of one short run), and
+    per-run means for the throughput and the blocks moved."""
+    records = [r for run in runs for r in run.records]
+    seconds = sum(run.seconds for run in runs)
     prompt = sum(r.prompt_tokens for r in records)
     ttfts = [r.ttft_s for r in records]
-    return {"policy": policy, "seed": work.seed, "requests": len(records), "aborted": aborted,
+    return {"policy": policy, "seed": seed, "repeats": len(runs), "requests": len(records),
+            "aborted": sum(run.aborted for run in runs),
             "hit_rate": sum(r.cached_tokens for r in records) / prompt,
             "oracle": sum(r.best_hit for r in records) / prompt,
             "choice_loss": sum(r.best_hit - r.predicted_hit for r in records) / prompt,
             "late_loss": sum(r.predicted_hit - r.cached_tokens for r in records) / prompt,
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "req_per_s": len(records) / seconds,
-            "tok_per_s": sum(r.completion_tokens for r in records) / seconds, "blocks_p_to_d": blocks,
+            "tok_per_s": sum(r.completion_tokens for r in records) / seconds,
+            "blocks_p_to_d": round(sum(run.blocks_p_to_d for run in runs) / len(runs)),
             "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
-            "slowest_stages_s": _slowest_stages(records)}
+            "slowest_stages_s": _slowest_stages(records), "seconds": seconds}
 
 
 def _busiest(records: list[Record], hop: int) -> float:
@@ -265,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, kind in names.items():  # defaults are the workload's own (None: not given)
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     ap.add_argument("--seeds", type=int, default=1, help="run seeds seed..seed+N-1")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per seed and policy, each on a fresh deployment, pooled into one row (a TTFT p90 "
+                         "of one short run is its 10th-slowest request: it varies from run to run)")
     ap.add_argument("--kv-memory-mb", type=float, default=None,
                     help="KV pool per worker; default 16 (256 blocks) for sessions, 12 (192 blocks) for branching")
     ap.add_argument("--queue-weight", type=float, default=None)
@@ -286,7 +317,8 @@ def _run_side_by_side(args, given: dict, seed: int, kv_memory_mb: float, options
         children = []
         for policy in args.policies.split(","):
             argv = [sys.executable, "-m", "pd.tools.route_bench", "--workload", args.workload, "--seed", str(seed),
-                    "--policies", policy, "--kv-memory-mb", str(kv_memory_mb), "--json", f"{tmp}/{policy}.json"]
+                    "--policies", policy, "--repeats", str(args.repeats), "--kv-memory-mb", str(kv_memory_mb),
+                    "--json", f"{tmp}/{policy}.json"]
             for name, value in {**given, **options}.items():
                 argv += [f"--{name.replace('_', '-')}", str(value)]
             children.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
@@ -309,8 +341,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = ["--" + n.replace("_", "-") for n in sorted(others) if getattr(args, n) is not None]
     if unknown:
         raise SystemExit(f"--workload {args.workload} takes no {', '.join(unknown)}")
+    if args.repeats < 1 or args.seeds < 1:
+        raise SystemExit("--repeats and --seeds must be at least 1")
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)  # the table is the output; per-request warnings are noise here
+    os.environ.setdefault("PDKV_LOG_LEVEL", "ERROR")  # the same for the worker processes (pd.tools.pinned_worker)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a worker writing to an aborted client
     options = {k: v for k in ("queue_weight", "running_weight", "evict_aware", "evict_from")
                if (v := getattr(args, k)) is not None}
@@ -325,10 +360,14 @@ def main(argv: list[str] | None = None) -> None:
             seed_rows = _run_side_by_side(args, given, seed, kv_memory_mb, options)
             print(f"seed {seed}: {args.policies} side by side, done in {time.perf_counter() - t0:.1f}s", flush=True)
         for policy in [] if args.side_by_side else args.policies.split(","):
-            seed_rows.append(run_policy(policy, work, kv_memory_mb, options))
+            seed_rows.append(run_policy(policy, work, kv_memory_mb, options, args.repeats))
             print(f"seed {seed} {policy}: done in {time.perf_counter() - t0:.1f}s", flush=True)
             t0 = time.perf_counter()
-        print(f"\nseed {seed}:\n" + format_table(seed_rows, unbounded_bound(work.trees())), flush=True)
+        pooled = f", {args.repeats} runs per policy pooled" if args.repeats > 1 else ""
+        load = (f"open loop, {work.rate:g} conversations/s" if work.rate > 0
+                else f"closed loop, {work.concurrency} at once")
+        print(f"\nseed {seed} ({load}{pooled}):\n" + format_table(seed_rows, unbounded_bound(work.trees())),
+              flush=True)
         for r in seed_rows:
             print(f"{r['policy']}: busiest P {r['busiest_p_share']:.2f} and D {r['busiest_d_share']:.2f} of the "
                   f"requests; slowest tenth, mean stage s: {r['slowest_stages_s']}", flush=True)

@@ -52,6 +52,22 @@ class Node:
             yield from child.walk()
 
 
+def _check_load(concurrency: int, rate: float) -> None:
+    if concurrency < 1 or not 0 <= rate <= 1000:
+        raise ValueError(f"concurrency must be >= 1 and rate within [0, 1000], got {concurrency} and {rate}")
+
+
+def arrival_offsets(num_trees: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each tree's root is sent under an open-loop load of `rate`
+    trees per second: a Poisson process (exponential gaps), the same for every policy given the seed."""
+    rng = random.Random(f"arrivals-{seed}")
+    out, t = [], 0.0
+    for _ in range(num_trees):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def _words(rng: random.Random, n: int) -> str:
     return "".join(rng.choices(string.ascii_lowercase + "     ", k=n))
 
@@ -65,7 +81,11 @@ class Workload:
     user_tokens: int = 48
     max_tokens: int = 8
     concurrency: int = 8
+    rate: float = 0.0  # conversations started per second, Poisson (open loop); 0: `concurrency` at once
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_load(self.concurrency, self.rate)
 
     def conversations(self) -> list[list[str]]:
         """Each conversation's prompts, turn by turn."""
@@ -109,6 +129,7 @@ class BranchingWorkload:
     max_tokens: int = 8
     abort_max_tokens: int = 64  # so that a FIRST_CHUNK abort lands mid-decode
     concurrency: int = 8
+    rate: float = 0.0  # trees started per second, Poisson (open loop); 0: `concurrency` at once (closed loop)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -118,6 +139,7 @@ class BranchingWorkload:
             raise ValueError(f"system prompt lengths must be within ({len(PREAMBLE) + 1}, max_system_tokens]")
         if self.depth < 1 or self.tenants < 1:
             raise ValueError("depth and tenants must be >= 1")
+        _check_load(self.concurrency, self.rate)
 
     def system_prompts(self, rng: random.Random) -> list[str]:
         """Per tenant: the preamble, then tenant text; BOS + prompt is never a whole number of blocks."""

@@ -6,7 +6,15 @@ import random
 import pytest
 
 from pd.engine.tokenizer import ByteTokenizer
-from pd.tools.route_bench_workload import PREAMBLE, Abort, BranchingWorkload, Node, Workload, unbounded_bound
+from pd.tools.route_bench_workload import (
+    PREAMBLE,
+    Abort,
+    BranchingWorkload,
+    Node,
+    Workload,
+    arrival_offsets,
+    unbounded_bound,
+)
 
 
 def _nodes(trees):
@@ -55,6 +63,23 @@ def test_branching_workload_rejects_bad_figures():
         BranchingWorkload(branch_rate=1.5)
     with pytest.raises(ValueError, match="system prompt"):
         BranchingWorkload(min_system_tokens=10)
+    for bad in ({"rate": -1.0}, {"concurrency": 0}, {"rate": 1e6}):
+        with pytest.raises(ValueError, match="concurrency must be >= 1 and rate"):
+            BranchingWorkload(**bad)
+        with pytest.raises(ValueError, match="concurrency must be >= 1 and rate"):
+            Workload(**bad)
+
+
+def test_open_loop_arrivals_are_a_seeded_poisson_process():
+    offsets = arrival_offsets(4000, rate=4.0, seed=7)
+    assert offsets == arrival_offsets(4000, rate=4.0, seed=7)  # the same for every policy of a seed
+    assert offsets != arrival_offsets(4000, rate=4.0, seed=8)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
+    mean = sum(gaps) / len(gaps)
+    assert 0.9 / 4.0 < mean < 1.1 / 4.0  # exponential gaps of mean 1/rate: 4000 draws land within 10%
+    # exponential, not even: about e^-1 of the gaps are longer than the mean
+    assert 0.3 < sum(g > 1 / 4.0 for g in gaps) / len(gaps) < 0.43
 
 
 def test_sessions_workload_is_chains_of_turns():

@@ -1,0 +1,29 @@
+"""`pd.tools.route_bench` end to end on a small workload: 2P2D workers in processes of their own, the
+real router, an open-loop (Poisson) load; the figures it prints are for the benchmark, here only
+its rules are checked."""
+from __future__ import annotations
+
+import pytest
+from e2e_helpers import wait_all_free
+
+from pd.tools import route_bench
+from pd.tools.route_bench_workload import BranchingWorkload, arrival_offsets
+
+
+@pytest.mark.timeout(300)
+def test_open_loop_run_sends_every_node_at_its_arrival_and_leaves_pools_free():
+    work = BranchingWorkload(tenants=2, roots=2, depth=3, one_offs=2, abort_rate=0.2, rate=2.0, seed=3)
+    nodes = [n for t in work.trees() for n in t.walk()]
+    with route_bench.deployment(route_bench.bench_config(12.0), "prefix_aware", None) as dep:
+        run = route_bench.measure(dep, work)
+        wait_all_free(dep.url)  # aborted clients included: every block went back to its pool
+    row = route_bench.summarize("prefix_aware", work.seed, [run, run])
+    assert row["requests"] == 2 * len(run.records) and row["repeats"] == 2  # repeats pool their requests
+    row = route_bench.summarize("prefix_aware", work.seed, [run])
+    assert row["requests"] + row["aborted"] == len(nodes)
+    assert row["aborted"] > 0  # this seed draws client aborts; they are counted apart
+    # open loop: the last tree is not sent before its arrival time, whatever the earlier ones took
+    assert row["seconds"] >= arrival_offsets(len(work.trees()), work.rate, work.seed)[-1]
+    # a child repeats its parent's prompt and reply: prefix_aware finds it on the P that served the parent
+    assert 0 < row["hit_rate"] < 1 and 0 < row["oracle"] < 1
+    assert row["blocks_p_to_d"] > 0
