@@ -1,6 +1,6 @@
 """The narrow view of a worker's KV memory that the connector reads and writes.
 
-The engine owns the memory (`pd.engine.page_pool.PagePool` is the one
+The engine owns the memory (`pd.engine.kv.page_pool.PagePool` is the one
 implementation); the connector only needs to know it as pages: one
 contiguous row of `page_size_bytes` per block id, in a uint8 tensor that
 never moves or changes size, on `device`, optionally mappable read-only by a

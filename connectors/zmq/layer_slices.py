@@ -1,7 +1,7 @@
 """Layer streaming's unit of transfer: one layer slice of a page.
 
 A page holds one block's K and V for every layer slot of its KV cache group,
-slot after slot (`pd.engine.kv_layout`): slot s is bytes [s * L, (s + 1) * L)
+slot after slot (`pd.engine.kv.layout`): slot s is bytes [s * L, (s + 1) * L)
 of the page, L bytes per layer. With `transfer.streaming: layer` a worker cuts
 every page into `num_slices` equal slices of consecutive slots and its
 connector moves slices, never whole pages: slice k of block b is transfer unit

@@ -18,7 +18,7 @@ from pydantic import Field
 from pd.cluster.schema import StrictModel
 
 if TYPE_CHECKING:  # the router uses these models too, and it never imports torch
-    from pd.engine.sampling import SamplingParams
+    from pd.engine.sample.params import SamplingParams
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 BlockId = Annotated[int, Field(ge=0, lt=1 << 31)]
@@ -40,7 +40,7 @@ class Sampling(StrictModel):
     ignore_eos: bool = False
 
     def to_params(self) -> SamplingParams:
-        from pd.engine.sampling import SamplingParams
+        from pd.engine.sample.params import SamplingParams
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),

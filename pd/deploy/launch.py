@@ -33,7 +33,7 @@ from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
 from pd.deploy.restarts import WorkerRestarts
 from pd.deploy.samples import print_sample_answers
 from pd.deploy.teardown import ShutdownGuard
-from pd.engine.gguf import resolve_checkpoint
+from pd.engine.model.gguf import resolve_checkpoint
 from pd.router.server import Router
 
 logger = logging.getLogger(__name__)

@@ -33,17 +33,20 @@ from kvcache.audit import assert_all_free, check_invariants
 from kvcache.specs import cdiv
 
 from connectors.base import ConnectorOutput, KVConnector
-from pd.engine.page_pool import PagePool
-from pd.engine.checkpoint import load_checkpoint
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import build_model
-from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput, RequestState, SchedulerOutput
-from pd.engine.runner import ModelRunner
-from pd.engine.sampling import SamplingParams
-from pd.engine.scheduler import Scheduler
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import build_model
+from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
+from pd.engine.sched.request_state import RequestState
+from pd.engine.sched.output import SchedulerOutput
+from pd.engine.runner.model_runner import ModelRunner
+from pd.engine.sample.params import SamplingParams
+from pd.engine.sample.sampler import make_generator
+from pd.engine.sched.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
-from pd.engine.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
+from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ class Engine:
         req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
                       kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
                       cache_salt=cache_salt)
-        state = RequestState(req, params, params.make_generator())
+        state = RequestState(req, params, make_generator(params))
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError("engine step loop died") from self._dead

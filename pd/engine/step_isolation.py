@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from pd.engine.outputs import ScheduledChunk
+from pd.engine.sched.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

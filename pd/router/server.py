@@ -51,7 +51,7 @@ from pd.router.dispatch import Dispatcher
 from pd.router.metrics import CONTENT_TYPE, RouterMetrics, WorkerFigures
 from pd.router.recovery import RecoverySettings, health_report
 from pd.router.choice import POLICIES, Role, WorkerEndpoint, WorkerPool
-from pd.engine.tokenizer import Tokenizer, load_tokenizer
+from pd.engine.text.tokenizer import Tokenizer, load_tokenizer
 from pd.router.worker_client import ClientTimeouts, WorkerCallError, WorkerClient
 from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import deployment_hash_seed

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd.engine.tokenizer import Tokenizer
+from pd.engine.text.tokenizer import Tokenizer
 
 _CUT_CHAR = "\ufffd"
 

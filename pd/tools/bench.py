@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
-from pd.engine.checkpoint import save_checkpoint
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.model.checkpoint import save_checkpoint
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 from pd.engine.engine import Engine
-from pd.engine.model import build_model
-from pd.engine.sampling import SamplingParams
+from pd.engine.model.llama import build_model
+from pd.engine.sample.params import SamplingParams
 from pd.tools.vs_hf import bench_vs_hf_model, side_by_side, summarize
 
 # Documented benchmark model: 29.4M parameters (8 layers, hidden 512, 8 query / 4 KV heads of 64,

@@ -20,8 +20,8 @@ import statistics
 import time
 
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
-from pd.engine.tokenizer import load_tokenizer
+from pd.engine.sample.params import SamplingParams
+from pd.engine.text.tokenizer import load_tokenizer
 from pd.tools.vs_hf import QUESTIONS
 
 

@@ -2,7 +2,7 @@
 
 For each projection of a Llama-layout model (default: SmolLM2-135M's, hidden 576, 3 KV
 heads of 64, SwiGLU 1536, vocab 49152) and each row count (decode batches and a prefill
-chunk), the achieved GFLOP/s of the packed-panel GEMM (pd/engine/cpu_gemm.cpp, the one
+chunk), the achieved GFLOP/s of the packed-panel GEMM (pd/engine/cpu/cpu_gemm.cpp, the one
 the fused decode path uses; its ISA is printed) and of torch (oneDNN/MKL through
 `torch.nn.functional.linear`) on the same float32 operands, beside the machine's measured
 peak: a large square `torch.mm`. Small row counts are bound by memory bandwidth, so the
@@ -20,9 +20,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from pd.engine import cpu_kernels
-from pd.engine.gemm_tuning import best_seconds
-from pd.engine.packed_linear import num_panels, pack_into
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu.gemm_tuning import best_seconds
+from pd.engine.cpu.packed_linear import num_panels, pack_into
 
 
 def peak_gflops(size: int = 2048, repeats: int = 5) -> float:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 
 CHECK_MODEL = ModelConfig(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                           num_kv_heads=2, head_dim=64, max_position_embeddings=4096, dtype="bfloat16",
@@ -99,7 +100,7 @@ def measure_pinned_baseline(nbytes: int, reps: int = 5) -> dict:
 def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
     """GB/s of the connector's D2H staging copy for scattered vs contiguous block ids."""
     from connectors.zmq.cuda_staging import CudaStaging
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
 
     pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
     staging = CudaStaging(pool)
@@ -122,7 +123,7 @@ def measure_connector(path: str, reps: int = 3) -> dict:
     from connectors.zmq.consumer import Consumer
     from connectors.zmq.consumer_config import ConsumerConfig, DataPath
     from connectors.zmq.loads import RemoteAddr
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
     from connectors.zmq.producer import Producer, ProducerConfig
 
     secret = os.urandom(24)
@@ -164,7 +165,7 @@ def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, pro
                    decode_steps: int = 64) -> dict:
     """Prefill tokens/s (prompts only) and decode tokens/s (steady batch of `num_requests`)."""
     from pd.engine.engine import Engine
-    from pd.engine.sampling import SamplingParams
+    from pd.engine.sample.params import SamplingParams
 
     t_build = time.perf_counter()
     eng = Engine(EngineConfig(model=model, device="cuda", block_size=16, kv_cache_bytes=8 << 30,

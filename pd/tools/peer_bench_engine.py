@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 from pd.tools.loadgen_report import percentile
 from pd.tools.peer_bench_workload import Wave, build_waves, messages_for
 from pd.worker.process_env import worker_env
@@ -52,7 +52,7 @@ def engine_rates(config_path: str, waves: list[Wave], output_len: int,
 
 
 def _measure(config_path: str, waves: list[Wave], output_len: int, threads: int | None) -> dict:
-    from pd.engine.tokenizer import load_tokenizer
+    from pd.engine.text.tokenizer import load_tokenizer
     from pd.tools.engine_wave import engine_for
 
     eng = engine_for(config_path)

@@ -39,7 +39,7 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn,
     import torch
 
     torch.set_num_threads(1)
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
     from connectors.zmq.producer import Producer, ProducerConfig
 
     pool = PagePool(num_blocks + 1, page_bytes)
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

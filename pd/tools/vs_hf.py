@@ -14,7 +14,7 @@ import time
 import torch
 
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 # Chat questions of varied length (rendered with the checkpoint's own chat template).
 QUESTIONS = (
@@ -167,8 +167,8 @@ def bench_vs_hf_model(model_path: str, num_requests: int, max_new: int, rounds: 
     """`side_by_side` on a real checkpoint with chat-rendered questions; see the module docstring."""
     from transformers import AutoModelForCausalLM  # optional extra: pip install 'pdkv[bench]'
 
-    from pd.engine.gguf import resolve_checkpoint
-    from pd.engine.tokenizer import load_tokenizer
+    from pd.engine.model.gguf import resolve_checkpoint
+    from pd.engine.text.tokenizer import load_tokenizer
 
     hf_dir = resolve_checkpoint(model_path)  # a GGUF: its cached Hugging Face conversion (made once)
     tokenizer = load_tokenizer(model_path)

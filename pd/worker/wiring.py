@@ -18,7 +18,8 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 from pd.cluster.kv_wire import deployment_hash_seed, hashing_identity
 from pd.cluster.roles import Role
 
@@ -89,8 +90,8 @@ def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     connector's handshake accepts exactly the peers of this deployment.
     """
     from connectors.zmq.connector import KVRole, ZmqConnector
-    from pd.engine.checkpoint import load_config
-    from pd.engine.kv_layout import KVLayout
+    from pd.engine.model.checkpoint import load_config
+    from pd.engine.kv.layout import KVLayout
 
     cfg = spec.config
     model_config = load_config(cfg.model.path, dtype=engine_config.dtype) if cfg.model.path else engine_config.model

@@ -39,7 +39,7 @@ from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
 from pd.cluster.tracing import Tracing
 from pd.cluster.tracing_config import resolve_tracing
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer, WorkerUnavailable
 from pd.worker.lease_trace import LeaseSpans
 from pd.worker.request_trace import WorkerTrace, start_trace

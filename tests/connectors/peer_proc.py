@@ -1,7 +1,7 @@
 """A KV peer in its own process, driven by JSON lines on stdin/stdout.
 
 It owns a real PagePool, a real kvcache KVCacheManager and a real ZmqConnector,
-and plays the engine scheduler's part around them (the calls pd/engine/scheduler.py
+and plays the engine scheduler's part around them (the calls pd/engine/sched/scheduler.py
 makes), so tests can check bytes, block accounting and leaks on both sides.
 Commands are {"cmd": ..., ...}; every reply is {"ok": true, ...} or
 {"ok": false, "error": "..."}. Nothing is pickled.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from connectors.zmq.page_access import digest  # noqa: E402
-from pd.engine.page_pool import PagePool  # noqa: E402
+from pd.engine.kv.page_pool import PagePool  # noqa: E402
 from connectors.zmq.connector import ZmqConnector, ZmqConnectorConfig  # noqa: E402
 from kvcache import (BlockHasher, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
                      KVCacheManager, Request, RequestStatus, SlidingWindowSpec)

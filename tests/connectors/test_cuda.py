@@ -6,7 +6,7 @@ import torch
 
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.producer import Producer, ProducerConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -15,11 +15,11 @@ import torch
 
 from connectors.zmq.connector import KVRole
 from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices, units
-from pd.engine.config import ModelConfig
+from pd.engine.model.config import ModelConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
-from pd.engine.page_pool import PagePool
-from pd.engine.sampling import SamplingParams
+from pd.engine.kv.layout import KVLayout
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.sample.params import SamplingParams
 from test_kv_streaming import CHUNK, FULL, HYBRID, PREFILL_ONLY, Drive, colocated, make_engine, prompt, stats
 
 FOUR = ModelConfig(num_layers=4)
@@ -96,7 +96,7 @@ def test_each_slice_is_published_after_its_layers_and_tokens_match(sampling):
 
 def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
     """The fused kernel runs every layer in one call: its step's slices go when the step is over."""
-    from pd.engine.runner import use_fused_decode
+    from pd.engine.runner.model_runner import use_fused_decode
 
     if not use_fused_decode("auto", torch.float32, torch.device("cpu")):
         pytest.skip("the fused CPU kernel cannot be built here")

@@ -21,10 +21,11 @@ import torch
 from connectors.params import make_stream_params
 from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from kvcache.audit import assert_all_free, check_invariants
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
-from pd.engine.sampling import SamplingParams
+from pd.engine.kv.layout import KVLayout
+from pd.engine.sample.params import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
 from connectors.metrics import FailureCause
 from connectors.zmq.page_access import digest
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.loads import PullPart
 from connectors.zmq.pull_stream import PullStream

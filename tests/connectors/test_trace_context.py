@@ -16,7 +16,7 @@ from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
 from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.wire import MsgType
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 
 SECRET = b"trace-context-secret-0123456789"
 PAGE = 4096

@@ -12,7 +12,7 @@ from connectors.zmq import framing, wire
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
 from connectors.zmq.handshake import CompatInfo
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.wire import MsgType
 
 BS = BLOCK_SIZE

@@ -165,7 +165,7 @@ def test_many_concurrent_loads_all_land_exactly(path):
 
     from connectors.zmq.consumer import Consumer, RemoteAddr
     from connectors.zmq.consumer_config import ConsumerConfig
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
     from connectors.zmq.producer import Producer, ProducerConfig
 
     secret = b"concurrency-secret-0123456789"

@@ -13,7 +13,7 @@ import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from pd.engine.tokenizer import load_tokenizer
+from pd.engine.text.tokenizer import load_tokenizer
 from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free
 
 MODEL = "pdkv-tiny"

@@ -22,8 +22,8 @@ from pd.cluster.config import Mode
 from pd.engine.engine import Engine
 from pd.deploy.launch import Deployment
 from pd.cluster.roles import Role
-from pd.engine.sampling import SamplingParams
-from pd.engine.tokenizer import ByteTokenizer
+from pd.engine.sample.params import SamplingParams
+from pd.engine.text.tokenizer import ByteTokenizer
 from pd.worker.worker import WorkerSpec
 from pd.worker.wiring import engine_config_for
 

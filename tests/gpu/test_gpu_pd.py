@@ -24,7 +24,7 @@ from connectors.zmq.consumer import Consumer
 from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
 from connectors.zmq.cuda_staging import fences_for  # noqa: E402
 from connectors.zmq.loads import RemoteAddr  # noqa: E402
-from pd.engine.page_pool import PagePool  # noqa: E402
+from pd.engine.kv.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
 PAGE_BYTES = 64 * 1024  # a staging half holds 64 such pages: 150 pages cross chunks on tcp
@@ -77,8 +77,8 @@ def test_1p1d_on_gpu_gives_colocated_greedy_tokens(hybrid):
     from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
     from kvcache.audit import assert_all_free
     from pd.engine.engine import Engine
-    from pd.engine.kv_layout import KVLayout
-    from pd.engine.sampling import SamplingParams
+    from pd.engine.kv.layout import KVLayout
+    from pd.engine.sample.params import SamplingParams
 
     model = model_config(hybrid)
     prompts = _prompts(6, model.vocab_size)

@@ -12,7 +12,7 @@ import torch
 
 from connectors.zmq.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
 from connectors.zmq.page_access import PageAccess
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 
 
 def test_plan_groups_consecutive_ids_into_runs():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from pd_engine_cases import MODELS, torch_threads
 
-from pd.engine.config import ModelConfig
+from pd.engine.model.config import ModelConfig
 
 # Tiny models: one intra-op thread is faster than two, and far faster when
 # other processes compete for the cores (OpenMP threads spin-wait on each other).

@@ -6,11 +6,12 @@ from collections.abc import Iterator
 
 import torch
 
-from pd.engine.config import EngineConfig, ModelConfig
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import CausalLM, build_model
-from pd.engine.page_pool import PagePool
-from pd.engine.runner import ModelRunner
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import CausalLM, build_model
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.runner.model_runner import ModelRunner
 
 FULL_MODEL = ModelConfig(num_layers=2)
 HYBRID_MODEL = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"),

@@ -9,9 +9,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
 
 from kvcache.audit import assert_all_free
-from pd.engine.checkpoint import save_checkpoint
-from pd.engine.config import ModelConfig
-from pd.engine.model import build_model
+from pd.engine.model.checkpoint import save_checkpoint
+from pd.engine.model.config import ModelConfig
+from pd.engine.model.llama import build_model
 from pd.tools.vs_hf import divergences, serving_engine, side_by_side, summarize
 
 TINY = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pd.engine.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
-from pd.engine.config import ModelConfig
-from pd.engine.model import build_model
+from pd.engine.model.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
+from pd.engine.model.config import ModelConfig
+from pd.engine.model.llama import build_model
 
 PROMPT = [5, 77, 200, 13, 9, 41, 41, 3]
 
@@ -85,7 +85,7 @@ def test_engine_serves_a_checkpoint_directory(tmp_path):
 
     from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
-    from pd.engine.sampling import SamplingParams
+    from pd.engine.sample.params import SamplingParams
 
     cfg = engine_config(HYBRID_MODEL)
     in_memory = Engine(cfg)

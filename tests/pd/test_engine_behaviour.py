@@ -8,7 +8,7 @@ from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, HYBRID_MODEL, engine_config, mixed_prompts
 
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = mixed_prompts(8, 5, 60, seed=3)
@@ -276,7 +276,7 @@ def test_timing_restarts_when_the_computed_prompt_is_dropped():
     its batch count starts again and its compute time runs from the re-admission."""
     import time
 
-    from pd.engine.outputs import RequestState
+    from pd.engine.sched.request_state import RequestState
 
     state = RequestState(request=None, params=GREEDY, generator=None)
     state.admitted_s = time.perf_counter()

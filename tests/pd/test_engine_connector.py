@@ -7,7 +7,7 @@ from pd_fake_connector import FakeConnector, FakeLink
 from connectors.metrics import FailureCause
 from pd.engine.engine import Engine
 from pd.engine.outputs import FinishReason
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -4,7 +4,7 @@ import torch
 from kvcache.audit import assert_all_free
 
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 from pd_engine_cases import MODELS, engine_config, mixed_prompts
 

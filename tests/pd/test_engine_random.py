@@ -6,7 +6,7 @@ from kvcache.audit import assert_all_free, check_invariants
 from pd_engine_cases import MODELS, engine_config
 
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -9,11 +9,11 @@ from pd_engine_cases import FULL_MODEL, engine_config
 
 from pd.cluster.config import ConfigError, DeployConfig
 from pd.cluster.roles import Role
-from pd.engine import cpu_kernels
-from pd.engine.checkpoint import save_checkpoint
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.model.checkpoint import save_checkpoint
 from pd.engine.engine import Engine
-from pd.engine.model import build_model
-from pd.engine.sampling import SamplingParams
+from pd.engine.model.llama import build_model
+from pd.engine.sample.params import SamplingParams
 from pd.worker.wiring import build_engine, engine_config_for
 from pd.worker.worker import WorkerSpec
 

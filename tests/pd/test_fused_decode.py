@@ -4,13 +4,14 @@ import torch
 from kvcache.audit import assert_all_free
 from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts, torch_threads
 
-from pd.engine.page_pool import PagePool
-from pd.engine import cpu_kernels
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import build_model
-from pd.engine.runner import ModelRunner, ScheduledChunk
-from pd.engine.sampling import SamplingParams
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import build_model
+from pd.engine.runner.model_runner import ModelRunner
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.sample.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="C++ toolchain unavailable")
 

@@ -3,7 +3,7 @@ the CLI refuses bad row counts."""
 import subprocess
 import sys
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.tools.gemm_bench import shape_gflops
 
 
@@ -39,8 +39,8 @@ def test_peer_bench_prints_the_projections_gflops_beside_the_peak():
     modules (every projection and the lm_head, not the embedding), the line beside the torch.mm peak."""
     import torch
 
-    from pd.engine.config import ModelConfig
-    from pd.engine.model import build_model
+    from pd.engine.model.config import ModelConfig
+    from pd.engine.model.llama import build_model
     from pd.tools.peer_bench_engine import projection_flops_per_token
     from pd.tools.peer_bench_report import format_engine
 

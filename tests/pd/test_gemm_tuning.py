@@ -1,4 +1,4 @@
-"""Per-shape choice between the packed kernel and torch's GEMM (pd/engine/gemm_tuning.py)."""
+"""Per-shape choice between the packed kernel and torch's GEMM (pd/engine/cpu/gemm_tuning.py)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from pd.engine import cpu_kernels, gemm_tuning
-from pd.engine.packed_linear import NEVER, PackedLinear, num_panels, pack_into, torch_mm_from_packed
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu import gemm_tuning
+from pd.engine.cpu.packed_linear import NEVER, PackedLinear, num_panels, pack_into, torch_mm_from_packed
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_available(),

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from kvcache.audit import assert_all_free
-from pd.engine.checkpoint import load_checkpoint
+from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.gguf import GGUFError, resolve_checkpoint, unpermute_rope_rows
-from pd.engine.sampling import SamplingParams
+from pd.engine.model.gguf import GGUFError, resolve_checkpoint, unpermute_rope_rows
+from pd.engine.sample.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_concurrent_workers_share_one_conversion(tmp_path, cache_dir, tokenizer_
     tokens, merges = tokenizer_parts
     path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PDKV_CACHE_DIR=str(cache_dir))
-    code = "import sys; from pd.engine.gguf import resolve_checkpoint; print(resolve_checkpoint(sys.argv[1]))"
+    code = "import sys; from pd.engine.model.gguf import resolve_checkpoint; print(resolve_checkpoint(sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = {p.communicate(timeout=120)[0].strip() for p in procs}
@@ -125,12 +125,12 @@ def test_cli_converts_into_a_directory(tmp_path, tokenizer_parts):
     path = write_gguf(tmp_path / "tiny.gguf", hf_model("llama", len(tokens)), tokens, merges)
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-m", "pd.engine.gguf", str(path), str(out)], env=env,
+    run = subprocess.run([sys.executable, "-m", "pd.engine.model.gguf", str(path), str(out)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                     "tokenizer.json", "tokenizer_config.json"]
-    again = subprocess.run([sys.executable, "-m", "pd.engine.gguf", str(path), str(out)], env=env,
+    again = subprocess.run([sys.executable, "-m", "pd.engine.model.gguf", str(path), str(out)], env=env,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "not empty" in again.stderr
 

@@ -14,9 +14,9 @@ pytest.importorskip("sentencepiece", reason="SentencePiece is the reference enco
 
 from gguf_cases import CORPUS, SPM_CONTROL, hf_model, train_sentencepiece, write_gguf
 
-from pd.engine.gguf import resolve_checkpoint
-from pd.engine.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
-from pd.engine.tokenizer import HFTokenizer, load_tokenizer
+from pd.engine.model.gguf import resolve_checkpoint
+from pd.engine.text.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
+from pd.engine.text.tokenizer import HFTokenizer, load_tokenizer
 from pd.router.text_stream import TextStream
 
 UNK, BOS, EOS = 0, 1, 2

@@ -1,4 +1,4 @@
-"""Greedy tokens through the int8 screen of the lm_head (pd/engine/greedy_head.py, cpu_argmax.cpp).
+"""Greedy tokens through the int8 screen of the lm_head (pd/engine/cpu/greedy_head.py, cpu_argmax.cpp).
 
 The screen must return exactly the argmax of the float32 logits: on random rows and shapes
 (hypothesis), on rows built to sit on near-ties and exact ties (lowest index wins, as torch.argmax),
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.greedy_head import ROWS_PER_CALL, GreedyHead
-from pd.engine.packed_linear import PackedLinear, num_panels, pack_into
-from pd.engine.sampling import SamplingParams
+from pd.engine.cpu.greedy_head import ROWS_PER_CALL, GreedyHead
+from pd.engine.cpu.packed_linear import PackedLinear, num_panels, pack_into
+from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_available(),

@@ -9,10 +9,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is needed to write the reference checkpoints")
 
 from kvcache.audit import assert_all_free
-from pd.engine.checkpoint import CheckpointError, load_checkpoint, load_config
-from pd.engine.config import EngineConfig, ModelConfig
+from pd.engine.model.checkpoint import CheckpointError, load_checkpoint, load_config
+from pd.engine.config import EngineConfig
+from pd.engine.model.config import ModelConfig
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)

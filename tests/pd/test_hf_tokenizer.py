@@ -9,8 +9,8 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from pd.engine.chat_template import ChatTemplateError
-from pd.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from pd.engine.text.chat_template import ChatTemplateError
+from pd.engine.text.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from pd.router.text_stream import TextStream
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 
-LOAD = "from pd.engine import cpu_kernels; m = cpu_kernels.load(); print('loaded' if m is not None else 'none')"
+LOAD = "from pd.engine.cpu import kernels as cpu_kernels; m = cpu_kernels.load(); print('loaded' if m is not None else 'none')"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def built_cache():
 
 
 def _load_in_child(cache_root, timeout_s: float, wait_s: float | None = None) -> str:
-    code = LOAD if wait_s is None else f"from pd.engine import cpu_kernels; cpu_kernels.BUILD_WAIT_S = {wait_s}; " \
+    code = LOAD if wait_s is None else f"from pd.engine.cpu import kernels as cpu_kernels; cpu_kernels.BUILD_WAIT_S = {wait_s}; " \
         + LOAD.split("; ", 1)[1]
     env = dict(os.environ, PDKV_KERNEL_CACHE=str(cache_root))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from pd.engine import cpu_kernels
-from pd.engine.packed_linear import num_panels, pack_into
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu.packed_linear import num_panels, pack_into
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_available(),

@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from pd.engine.page_pool import PagePool
-from pd.engine.config import ModelConfig
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import build_model
-from pd.engine.runner import ModelRunner, ScheduledChunk
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.config import ModelConfig
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import build_model
+from pd.engine.runner.model_runner import ModelRunner
+from pd.engine.sched.output import ScheduledChunk
 
 HYBRID = ModelConfig(num_layers=3, layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=12)
 FULL = ModelConfig(num_layers=2)

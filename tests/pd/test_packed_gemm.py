@@ -1,4 +1,4 @@
-"""The packed-panel AVX2 GEMM (pd/engine/cpu_gemm.cpp) and the modules that hold weights in its layout."""
+"""The packed-panel AVX2 GEMM (pd/engine/cpu/cpu_gemm.cpp) and the modules that hold weights in its layout."""
 import dataclasses
 
 import pytest
@@ -6,14 +6,14 @@ import torch
 from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import build_model
-from pd.engine.packed_linear import PackedEmbedding, PackedLinear, num_panels, pack_into, packable, unpack
-from pd.engine.page_pool import PagePool
-from pd.engine.runner import ModelRunner
-from pd.engine.sampling import SamplingParams
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import build_model
+from pd.engine.cpu.packed_linear import PackedEmbedding, PackedLinear, num_panels, pack_into, packable, unpack
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.runner.model_runner import ModelRunner
+from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_available(),

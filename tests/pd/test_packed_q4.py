@@ -1,4 +1,4 @@
-"""Float32 weights held as exact 4-bit codes (pd/engine/packed_q4.py, cpu_q4.cpp).
+"""Float32 weights held as exact 4-bit codes (pd/engine/cpu/packed_q4.py, cpu_q4.cpp).
 
 `find_q4` keeps a matrix's codes only when they reproduce every float32 weight bit for bit; the
 4-bit GEMM then gives the float32 panels' results bit for bit, at every row count it takes (1..64),
@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from kvcache.audit import assert_all_free
 from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.outputs import ScheduledChunk
-from pd.engine.packed_linear import num_panels, pack_into
-from pd.engine.packed_q4 import find_q4
-from pd.engine.sampling import SamplingParams
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.cpu.packed_linear import num_panels, pack_into
+from pd.engine.cpu.packed_q4 import find_q4
+from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.q4_gemm_available(),
@@ -76,7 +76,7 @@ def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
     small prompt steps give the same logits, bit for bit, and the same tokens as with the codes off. On
     one thread the step runs each request through all layers (decode_rows), on two layer by layer with
     the threads splitting the panels: both read the codes."""
-    import pd.engine.model as model_module
+    import pd.engine.model.llama as model_module
 
     build = model_module.build_model
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from pd_engine_cases import MODELS, engine_config
 
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from pd.engine.engine import Engine
-from pd.engine.kv_layout import KVLayout
+from pd.engine.kv.layout import KVLayout
 
 SECRET = b"pool-memory-test-secret!"
 HUGE = 1 << 21

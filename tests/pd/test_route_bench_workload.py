@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pd.engine.tokenizer import ByteTokenizer
+from pd.engine.text.tokenizer import ByteTokenizer
 from pd.tools.route_bench_workload import (
     PREAMBLE,
     Abort,

@@ -19,7 +19,8 @@ from pd_engine_cases import FULL_MODEL, engine_config
 from kvcache.audit import assert_all_free
 from pd.cluster.messages import Sampling
 from pd.engine.engine import Engine
-from pd.engine.sampling import MIN_TEMPERATURE, SamplingParams, sample
+from pd.engine.sample.params import MIN_TEMPERATURE, SamplingParams
+from pd.engine.sample.sampler import sample, make_generator
 
 TINY = [1e-320, 5e-324, 1e-300, 1e-45, 1e-38, 1e-10, MIN_TEMPERATURE / 2, MIN_TEMPERATURE]
 
@@ -89,7 +90,7 @@ def _greedy_equivalent(p: SamplingParams) -> bool:
 @given(logits=logits_rows(), fields=st.lists(sampling_fields, min_size=4, max_size=4))
 def test_sample_never_fails_and_greedy_settings_give_argmax(logits, fields):
     params = [_params(f) for f in fields[:logits.shape[0]]]
-    tokens = sample(logits, params, [p.make_generator() for p in params])
+    tokens = sample(logits, params, [make_generator(p) for p in params])
     assert len(tokens) == logits.shape[0]
     for row, (token, p) in enumerate(zip(tokens, params, strict=True)):
         assert isinstance(token, int) and 0 <= token < logits.shape[1], (token, p)
@@ -101,11 +102,11 @@ def test_sample_never_fails_and_greedy_settings_give_argmax(logits, fields):
 @given(logits=logits_rows(), fields=sampling_fields, seed=_int_field("seed"), other=sampling_fields)
 def test_seeded_draws_depend_only_on_seed_and_logits(logits, fields, seed, other):
     p = _params(dict(fields, seed=seed))
-    alone_gen, batched_gen = p.make_generator(), p.make_generator()
+    alone_gen, batched_gen = make_generator(p), make_generator(p)
     q = _params(other)
     alone = [sample(logits[:1], [p], [alone_gen])[0] for _ in range(5)]
     batch = torch.cat([logits[:1], logits[:1].flip(-1)])
-    batched = [sample(batch, [p, q], [batched_gen, q.make_generator()])[0] for _ in range(5)]
+    batched = [sample(batch, [p, q], [batched_gen, make_generator(q)])[0] for _ in range(5)]
     assert alone == batched
 
 
@@ -114,7 +115,7 @@ def test_issue_values_are_greedy_and_keep_the_top_token():
     for fields in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-320},
                    {"temperature": 1e-320, "top_p": 5e-324}, {"temperature": 0.7, "top_k": 1 << 31}):
         p = _params(fields)
-        gen = p.make_generator()
+        gen = make_generator(p)
         draws = {sample(logits, [p], [gen])[0] for _ in range(20)}
         assert draws <= set(range(logits.shape[1])), (fields, draws)
         if _greedy_equivalent(p):

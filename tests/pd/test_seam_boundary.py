@@ -12,7 +12,7 @@ from connectors.base import KVConnector
 from connectors.noop import NoopConnector
 from connectors.zmq.connector import ZmqConnector
 from pd.engine.engine import Engine
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 PD = Path(__file__).resolve().parents[2] / "pd"
 INTERNALS = {"consumer", "producer"}  # ZMQ objects behind the connector: never named in pd/

@@ -1,4 +1,4 @@
-"""The packed GEMM's small-M streaming kernel and register tiles (pd/engine/cpu_gemm.cpp, AVX-512 or AVX2),
+"""The packed GEMM's small-M streaming kernel and register tiles (pd/engine/cpu/cpu_gemm.cpp, AVX-512 or AVX2),
 its chunked thread split (cpu_pool.cpp), and the fused decode's two ways of splitting a step over threads.
 
 Random shapes against torch.mm: every row count of the streaming kernel (1..4) and of the tiles above it,
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from kvcache.audit import assert_all_free
 from pd_engine_cases import MODELS, FusedRunnerCase, engine_config, mixed_prompts
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.engine import Engine
-from pd.engine.packed_linear import num_panels, pack_into
-from pd.engine.runner import ScheduledChunk
-from pd.engine.sampling import SamplingParams
+from pd.engine.cpu.packed_linear import num_panels, pack_into
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.packed_gemm_available(),

@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from kvcache.audit import assert_all_free
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
-from pd.engine.gguf import resolve_checkpoint
-from pd.engine.sampling import SamplingParams
+from pd.engine.model.gguf import resolve_checkpoint
+from pd.engine.sample.params import SamplingParams
 
 
 def _gguf_file() -> Path | None:

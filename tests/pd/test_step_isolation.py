@@ -12,7 +12,7 @@ from pd_engine_cases import FULL_MODEL, engine_config, mixed_prompts
 from kvcache.audit import assert_all_free, check_invariants
 from pd.engine.engine import Engine
 from pd.engine.outputs import FinishReason
-from pd.engine.sampling import SamplingParams
+from pd.engine.sample.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

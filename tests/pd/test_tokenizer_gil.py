@@ -11,8 +11,8 @@ import time
 
 from test_hf_tokenizer import CORPUS, checkpoint, llama_style, tok  # noqa: F401 - the fixtures
 
-from pd.engine import tokenizer as tokenizer_module
-from pd.engine.tokenizer import load_tokenizer
+from pd.engine.text import tokenizer as tokenizer_module
+from pd.engine.text.tokenizer import load_tokenizer
 
 LONG = "".join(CORPUS) * 400  # about 90k characters
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from pd.engine.sampling import SamplingParams, filter_logits, sample
-from pd.engine.tokenizer import ByteTokenizer, as_token_ids
+from pd.engine.sample.params import SamplingParams
+from pd.engine.sample.sampler import filter_logits, sample, make_generator
+from pd.engine.text.tokenizer import ByteTokenizer, as_token_ids
 
 
 def test_byte_tokenizer_roundtrip():
@@ -42,8 +43,8 @@ def test_greedy_and_seeded_sampling():
     greedy = SamplingParams()
     assert sample(logits, [greedy] * 3, [None] * 3) == logits.argmax(-1).tolist()
     p = SamplingParams(temperature=1.0, seed=7)
-    a = [sample(logits[:1], [p], [g])[0] for g in [p.make_generator()] for _ in range(20)]
-    g2 = p.make_generator()
+    a = [sample(logits[:1], [p], [g])[0] for g in [make_generator(p)] for _ in range(20)]
+    g2 = make_generator(p)
     b = [sample(logits[:1], [p], [g2])[0] for _ in range(20)]
     assert a == b  # same seed, same draws
 

@@ -23,7 +23,7 @@ from connectors.zmq.wire import MsgType
 CHILD = textwrap.dedent("""
     import json, os, resource, sys, time
     from connectors.zmq.producer import Producer, ProducerConfig
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
 
     def cpu():
         u = resource.getrusage(resource.RUSAGE_SELF)
@@ -140,7 +140,7 @@ def test_the_side_channel_caps_its_connections():
     """libzmq has no connection cap: the producer's guard shuts connections past
     `max_side_connections`; the ones it kept are answered."""
     from connectors.zmq.producer import Producer, ProducerConfig
-    from pd.engine.page_pool import PagePool
+    from pd.engine.kv.page_pool import PagePool
 
     p = Producer(ProducerConfig(engine_id="p-cap", secret=b"cap-secret-0123456789", compat_hash="c" * 64,
                                 max_side_connections=4), PagePool(4, 4096))

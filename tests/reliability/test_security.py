@@ -13,7 +13,7 @@ import requests
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
 from connectors.zmq.handshake import CompatInfo
-from pd.engine.page_pool import PagePool
+from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.producer import ProducerConfig
 from connectors.zmq.connector import KVRole, ZmqConnectorConfig
 from pd.cluster.config import ConfigError, DeployConfig

@@ -31,9 +31,11 @@ from kvcache import KVCacheManager, RequestStatus
 from connectors.base import ConnectorOutput, KVConnectorScheduler
 from connectors.metrics import FailureCause
 from pd.engine.config import EngineConfig
-from pd.engine.outputs import FinishReason, RequestOutput, RequestState, SchedulerOutput
-from pd.engine.outputs import ScheduledChunk
-from pd.engine.scheduler_stats import SchedulerStats
+from pd.engine.outputs import FinishReason, RequestOutput
+from pd.engine.sched.request_state import RequestState
+from pd.engine.sched.output import SchedulerOutput
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

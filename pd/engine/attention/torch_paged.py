@@ -4,7 +4,7 @@ One `PagedAttention` object serves one engine step. Built once from the
 step's sequences, it holds per KV cache group the slot mapping (where each new
 token's K/V goes) and per attention sub-batch the gathered block tables and
 masks. Decode tokens (one query each) are batched: either all of them through
-the fused C++ kernel (pd/engine/cpu_kernels.py), or in a few sub-batches of similar
+the fused C++ kernel (pd/engine/cpu/kernels.py), or in a few sub-batches of similar
 context length so padding stays small. Each prefill chunk is its own
 sub-batch, so padding never grows with the longest prompt of the step; a
 chunk that starts at position 0 attends to its own fresh K/V directly.
@@ -18,9 +18,9 @@ import dataclasses
 
 import torch
 
-from pd.engine import cpu_kernels
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import masked_attention
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import masked_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,15 +12,16 @@ from collections.abc import Callable
 
 import torch
 
-from pd.engine.page_pool import PagePool
-from pd.engine import cpu_kernels
-from pd.engine.fused_decode import FusedDecoder
-from pd.engine.greedy_head import greedy_head_for
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import CausalLM
-from pd.engine.outputs import ScheduledChunk
-from pd.engine.paged_attention import PagedAttention, SeqSlice, Workspace
-from pd.engine.sampling import SamplingParams, sample
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.attention.cpu_fused import FusedDecoder
+from pd.engine.cpu.greedy_head import greedy_head_for
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import CausalLM
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.attention.torch_paged import PagedAttention, SeqSlice, Workspace
+from pd.engine.sample.params import SamplingParams
+from pd.engine.sample.sampler import sample
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """From how many rows a packed projection is faster through torch's GEMM, measured per shape.
 
-The packed-panel kernel (pd/engine/cpu_gemm.cpp) streams its weights well at decode
+The packed-panel kernel (pd/engine/cpu/cpu_gemm.cpp) streams its weights well at decode
 shapes (a few rows), but at prefill shapes torch's sgemm (MKL / oneDNN) is up to twice
 as fast on some CPUs, even after re-laying the panels as a plain (K, N) matrix for the
 call, a copy the size of the weight. Where the crossover lies depends on the CPU, the
@@ -30,8 +30,9 @@ import torch
 
 from torch import nn
 
-from pd.engine import cpu_kernels, packed_linear
-from pd.engine.packed_linear import NEVER, PackedLinear, torch_mm_from_packed
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu import packed_linear
+from pd.engine.cpu.packed_linear import NEVER, PackedLinear, torch_mm_from_packed
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 // Float32 weights held losslessly as 4-bit codes: the packed GEMM of up to kStreamRows rows reading
-// a sixth of the bytes (pd/engine/packed_q4.py finds such weights and proves them exact).
+// a sixth of the bytes (pd/engine/cpu/packed_q4.py finds such weights and proves them exact).
 //
 // A checkpoint dequantized from a 4-bit GGUF (Q4_1: blocks of 32 weights along K, each
 // w = d * q + m with half-precision d, m and q in 0..15) holds float32 weights that are exactly

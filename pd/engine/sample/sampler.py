@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler.
+"""The sampler: tokens from logits under each request's `SamplingParams`.
 
 Greedy when the temperature is below `MIN_TEMPERATURE` (as vLLM does: dividing
 by a temperature that rounds to 0 in float32 gives inf/nan); otherwise
@@ -16,55 +16,25 @@ before the draw is sampled greedily instead, and logged.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+
 import torch
+
+from pd.engine.sample.params import MIN_TEMPERATURE, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Below this temperature sampling is greedy: logits / T overflows float32 long before T reaches 0.
-MIN_TEMPERATURE = 1e-5
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters (validated once)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:  # (also refuses nan)
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        """Argmax decoding: a temperature too small to divide by, or top_k of 1."""
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
-
-    def make_generator(self) -> torch.Generator | None:
-        """The request's private RNG (None for greedy)."""
-        if self.greedy:
-            return None
-        gen = torch.Generator()
-        if self.seed is not None:
-            gen.manual_seed(self.seed)
-        else:
-            gen.seed()
-        return gen
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's private RNG (None for greedy)."""
+    if params.greedy:
+        return None
+    gen = torch.Generator()
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,7 +5,7 @@ path is turned into one by `resolve_checkpoint`: the tensors are dequantized
 (numpy, `gguf.quants.dequantize`) to float32 `model.safetensors`, the
 architecture metadata becomes `config.json`, and the `tokenizer.ggml.*`
 metadata becomes tokenizer.json / tokenizer_config.json (chat template
-included) / generation_config.json (see `pd.engine.gguf_tokenizer`). The
+included) / generation_config.json (see `pd.engine.text.gguf_tokenizer`). The
 engine then casts the float32 weights to the serving dtype.
 
 llama.cpp's converter permutes the rows of the Llama Q and K projections
@@ -19,7 +19,7 @@ file's path, size and mtime and the converter version, so a changed file is
 converted again; metadata pdkv does not implement (another architecture,
 rope scaling, a tokenizer it cannot reproduce) is refused, naming the key.
 
-CLI: `python -m pd.engine.gguf IN.gguf OUT_DIR`.
+CLI: `python -m pd.engine.model.gguf IN.gguf OUT_DIR`.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from pd.engine.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
-from pd.engine.model_files import locate_model
+from pd.engine.text.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
+from pd.engine.model.files import locate_model
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def _hf_name(gguf_name: str, num_layers: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd.engine.gguf",
+    parser = argparse.ArgumentParser(prog="python -m pd.engine.model.gguf",
                                      description="Convert a GGUF file into a Hugging Face checkpoint directory.")
     parser.add_argument("gguf_file", type=Path)
     parser.add_argument("out_dir", type=Path, help="created; must not exist or be empty")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pd.engine.config import SLIDING_ATTENTION, ModelConfig
+from pd.engine.model.config import SLIDING_ATTENTION, ModelConfig
 
 
 class AttentionBackend(Protocol):

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from pd.engine.page_pool import PagePool
-from pd.engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

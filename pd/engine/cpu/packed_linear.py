@@ -1,4 +1,4 @@
-"""Linear layers whose weights are held in the packed-panel layout of pd/engine/cpu_gemm.cpp.
+"""Linear layers whose weights are held in the packed-panel layout of pd/engine/cpu/cpu_gemm.cpp.
 
 On the fused CPU path the weights are re-laid once, as panels of 16 output
 columns ((N, K) -> (ceil(N/16), K, 16)), which the AVX-512 / AVX2 kernel streams at
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pd.engine import cpu_kernels
+from pd.engine.cpu import kernels as cpu_kernels
 
 PANEL = 16  # output columns per panel (kPanel in cpu_gemm.cpp)
-NEVER = 1 << 31  # a row count no batch reaches: the packed kernel always (pd/engine/gemm_tuning.py)
+NEVER = 1 << 31  # a row count no batch reaches: the packed kernel always (pd/engine/cpu/gemm_tuning.py)
 _NO_BIAS = torch.empty(0)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.engine.config import DTYPES, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pd.engine.model.config import DTYPES, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 LLAMA, QWEN2, MISTRAL = "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
 MODEL_TYPES = {LLAMA: "llama", QWEN2: "qwen2", MISTRAL: "mistral"}

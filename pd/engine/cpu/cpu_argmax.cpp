@@ -1,5 +1,5 @@
 // Greedy next tokens without reading the whole float32 lm_head: the exact argmax, screened through an
-// int8 copy of it (see pd/engine/greedy_head.py for the bound and why it is exact).
+// int8 copy of it (see pd/engine/cpu/greedy_head.py for the bound and why it is exact).
 //
 // For each row h of the hidden states (M, K):
 // 1. approximate logits a[n] = scale[n] * (h · q[n]) from the int8 panels q (P, K, 16), one int8 line

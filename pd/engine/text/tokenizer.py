@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from collections.abc import Sequence
 
-from pd.engine.chat_template import ChatTemplate, ChatTemplateError
+from pd.engine.text.chat_template import ChatTemplate, ChatTemplateError
 
 DEFAULT_SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<unk>")
 
@@ -215,13 +215,13 @@ def load_tokenizer(model_path: str | Path | None) -> Tokenizer:
     """The tokenizer for a model: `ByteTokenizer` without a checkpoint, else the directory's own."""
     if model_path is None:
         return ByteTokenizer()
-    from pd.engine.model_files import locate_model
+    from pd.engine.model.files import locate_model
 
     path = locate_model(model_path)
     if path.is_dir():
         return HFTokenizer.from_dir(path)
     if path.is_file() and path.suffix == ".gguf":  # its tokenizer lives in the GGUF's metadata
-        from pd.engine.gguf import resolve_checkpoint  # converts once into a cached directory
+        from pd.engine.model.gguf import resolve_checkpoint  # converts once into a cached directory
 
         return HFTokenizer.from_dir(Path(resolve_checkpoint(path)))
     if path.exists():

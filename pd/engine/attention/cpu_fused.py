@@ -1,10 +1,10 @@
-"""Engine steps through one C++ call for all layers (pd/engine/cpu_kernels.cpp `decode_layers`).
+"""Engine steps through one C++ call for all layers (pd/engine/cpu/cpu_kernels.cpp `decode_layers`).
 
 When the fused CPU kernels are available, a step of decode tokens, or of decode tokens and prompt
 chunks under the row and key caps below, skips the per-layer Python path: the step's metadata is
 built straight from the chunks' Python lists (a handful of small tensors, one row per token), and
-the layers run in C++ with the projections through the packed-panel GEMM (pd/engine/cpu_gemm.cpp,
-AVX-512 or AVX2, weights re-laid once by pd/engine/packed_linear.py), or at::linear where that GEMM
+the layers run in C++ with the projections through the packed-panel GEMM (pd/engine/cpu/cpu_gemm.cpp,
+AVX-512 or AVX2, weights re-laid once by pd/engine/cpu/packed_linear.py), or at::linear where that GEMM
 is not built. A prompt's token attends to the K/V that the chunk's earlier tokens wrote into the same
 layer. The q/k/v and gate/up weights are concatenated once at construction, so each layer makes four
 matmuls instead of seven.
@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pd.engine import cpu_kernels, gemm_tuning, packed_linear, packed_q4
-from pd.engine.kv_layout import KVLayout
-from pd.engine.model import CausalLM
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu import gemm_tuning
+from pd.engine.cpu import packed_linear
+from pd.engine.cpu import packed_q4
+from pd.engine.kv.layout import KVLayout
+from pd.engine.model.llama import CausalLM
 
 if TYPE_CHECKING:
-    from pd.engine.outputs import ScheduledChunk
+    from pd.engine.sched.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

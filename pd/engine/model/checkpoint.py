@@ -1,7 +1,7 @@
 """Load and write Hugging Face-style checkpoints (config.json + *.safetensors).
 
 A `.gguf` file is accepted wherever a directory is: it is converted once into
-a cached Hugging Face directory (`pd.engine.gguf.resolve_checkpoint`).
+a cached Hugging Face directory (`pd.engine.model.gguf.resolve_checkpoint`).
 
 Tensor names follow the Llama layout that Qwen2 and Mistral share. Loading is
 strict: an unknown tensor, a missing tensor or a tensor of the wrong shape is
@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pd.engine.config import ModelConfig
-from pd.engine.hf_config import model_config_from_hf
-from pd.engine.model import CausalLM, build_model
+from pd.engine.model.config import ModelConfig
+from pd.engine.model.hf_config import model_config_from_hf
+from pd.engine.model.llama import CausalLM, build_model
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class CheckpointError(ValueError):
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
     """The Hugging Face directory of `path`: itself, or the cached conversion of a .gguf file."""
-    from pd.engine.gguf import resolve_checkpoint  # reads gguf files only when given one
+    from pd.engine.model.gguf import resolve_checkpoint  # reads gguf files only when given one
 
     return Path(resolve_checkpoint(path))
 

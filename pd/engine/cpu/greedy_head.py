@@ -29,8 +29,8 @@ import os
 
 import torch
 
-from pd.engine import cpu_kernels
-from pd.engine.packed_linear import PackedLinear
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.cpu.packed_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
 
