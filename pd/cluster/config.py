@@ -30,7 +30,7 @@ from connectors.links.faults import FaultSpecError
 from connectors.links.link_shape import LinkShape
 from connectors.zmq.transfer_settings import DataPathName, StreamingName, TransferSettings
 from pd.cluster.fault_rules import parse_worker_faults
-from pd.cluster.planner_config import PlannerSection
+from pd.cluster.router_config import ConnectionsSection, RouterSection  # noqa: F401  (sections of DeployConfig)
 from pd.cluster.schema import FieldError, StrictModel, describe
 from pd.cluster.tracing_config import TracingSection
 
@@ -67,7 +67,6 @@ FailurePolicyField = Annotated[FailurePolicy, Strict(False)]
 Positive = Annotated[float, Field(gt=0)]
 TcpPort = Annotated[int, Field(ge=0, le=65535, description="TCP port; 0 = any free one")]
 NonEmpty = Annotated[str, Field(min_length=1)]
-TenantId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 
 
 class ModelSection(StrictModel):
@@ -214,101 +213,6 @@ class TransferSection(StrictModel):
                                 data_path=self.data_path, emulated_link=link, streaming=self.streaming,
                                 stream_chunk_tokens=self.stream_chunk_tokens,
                                 stream_layer_parts=self.stream_layer_parts)
-
-
-class ConnectionsSection(StrictModel):
-    """What HTTP clients may hold open on the router and on each worker's HTTP API
-    (pd.cluster.http_guard). A request's head must arrive whole within `header_timeout_s` of its
-    first byte, its body within `body_timeout_s` of its head; a connection with no request in
-    progress closes after `keepalive_timeout_s` (on a worker: `worker_keepalive_timeout_s`).
-    Past `max_connections` (at most half the process's fd limit) or `max_connections_per_peer`
-    from one address, a new connection closes the least recently used idle one first (or is
-    refused when none is idle)."""
-
-    header_timeout_s: Positive = 10.0
-    body_timeout_s: Positive = 30.0
-    keepalive_timeout_s: Positive = 15.0
-    # longer than the router's own pooled keep-alive to its workers (aiohttp's client default, 15 s):
-    # a worker must never close a connection the router is about to reuse
-    worker_keepalive_timeout_s: float = Field(75.0, ge=20.0)
-    max_connections: int = Field(8192, ge=16)
-    max_connections_per_peer: int | None = Field(None, ge=1, description="empty: half of max_connections")
-
-    @model_validator(mode="after")
-    def _peer_cap_within_total(self) -> ConnectionsSection:
-        if self.max_connections_per_peer is not None and self.max_connections_per_peer > self.max_connections:
-            raise FieldError("max_connections_per_peer", "must not exceed max_connections")
-        return self
-
-    @property
-    def peer_cap(self) -> int:
-        return self.max_connections_per_peer or max(1, self.max_connections // 2)
-
-
-class RouterSection(StrictModel):
-    """The router's address, timeouts, request limits and admission control.
-
-    Admission: at most `max_in_flight_per_worker` x (healthy decode or colocated workers)
-    prompts run at once; up to `max_queued_requests` more wait (each at most
-    `queue_timeout_s`); anything beyond is refused at once with 429 and `Retry-After`.
-    """
-
-    host: NonEmpty = Field("127.0.0.1", description="explicit bind address; never an implicit 0.0.0.0")
-    port: TcpPort = 8000
-    request_timeout_s: Positive = 120.0
-    connect_timeout_s: Positive = 5.0
-    health_interval_s: Positive = 2.0
-    api_key: str | None = None  # one client key (its tenant id is "default"); api_keys names several
-    # tenancy (pd.router.tenancy): tenant id -> API key; `admin_key` alone opens /pd/*, protected /metrics
-    # and refreshes; per_api_key gives each tenant its own prefix cache (a salt derived from its id)
-    api_keys: dict[TenantId, NonEmpty] = Field(default_factory=dict, description="tenant id -> API key")
-    admin_key: NonEmpty | None = None
-    prefix_cache_isolation: Literal["shared", "per_api_key"] = "shared"
-    report_cached_tokens: bool = Field(True, description="false: usage carries no prompt_tokens_details")
-    refresh_min_interval_s: float = Field(1.0, ge=0.0, description="at most one ?refresh=1 poll per interval")
-    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="empty: scheduler.max_model_len - 1")
-    max_prompts_per_request: int = Field(16, ge=1)
-    max_in_flight_per_worker: int = Field(32, ge=1)
-    max_queued_requests: int = Field(64, ge=0)
-    queue_timeout_s: Positive = 10.0
-    retry_after_s: int = Field(1, ge=1)
-    metrics_auth: bool = Field(False, description="GET /metrics requires the admin_key too")
-    # worker choice (pd.router.choice): prefix_aware scores each worker by the formula `ttft_cost`,
-    # hit_tokens - prefix_queue_weight * queued_tokens - prefix_running_weight * requests_in_flight
-    policy: Literal["least_loaded", "round_robin", "prefix_aware"] = "least_loaded"
-    prefix_queue_weight: float = Field(0.25, ge=0)  # measured: pd.router.choice.PrefixAware
-    prefix_running_weight: float = Field(16.0, ge=0)
-    kv_index_max_entries: int = Field(1_000_000, ge=1, description="router's prefix index cap, about 100 B each")
-    # recovery (pd.router.recovery): a stream whose worker dies after tokens were sent continues on another
-    # worker at most `migration_limit` times; a worker leaves the rotation after `max_failed_polls` failed
-    # health polls and comes back after `num_readmit_probes` good ones in a row
-    migration_limit: int = Field(2, ge=0)
-    first_byte_timeout_s: Positive = Field(10.0,
-                                           description="a worker's answer headers, separate from request_timeout_s")
-    max_failed_polls: int = Field(2, ge=1)
-    num_readmit_probes: int = Field(3, ge=1)
-    readmit_interval_s: Positive = Field(0.25, description="probe pace of a worker out of the rotation")
-    stats_timeout_s: Positive = 10.0
-    planner: PlannerSection = Field(default_factory=PlannerSection)
-    connections: ConnectionsSection = Field(default_factory=ConnectionsSection)
-
-    def tenant_keys(self) -> dict[str, str]:
-        """Every API key by tenant id (`api_key` is tenant "default")."""
-        return ({"default": self.api_key} if self.api_key else {}) | dict(self.api_keys)
-
-    @model_validator(mode="after")
-    def _keys_apart(self) -> RouterSection:
-        if self.api_key and self.api_keys.get("default", self.api_key) != self.api_key:
-            raise FieldError("api_keys", "tenant id 'default' is api_key's; name the tenant otherwise")
-        keys = list(self.tenant_keys().values())
-        if len(set(keys)) != len(keys):
-            raise FieldError("api_keys", "two tenants share one API key")
-        if self.admin_key is not None and self.admin_key in keys:
-            raise FieldError("admin_key", "must differ from every API key")
-        if self.prefix_cache_isolation == "per_api_key" and not keys:
-            raise FieldError("prefix_cache_isolation", "per_api_key needs api_key or api_keys")
-        return self
 
 
 class FaultsSection(StrictModel):

@@ -27,7 +27,7 @@ import hmac
 
 from aiohttp import web
 
-from pd.cluster.config import RouterSection
+from pd.cluster.router_config import RouterSection
 from pd.router.openai_api import APIError
 
 _SALT_CONTEXT = b"pdkv-cache-salt\x00"

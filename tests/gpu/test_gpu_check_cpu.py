@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from pd.tools import gpu_check
+from pd.tools.gpu_check import check as gpu_check
+from pd.tools.gpu_check import engine as gpu_engine
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit; this machine has CUDA")
@@ -56,7 +57,7 @@ def test_a_failed_test_run_an_error_or_wrong_bytes_make_the_check_fail():
 def test_documented_model_is_about_half_a_billion_parameters():
     from pd.engine.kv.layout import KVLayout
 
-    cfg = gpu_check.CHECK_MODEL
+    cfg = gpu_engine.CHECK_MODEL
     h, layers, kv = cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * cfg.num_heads * cfg.head_dim * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
     total = layers * per_layer + 2 * cfg.vocab_size * h

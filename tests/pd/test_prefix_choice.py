@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pd.cluster.config import RouterSection
+from pd.cluster.router_config import RouterSection
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.choice import PrefixAware, WorkerLoad
 

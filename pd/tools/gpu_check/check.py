@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -31,18 +28,13 @@ from pathlib import Path
 
 import torch
 
-from pd.engine.config import EngineConfig
-from pd.engine.model.config import ModelConfig
+from pd.tools.gpu_check.engine import CHECK_MODEL_DOC  # noqa: F401  (the report names the model)
+from pd.tools.gpu_check.engine import measure_engine
+from pd.tools.gpu_check.transfer import (PAGE_BYTES, PAGES_PER_LOAD, measure_connector, measure_pinned_baseline,
+                                        measure_staging_gather)
 
-CHECK_MODEL = ModelConfig(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                          num_kv_heads=2, head_dim=64, max_position_embeddings=4096, dtype="bfloat16",
-                          bos_token_id=1, eos_token_id=2)
-CHECK_MODEL_DOC = ("Qwen2.5-0.5B-like shape, ~0.42B params (24 layers, hidden 896, 14 q / 2 KV heads of 64, "
-                   "SwiGLU 4864, vocab 32000), bfloat16, random weights, block size 16")
-PAGE_BYTES = 2 * 1024 * 1024  # one block of a Llama-3-8B-sized KV page (32 layers x K,V x 8 heads x 128 x 16 x bf16)
-PAGES_PER_LOAD = 256  # 512 MiB per load
 TEST_TIMEOUT_S = 200
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def cuda_missing_reason() -> str | None:
@@ -72,129 +64,6 @@ def run_gpu_tests(timeout_s: float = TEST_TIMEOUT_S) -> dict:
     ok = proc.returncode == 0 and "passed" in summary and "skipped" not in summary
     return {"ok": ok, "returncode": proc.returncode, "summary": summary, "failed": failed[:20],
             "seconds": round(time.perf_counter() - t0, 1), "command": " ".join(cmd[1:])}
-
-
-# ---------------------------------------------------------------------- 2. transfer GB/s
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
-    """Median GB/s of dst.copy_(src) (synchronised around each copy)."""
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    gbps = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        gbps.append(src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(gbps)
-
-
-def measure_pinned_baseline(nbytes: int, reps: int = 5) -> dict:
-    dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = _timed_copy(host, dev, reps)
-    h2d = _timed_copy(dev, host, reps)
-    return {"d2h_gbps": round(d2h, 2), "h2d_gbps": round(h2d, 2),
-            "d2h_then_h2d_gbps": round(1.0 / (1.0 / d2h + 1.0 / h2d), 2), "bytes": nbytes}
-
-
-def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
-    """GB/s of the connector's D2H staging copy for scattered vs contiguous block ids."""
-    from connectors.zmq.cuda_staging import CudaStaging
-    from pd.engine.kv.page_pool import PagePool
-
-    pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
-    staging = CudaStaging(pool)
-    n = staging.rows_per_half
-    out = {"pages_per_copy": n}
-    scattered = random.Random(0).sample(range(1, num_blocks), n)
-    for name, ids in (("contiguous", list(range(1, n + 1))), ("scattered", scattered)):
-        staging.copy_to_host(ids)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            staging.copy_to_host(ids)
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_d2h_gbps"] = round(n * PAGE_BYTES / statistics.median(times) / 1e9, 2)
-    return out
-
-
-def measure_connector(path: str, reps: int = 3) -> dict:
-    """GB/s of whole loads (PAGES_PER_LOAD pages) CUDA pool -> CUDA pool through the connector."""
-    from connectors.zmq.consumer import Consumer
-    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-    from connectors.zmq.loads import RemoteAddr
-    from pd.engine.kv.page_pool import PagePool
-    from connectors.zmq.producer import Producer, ProducerConfig
-
-    secret = os.urandom(24)
-    num_blocks = PAGES_PER_LOAD + 1
-    src_pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
-    dst_pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
-    src_pool.buffer.random_(0, 256)
-    torch.cuda.synchronize()
-    prod = Producer(ProducerConfig(engine_id="check-P", secret=secret, compat_hash="gpu-check"), src_pool)
-    prod.start()
-    cons = Consumer(ConsumerConfig(engine_id="check-D", secret=secret, compat_hash="gpu-check",
-                                   data_path=DataPath(path), transfer_timeout_s=60.0), dst_pool)
-    cons.start()
-    ids = list(range(1, num_blocks))
-    dst_ids = list(reversed(ids))  # every page lands somewhere else: no accidental identity copy
-    gbps, ok = [], True
-    try:
-        for rep in range(reps + 1):  # the first load also pays the handshake: not counted
-            rid = f"check-{rep}"
-            prod.add_lease(rid, ids)
-            t0 = time.perf_counter()
-            job = cons.load(rid, RemoteAddr("check-P", "127.0.0.1", prod.port), rid, ids, dst_ids)
-            if not job.done.wait(120) or job.result is None or not job.result.ok:
-                ok = False
-                break
-            if rep:
-                gbps.append(len(ids) * PAGE_BYTES / (time.perf_counter() - t0) / 1e9)
-        torch.cuda.synchronize()
-        exact = ok and torch.equal(dst_pool.buffer[dst_ids], src_pool.buffer[ids])
-    finally:
-        cons.shutdown()
-        prod.shutdown()
-    return {"gbps": round(statistics.median(gbps), 2) if gbps else None, "byte_exact": exact,
-            "bytes_per_load": len(ids) * PAGE_BYTES, "loads": len(gbps)}
-
-
-# ---------------------------------------------------------------------- 3. engine tokens/s
-def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, prompt_len: int = 512,
-                   decode_steps: int = 64) -> dict:
-    """Prefill tokens/s (prompts only) and decode tokens/s (steady batch of `num_requests`)."""
-    from pd.engine.engine import Engine
-    from pd.engine.sample.params import SamplingParams
-
-    t_build = time.perf_counter()
-    eng = Engine(EngineConfig(model=model, device="cuda", block_size=16, kv_cache_bytes=8 << 30,
-                              max_num_batched_tokens=8192, max_num_seqs=256, enable_prefix_caching=False,
-                              max_model_len=prompt_len + decode_steps + 8))
-    build_s = time.perf_counter() - t_build
-    rng = random.Random(0)
-    prompts = {f"r{i}": [rng.randrange(3, model.vocab_size) for _ in range(prompt_len)] for i in range(num_requests)}
-    eng.generate_sync({"warmup": prompts["r0"][:64]}, SamplingParams(max_tokens=4, ignore_eos=True))
-    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True)
-    for rid, ids in prompts.items():
-        eng.add_request(rid, ids, params)
-    generated = {rid: 0 for rid in prompts}
-    t0 = time.perf_counter()
-    while sum(1 for n in generated.values() if n) < num_requests:  # prefill: until every prompt has its first token
-        for out in eng.step():
-            generated[out.request_id] += len(out.new_token_ids)
-    t1 = time.perf_counter()
-    first = sum(generated.values())
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            generated[out.request_id] += len(out.new_token_ids)
-    t2 = time.perf_counter()
-    params_count = sum(p.numel() for p in eng.runner.model.parameters())
-    return {"model": CHECK_MODEL_DOC if model == CHECK_MODEL else repr(model), "params": params_count,
-            "num_requests": num_requests, "prompt_len": prompt_len, "decode_steps": decode_steps,
-            "prefill_tokens_per_s": round(num_requests * prompt_len / (t1 - t0), 1),
-            "decode_tokens_per_s": round((sum(generated.values()) - first) / (t2 - t1), 1),
-            "build_s": round(build_s, 1)}
 
 
 # ---------------------------------------------------------------------- report
