@@ -62,6 +62,9 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"  # see ATTENTION_BACKENDS; the C++ kernel is built on first use
     engine_id: str = "engine-0"
+    # ids the tokenizer can decode are [0, tokenizer_vocab_size): a padded embedding (model.vocab_size larger)
+    # serves, and ids at or above this bound are never sampled. None: every id of the model.
+    tokenizer_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -83,6 +86,9 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
+        if self.tokenizer_vocab_size is not None and not 0 < self.tokenizer_vocab_size <= self.model.vocab_size:
+            raise ValueError(f"the tokenizer's vocabulary ({self.tokenizer_vocab_size} ids) must be positive and at most "
+                             f"the model's (vocab_size {self.model.vocab_size})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
 
