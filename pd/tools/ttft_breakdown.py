@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from pd.tools.loadgen_report import percentile
+from pd.tools.percentile import percentile
 
 STAGES = ("parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
           "kv_transfer_s", "decode_queue_s", "first_chunk_s")

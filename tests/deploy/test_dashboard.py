@@ -24,8 +24,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from pd.tools.dashboard_render_data import iter_panels, load_dashboard
-from pd.tools.dashboard_render_promql import QueryError, expand, parse, selectors
+from pd.tools.dashboard_render.data import iter_panels, load_dashboard
+from pd.tools.dashboard_render.promql import QueryError, expand, parse, selectors
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdkv-dashboard.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

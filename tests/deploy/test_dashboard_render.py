@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pd.router.metrics import RouterMetrics, WorkerFigures
-from pd.tools.dashboard_render_data import iter_panels, load_dashboard
-from pd.tools.dashboard_render_promql import Scrape, evaluate, parse
+from pd.tools.dashboard_render.data import iter_panels, load_dashboard
+from pd.tools.dashboard_render.promql import Scrape, evaluate, parse
 
 REPO = Path(__file__).resolve().parents[2]
 

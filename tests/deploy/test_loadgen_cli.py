@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pd.tools.loadgen import parse_args
-from pd.tools.loadgen_data import ByteLengths, HFLengths, load_tokenizer, make_dataset
+from pd.tools.loadgen.cli import parse_args
+from pd.tools.loadgen.data import ByteLengths, HFLengths, load_tokenizer, make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def hf_tokenizer_dir(tmp_path_factory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<s>", "</s>", "<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    from pd.tools.loadgen_data import _WORDS
+    from pd.tools.loadgen.data import _WORDS
 
     corpus = [" ".join(_WORDS)] * 4 + ["the quick brown fox jumps over the lazy dog " * 4]
     tok.train_from_iterator(corpus, trainer)

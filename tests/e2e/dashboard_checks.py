@@ -18,9 +18,9 @@ from pathlib import Path
 
 import requests
 
-from pd.tools.dashboard_render import ScrapeTarget, collect_scrapes, read_scrapes
-from pd.tools.dashboard_render_data import iter_panels, load_dashboard, panel_data
-from pd.tools.dashboard_render_promql import Node, RangeCall, Scrape, Selector, expand, parse
+from pd.tools.dashboard_render.cli import ScrapeTarget, collect_scrapes, read_scrapes
+from pd.tools.dashboard_render.data import iter_panels, load_dashboard, panel_data
+from pd.tools.dashboard_render.promql import Node, RangeCall, Scrape, Selector, expand, parse
 
 from e2e_helpers import PROMPTS, complete, stream_events, wait_all_free, worker_reports
 

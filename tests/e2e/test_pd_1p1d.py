@@ -244,7 +244,7 @@ def test_metrics_scrape_never_waits_on_a_frozen_worker(pd):
 
 
 def test_loadgen_writes_json_and_png(pd, tmp_path):
-    from pd.tools import loadgen
+    from pd.tools.loadgen import cli as loadgen
 
     result_json, plot = tmp_path / "result.json", tmp_path / "latency.png"
     rc = loadgen.main(["--base-url", pd, "--dataset-name", "prefix_repetition", "--num-prompts", "8",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from e2e_helpers import wait_all_free
 
-from pd.tools import route_bench
-from pd.tools.route_bench_workload import BranchingWorkload, arrival_offsets
+from pd.tools.route_bench import cli as route_bench
+from pd.tools.route_bench.workload import BranchingWorkload, arrival_offsets
 
 
 @pytest.mark.timeout(300)

@@ -8,8 +8,9 @@ import pytest
 
 from pd.router import openai_api as oa
 from pd.cluster.config import ConfigError, DeployConfig, Mode, load_deploy_config
-from pd.tools.loadgen import arrival_delays
-from pd.tools.loadgen_report import RequestRecord, compute_metrics, percentile, transfer_figures
+from pd.tools.loadgen.cli import arrival_delays
+from pd.tools.loadgen.report import RequestRecord, compute_metrics, transfer_figures
+from pd.tools.percentile import percentile
 from pd.router.metrics import RouterMetrics, WorkerFigures
 from pd.router.choice import LeastLoaded, NoWorkerAvailable, Role, WorkerEndpoint, WorkerPool
 from pd.router.text_stream import TextStream
@@ -141,8 +142,8 @@ def test_metrics_render_lint_and_loadgen_figures():
 
 
 def test_loadgen_datasets(tmp_path):
-    from pd.tools.loadgen import parse_args
-    from pd.tools.loadgen_data import ByteLengths, make_dataset
+    from pd.tools.loadgen.cli import parse_args
+    from pd.tools.loadgen.data import ByteLengths, make_dataset
 
     tok = ByteLengths()
     data = tmp_path / "p.jsonl"

@@ -41,8 +41,8 @@ def test_peer_bench_prints_the_projections_gflops_beside_the_peak():
 
     from pd.engine.model.config import ModelConfig
     from pd.engine.model.llama import build_model
-    from pd.tools.peer_bench_engine import projection_flops_per_token
-    from pd.tools.peer_bench_report import format_engine
+    from pd.tools.peer_bench.engine import projection_flops_per_token
+    from pd.tools.peer_bench.report import format_engine
 
     cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
     model = build_model(cfg)

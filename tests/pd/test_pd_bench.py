@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pd.cluster.roles import Role
-from pd.tools import pd_bench
+from pd.tools.pd_bench import cli as pd_bench
 from pd.tools.pinned_deployment import REPO
-from pd.tools.pd_bench_deploy import Variant, core_pair, deploy_config, variants, worker_plans
-from pd.tools.pd_bench_load import Record, Serials, document
-from pd.tools.pd_bench_report import identical, idle_figures
+from pd.tools.pd_bench.deploy import Variant, core_pair, deploy_config, variants, worker_plans
+from pd.tools.pd_bench.load import Record, Serials, document
+from pd.tools.pd_bench.report import identical, idle_figures
 
 SMOLLM2 = REPO / "deploy/smollm2.yaml"
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from pd.tools.llama_server_build import CACHE_ENV, build_for, cache_root
-from pd.tools.loadgen_report import RequestRecord
-from pd.tools.peer_bench import find_llama, main
-from pd.tools.peer_bench_report import (LLAMA, format_breakdown, format_engine, format_markdown, format_ratios,
+from pd.tools.loadgen.report import RequestRecord
+from pd.tools.peer_bench.cli import find_llama, main
+from pd.tools.peer_bench.report import (LLAMA, format_breakdown, format_engine, format_markdown, format_ratios,
                                         format_table)
 from pd.cluster.config import TopologySection, load_deploy_config
-from pd.tools.peer_bench_servers import (LlamaServer, LlamaServerSpec, ServerStartError, llama_server_command,
+from pd.tools.peer_bench.servers import (LlamaServer, LlamaServerSpec, ServerStartError, llama_server_command,
                                          pdkv_launch)
-from pd.tools.peer_bench_stats import class_figures, ratios, served_share, ttft_breakdown, wave_figures
-from pd.tools.peer_bench_workload import WARMUP, build_waves
+from pd.tools.peer_bench.stats import class_figures, ratios, served_share, ttft_breakdown, wave_figures
+from pd.tools.peer_bench.workload import WARMUP, build_waves
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pd.engine.text.tokenizer import ByteTokenizer
-from pd.tools.route_bench_workload import (
+from pd.tools.route_bench.workload import (
     PREAMBLE,
     Abort,
     BranchingWorkload,

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_helpers import ray_init_kwargs, wait_all_free  # noqa: E402
 
 from pd.deploy.launch import Deployment  # noqa: E402
-from pd.tools.load_faults import LoadFaultsSettings, default_config, run_load_faults  # noqa: E402
-from pd.tools.load_faults_driver import DriverSpec  # noqa: E402
-from pd.tools.load_faults_injectors import POISONED  # noqa: E402
-from pd.tools.load_faults_report import LoadFaultsReport, RSSTrack  # noqa: E402
+from pd.tools.load_faults.cli import LoadFaultsSettings, default_config, run_load_faults  # noqa: E402
+from pd.tools.load_faults.driver import DriverSpec  # noqa: E402
+from pd.tools.load_faults.injectors import POISONED  # noqa: E402
+from pd.tools.load_faults.report import LoadFaultsReport, RSSTrack  # noqa: E402
 
 # streams of 48 tokens, killed 3 s in: on a loaded 2-core machine some are mid-stream then
 SMALL = LoadFaultsSettings(num_clients=40, duration_s=6.0, kill_after_s=3.0, num_junk=20, refuse_rate=200.0,

@@ -1,4 +1,4 @@
-"""The peer benchmark's printed table, TTFT breakdown and chart (pd/tools/peer_bench.py)."""
+"""The peer benchmark's printed table, TTFT breakdown and chart (pd/tools/peer_bench/cli.py)."""
 from __future__ import annotations
 
 import math

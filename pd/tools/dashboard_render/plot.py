@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import math
 
-from pd.tools.dashboard_render_data import PanelData, iter_panels
+from pd.tools.dashboard_render.data import PanelData, iter_panels
 
 WIDTH_IN = 20.0
 UNIT_IN = 0.3

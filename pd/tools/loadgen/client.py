@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 
-from pd.tools.loadgen_report import RequestRecord
+from pd.tools.loadgen.report import RequestRecord
 from pd.tools.sse_stream import SSEStream
 
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}

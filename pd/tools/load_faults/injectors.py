@@ -1,4 +1,4 @@
-"""Two more faults of `pd.tools.load_faults_driver`, beside the load: subscribers of a worker's
+"""Two more faults of `pd.tools.load_faults.driver`, beside the load: subscribers of a worker's
 KV event stream that never read, and a client that sends poisoned sampling values.
 
 - `EventSubscribers(endpoint, secret, n, stop)` holds `n` ZMQ SUB sockets on a worker's KV

@@ -5,9 +5,9 @@ Runs, one after another in one run and on the same workload: pdkv colocated
 `llama-server` on the same GGUF converted to F32 (pdkv serves it in float32), with continuous
 batching, 32 slots and the same thread count (`--servers …,llama-q4` adds llama-server on the
 Q4_1 file as it is); then the colocated deploy's engine alone, in a child process
-(pd/tools/peer_bench_engine.py).
+(pd/tools/peer_bench/engine.py).
 
-Workload (pd/tools/peer_bench_workload.py): per concurrency c (default 1, 8, 32), one warm-up
+Workload (pd/tools/peer_bench/workload.py): per concurrency c (default 1, 8, 32), one warm-up
 wave and `--rounds` measured waves of c streamed chat completions sent at once, each exactly
 `--output-len` tokens (greedy, EOS ignored), every prompt of the run distinct. Printed: tokens/s,
 TTFT p50/p90, TPOT p50/p90 (median over the rounds) per server and c; pdkv / llama-server ratios;
@@ -31,13 +31,13 @@ from pathlib import Path
 import aiohttp
 
 from pd.tools.llama_server_build import DEFAULT_VERSION, SMOLLM2_MODEL_PATH, build_for, convert_f32, smollm2_q4_gguf
-from pd.tools.loadgen_client import RequestOptions, first_model, send_request
-from pd.tools.peer_bench_report import (LLAMA, LLAMA_Q4, format_breakdown, format_engine, format_markdown,
+from pd.tools.loadgen.client import RequestOptions, first_model, send_request
+from pd.tools.peer_bench.report import (LLAMA, LLAMA_Q4, format_breakdown, format_engine, format_markdown,
                                         format_ratios, format_table, plot)
-from pd.tools.peer_bench_servers import (REPO, LlamaServer, LlamaServerSpec, PdkvServer, ServerStartError,
+from pd.tools.peer_bench.servers import (REPO, LlamaServer, LlamaServerSpec, PdkvServer, ServerStartError,
                                          describe_pools, pdkv_launch, pool_audits, run_dir)
-from pd.tools.peer_bench_stats import class_figures, ratios, served_share, wave_figures
-from pd.tools.peer_bench_workload import Wave, build_waves, messages_for
+from pd.tools.peer_bench.stats import class_figures, ratios, served_share, wave_figures
+from pd.tools.peer_bench.workload import Wave, build_waves, messages_for
 
 PDKV_SERVERS = {"colocated": ("pdkv colocated", "deploy/smollm2-colocated.yaml"),
                 "1p1d": ("pdkv 1P1D", "deploy/smollm2.yaml")}
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, say) -> dict:
     out["engine_in_process"] = {}
     if not args.no_engine and out["results"]:
         say("engine in-process ...")
-        from pd.tools.peer_bench_engine import engine_rates as run_engine  # torch: only when it runs
+        from pd.tools.peer_bench.engine import engine_rates as run_engine  # torch: only when it runs
 
         try:
             config = str(REPO / PDKV_SERVERS["colocated"][1])
@@ -244,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
     logs = f"; logs in {out['run_dir']}" if "run_dir" in out else ""
     print(f"load average at end {out['load_avg_end']} (start {out['load_avg_start']}){logs}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

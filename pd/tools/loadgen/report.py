@@ -20,6 +20,8 @@ import statistics
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd.tools.percentile import percentile
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 BURST_GAP_S = 1e-3  # gaps below this are tokens delivered in a burst, not one per engine step
 
@@ -44,16 +46,6 @@ class RequestRecord:
         if self.output_tokens <= 1:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def percentile_key(q: float) -> str:

@@ -1,4 +1,4 @@
-"""The servers the peer benchmark starts and stops (pd/tools/peer_bench.py).
+"""The servers the peer benchmark starts and stops (pd/tools/peer_bench/cli.py).
 
 - pdkv: `python -m pd.launch --config deploy/<name>.yaml --port 0` as a user runs it, in its own
   session; the URL is read from its stdout ("serving at http://..."), and SIGTERM stops it
@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 _SERVING = re.compile(r"serving at (http://\S+)")
 STOP_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.5

@@ -10,15 +10,15 @@ It reads one JSON spec on stdin and, for `duration_s`, runs at once:
 - `num_router_idle` idle connections held on the router's port (one the router closes, at its
   keep-alive timeout or past its connection cap, is opened again);
 - `num_event_subscribers` never-reading subscribers on a worker's KV event stream, half with the
-  deployment secret and half without (`pd.tools.load_faults_injectors.EventSubscribers`);
+  deployment secret and half without (`pd.tools.load_faults.injectors.EventSubscribers`);
 - `num_poisoned` completions with poisoned sampling values, spread over the run
-  (`pd.tools.load_faults_injectors.poisoned_client`).
+  (`pd.tools.load_faults.injectors.poisoned_client`).
 
 It writes JSON lines on stdout: `{"event": "started"}` when the load begins, then one
 `{"event": "result", ...}` with a row per request. Apart from the load it is the harness, so it
 lives apart from the router it measures (one GIL each).
 
-    echo '{"url": ..., "prompts": [...], ...}' | python -m pd.tools.load_faults_driver
+    echo '{"url": ..., "prompts": [...], ...}' | python -m pd.tools.load_faults.driver
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import zmq
 from connectors.zmq import wire
 from connectors.zmq.wire import MsgType
 from pd.tools.junk_connections import HTTP_TRICKLE, JunkHolder
-from pd.tools.load_faults_injectors import EventSubscribers, poisoned_client
+from pd.tools.load_faults.injectors import EventSubscribers, poisoned_client
 from pd.tools.sse_stream import SSEStream
 
 RETRY_AFTER_CAP_S = 5.0

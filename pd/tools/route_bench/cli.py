@@ -5,7 +5,7 @@
 Starts a 2P2D deployment for each policy (real Workers, each in a process of its own as a
 deployment runs them, with engines, ZMQ connectors and KV event streams; the real Router
 and its KV index in this process; loopback HTTP), runs the same workload against it
-(pd.tools.route_bench_workload: `sessions`, multi-turn chains, or `branching`, tree-shaped
+(pd.tools.route_bench.workload: `sessions`, multi-turn chains, or `branching`, tree-shaped
 multi-tenant traffic with one-offs and client aborts) and prints one table row per policy.
 The load is closed loop by default (`--concurrency` conversations at once, the next one
 starting when one ends) or open loop with `--rate R` (conversations start at Poisson
@@ -42,8 +42,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +55,8 @@ import torch
 
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role
-from pd.tools.route_bench_workload import Abort, BranchingWorkload, Node, Workload, arrival_offsets, unbounded_bound
+from pd.tools.route_bench.workload import Abort, BranchingWorkload, Node, Workload, arrival_offsets, unbounded_bound
+from pd.tools.percentile import percentile
 from pd.tools.sse_stream import SSEStream
 from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 
@@ -182,10 +183,6 @@ async def _drive(url: str, trees: list[Node], work: Workload | BranchingWorkload
         return records, aborted, time.perf_counter() - t0
 
 
-def _pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 @dataclasses.dataclass
 class Run:
     """One run of a workload against a fresh deployment."""
@@ -228,7 +225,8 @@ def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
             "oracle": sum(r.best_hit for r in records) / prompt,
             "choice_loss": sum(r.best_hit - r.predicted_hit for r in records) / prompt,
             "late_loss": sum(r.predicted_hit - r.cached_tokens for r in records) / prompt,
-            "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "req_per_s": len(records) / seconds,
+            "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
+            "req_per_s": len(records) / seconds,
             "tok_per_s": sum(r.completion_tokens for r in records) / seconds,
             "blocks_p_to_d": round(sum(run.blocks_p_to_d for run in runs) / len(runs)),
             "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
@@ -284,7 +282,7 @@ def format_summary(rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pd.tools.route_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sessions")
     names: dict[str, type] = {}
     for cls in WORKLOADS.values():
@@ -376,7 +374,3 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

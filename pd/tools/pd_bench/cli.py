@@ -5,7 +5,7 @@ side by side in one run: colocated (one worker on both cores, two torch threads)
 pinned to one core, D to the other, one thread each: the same cores and threads) on loopback
 (`data_path: auto`) and on an emulated link (`transfer.emulated_link`, 200 Mbit/s + 5 ms by
 default); with `transfer.streaming` modes too where this version has them
-(pd/tools/pd_bench_deploy.py). Two workload classes at once (pd/tools/pd_bench_load.py):
+(pd/tools/pd_bench/deploy.py). Two workload classes at once (pd/tools/pd_bench/load.py):
 interactive chat streams (short prompts, 128-token answers, closed loop) and long documents
 (1k-2k fresh token ids, one every --doc-interval-s). The deployments take the mixed load in
 turns, a slice each, so the machine's other jobs weigh on all alike. First, on each idle
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from pd.tools.pinned_deployment import REPO
-from pd.tools.pd_bench_deploy import deploy_config, deployment, variants
-from pd.tools.pd_bench_load import Record, Serials, Workload, run_idle, run_slice
-from pd.tools.pd_bench_report import (class_figures, format_idle, format_ratios, format_table, identical,
+from pd.tools.pd_bench.deploy import deploy_config, deployment, variants
+from pd.tools.pd_bench.load import Record, Serials, Workload, run_idle, run_slice
+from pd.tools.pd_bench.report import (class_figures, format_idle, format_ratios, format_table, identical,
                                       idle_figures, plot)
 
 LINKS = ("loopback", "emulated")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, load: Workload) -> tuple[dict, dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pd.tools.pd_bench", description=__doc__.splitlines()[0])
     d = Workload(model="")
     parser.add_argument("--config", default=str(REPO / "deploy/smollm2.yaml"), help="model and engine settings")
     parser.add_argument("--links", default=",".join(LINKS), help="1P1D links: loopback and/or emulated")
@@ -138,7 +138,3 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot and args.num_slices:
         plot(figures, args.plot, f"pd_bench: SmolLM2-135M, load avg {start_load} -> {_load_average()}")
         print(f"chart: {args.plot}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The peer benchmark's workload: waves of distinct chat prompts (pd/tools/peer_bench.py).
+"""The peer benchmark's workload: waves of distinct chat prompts (pd/tools/peer_bench/cli.py).
 
 A run is, per concurrency c: one warm-up wave, then `rounds` measured waves, each wave c
 streamed chat requests sent at once. Every request of a run carries its own prompt (a

@@ -16,10 +16,10 @@ and samples the RSS of the router (this process) and of every worker, which work
 has out of its rotation, and the KV event stream's subscriber count. It prints a short report:
 requests by status, how many were token-identical to the reference, RSS before / peak / after per
 process, and the pools' audit; it exits 1 when the run broke the contract of
-`pd.tools.load_faults_report`.
+`pd.tools.load_faults.report`.
 
 The clients and the unauthenticated traffic run in a process of their own
-(`pd.tools.load_faults_driver`), so the router's event loop shares no GIL with them.
+(`pd.tools.load_faults.driver`), so the router's event loop shares no GIL with them.
 
     python -m pd.tools.load_faults [--clients 300 --duration-s 20] [--json out.json]
 """
@@ -44,11 +44,11 @@ import requests
 
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
 from pd.deploy.launch import Deployment, init_ray, shutdown_ray
-from pd.tools.load_faults_report import LoadFaultsReport, RSSTrack
+from pd.tools.load_faults.report import LoadFaultsReport, RSSTrack
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HTTP_TIMEOUT_S = 60.0
 RSS_SAMPLE_S = 0.2
 STATS_EVERY = 5  # RSS samples per probe of the KV event stream's subscriber count
@@ -197,7 +197,7 @@ def _metrics_lines(url: str, headers: dict) -> int:
 def _start_driver(spec: dict) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "pd.tools.load_faults_driver"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "pd.tools.load_faults.driver"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env, text=True)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(spec))
@@ -378,7 +378,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
     return 0 if not report.failures() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

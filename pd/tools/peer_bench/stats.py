@@ -1,4 +1,4 @@
-"""Figures of the peer benchmark (pd/tools/peer_bench.py): per wave, per (server, c), ratios.
+"""Figures of the peer benchmark (pd/tools/peer_bench/cli.py): per wave, per (server, c), ratios.
 
 A wave's tokens/s is its completion tokens over its wall time (first request sent to last
 token received). Per (server, c) each figure is the median over the measured rounds of that
@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from pd.tools.loadgen_report import RequestRecord, percentile
+from pd.tools.loadgen.report import RequestRecord
+from pd.tools.percentile import percentile
 from pd.tools.ttft_breakdown import ttft_breakdown
 
 FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")

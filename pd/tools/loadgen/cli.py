@@ -35,10 +35,10 @@ from pathlib import Path
 
 import aiohttp
 
-from pd.tools.loadgen_client import BACKENDS, RequestOptions, first_model, scrape_metrics, send_request
-from pd.tools.loadgen_data import DATASET_NAMES, SampleRequest, load_tokenizer, make_dataset, render_history
+from pd.tools.loadgen.client import BACKENDS, RequestOptions, first_model, scrape_metrics, send_request
+from pd.tools.loadgen.data import DATASET_NAMES, SampleRequest, load_tokenizer, make_dataset, render_history
 from pd.tools.ttft_breakdown import format_stages, ttft_breakdown
-from pd.tools.loadgen_report import (METRICS, RequestRecord, compute_metrics, format_report, kv_figures,
+from pd.tools.loadgen.report import (METRICS, RequestRecord, compute_metrics, format_report, kv_figures,
                                      transfer_figures)
 
 DETAILED_KEYS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
@@ -139,7 +139,7 @@ async def run(args: argparse.Namespace) -> dict:
         print(f"TTFT breakdown (the router's pdkv_timing, p50 per stage over {b['num_requests']} requests): "
               f"{format_stages(b)}; server TTFT p50 {1e3 * (b['server_ttft_p50_s'] or 0):.1f} ms")
     if args.plot:
-        from pd.tools.loadgen_plot import write_plots
+        from pd.tools.loadgen.plot import write_plots
 
         write_plots(records, args.plot)
         print(f"plot written to {args.plot}")
@@ -282,7 +282,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0 if result["completed"] > 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,19 @@
 """Figures, the table and the chart of `pd.tools.pd_bench`."""
 from __future__ import annotations
 
-import statistics
+import math
 
-from pd.tools.pd_bench_load import Record
+from pd.tools.pd_bench.load import Record
+from pd.tools.percentile import percentile
 
 KINDS = ("chat", "doc")
-
-
-def pct(values: list[float], q: int) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def class_figures(records: list[Record]) -> dict:
     ttfts = [r.ttft_s for r in records]
     tpots = [r.tpot_s for r in records if r.tpot_s is not None]
-    return {"n": len(records), "ttft_p50": pct(ttfts, 50), "ttft_p90": pct(ttfts, 90),
-            "tpot_p50": pct(tpots, 50), "tpot_p90": pct(tpots, 90)}
+    return {"n": len(records), "ttft_p50": percentile(ttfts, 50, math.nan), "ttft_p90": percentile(ttfts, 90, math.nan),
+            "tpot_p50": percentile(tpots, 50, math.nan), "tpot_p90": percentile(tpots, 90, math.nan)}
 
 
 def idle_figures(records: list[Record]) -> dict:
@@ -29,9 +22,10 @@ def idle_figures(records: list[Record]) -> dict:
     stages = [(r.timing or {}).get("stages") or {} for r in records]
     stage = {k: [float(st.get(k) or 0.0) for st in stages] for k in ("prefill_compute_s", "kv_transfer_s")}
     beyond = [r.ttft_s - p for r, p in zip(records, stage["prefill_compute_s"], strict=True)]
-    return {"n": len(records), "ttft_p50": pct([r.ttft_s for r in records], 50),
-            "prefill_p50": pct(stage["prefill_compute_s"], 50), "transfer_p50": pct(stage["kv_transfer_s"], 50),
-            "beyond_prefill_p50": pct(beyond, 50)}
+    return {"n": len(records), "ttft_p50": percentile([r.ttft_s for r in records], 50, math.nan),
+            "prefill_p50": percentile(stage["prefill_compute_s"], 50, math.nan),
+            "transfer_p50": percentile(stage["kv_transfer_s"], 50, math.nan),
+            "beyond_prefill_p50": percentile(beyond, 50, math.nan)}
 
 
 def identical(records: list[Record], reference: list[Record]) -> tuple[int, int]:

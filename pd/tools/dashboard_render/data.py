@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
-from pd.tools.dashboard_render_promql import Scrape, evaluate_range, expand, parse
+from pd.tools.dashboard_render.promql import Scrape, evaluate_range, expand, parse
 
-DEFAULT_DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdkv-dashboard.json"
+DEFAULT_DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "pdkv-dashboard.json"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Grafana is not everywhere pdkv runs, so this draws deploy/grafana/pdkv-dashboard.json
 itself: it evaluates each panel's own queries (the PromQL subset of
-`pd.tools.dashboard_render_promql`) at every scrape and lays the panels out by
-their grid positions (pd.tools.dashboard_render_plot).
+`pd.tools.dashboard_render.promql`) at every scrape and lays the panels out by
+their grid positions (pd.tools.dashboard_render.plot).
 
 Two ways in:
 
@@ -31,8 +31,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pd.tools.dashboard_render_data import DEFAULT_DASHBOARD, iter_panels, load_dashboard, panel_data, variables_for
-from pd.tools.dashboard_render_promql import Scrape
+from pd.tools.dashboard_render.data import DEFAULT_DASHBOARD, iter_panels, load_dashboard, panel_data, variables_for
+from pd.tools.dashboard_render.promql import Scrape
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(scrapes) < 2:
         print(f"error: {len(scrapes)} scrape(s); rates need at least two", file=sys.stderr)
         return 2
-    from pd.tools.dashboard_render_plot import draw
+    from pd.tools.dashboard_render.plot import draw
 
     variables = variables_for(scrapes, args.model, args.rate_interval_s)
     data = [panel_data(p, scrapes, variables) for p in iter_panels(dashboard) if p.get("type") != "row"]
@@ -171,7 +171,3 @@ def main(argv: list[str] | None = None) -> int:
     if empty:
         print(f"no data: {', '.join(empty)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

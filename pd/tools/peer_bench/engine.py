@@ -1,4 +1,4 @@
-"""The engine's own rate on the peer benchmark's workload (pd/tools/peer_bench.py).
+"""The engine's own rate on the peer benchmark's workload (pd/tools/peer_bench/cli.py).
 
 The same waves (prompts rendered with the model's chat template, as the router renders them),
 the same output length (EOS ignored, greedy) and concurrency, fed straight to one engine built
@@ -11,7 +11,7 @@ projections that rate implies (their flops per token times tokens/s, prefill inc
 It runs in a child process started with a worker's environment (pd.worker.process_env: OpenMP
 threads that sleep between ops), as the served workers are, so that neither the benchmark's own
 process state nor its environment weighs on the figure it is held against:
-`python -m pd.tools.peer_bench_engine --config deploy/smollm2-colocated.yaml --concurrency 1,8,32`
+`python -m pd.tools.peer_bench.engine --config deploy/smollm2-colocated.yaml --concurrency 1,8,32`
 prints the figures as JSON.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 import torch
 
 from pd.engine.sample.params import SamplingParams
-from pd.tools.loadgen_report import percentile
-from pd.tools.peer_bench_workload import Wave, build_waves, messages_for
+from pd.tools.percentile import percentile
+from pd.tools.peer_bench.workload import Wave, build_waves, messages_for
 from pd.worker.process_env import worker_env
 
 
@@ -40,7 +40,7 @@ def engine_rates(config_path: str, waves: list[Wave], output_len: int,
     `main` in a child process with a worker's environment; `waves` must be `build_waves(cs, rounds)`."""
     concurrencies = sorted({w.concurrency for w in waves})
     rounds = sum(1 for w in waves if w.concurrency == concurrencies[0] and not w.warmup)
-    cmd = [sys.executable, "-m", "pd.tools.peer_bench_engine", "--config", config_path,
+    cmd = [sys.executable, "-m", "pd.tools.peer_bench.engine", "--config", config_path,
            "--concurrency", ",".join(map(str, concurrencies)), "--rounds", str(rounds),
            "--output-len", str(output_len)] + (["--threads", str(threads)] if threads else [])
     done = subprocess.run(cmd, env={**os.environ, **worker_env()}, capture_output=True, text=True,
@@ -102,7 +102,7 @@ def _run_wave(eng, prompts: dict[str, list[int]], params: SamplingParams) -> tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pd.tools.peer_bench_engine", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pd.tools.peer_bench.engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="deploy YAML whose colocated worker's engine to build")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated wave sizes")
     ap.add_argument("--rounds", type=int, default=3, help="measured waves per concurrency (after one warm-up)")

@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from pd.tools.loadgen_client import RequestOptions, send_request
+from pd.tools.loadgen.client import RequestOptions, send_request
 from pd.tools.sse_stream import SSEStream
 from pd.tools.vs_hf import QUESTIONS
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from pd.tools.loadgen_report import BURST_GAP_S, RequestRecord, metric_values_s, percentile
+from pd.tools.loadgen.report import BURST_GAP_S, RequestRecord, metric_values_s
+from pd.tools.percentile import percentile
 
 MAX_TIMELINE_REQUESTS = 48
 

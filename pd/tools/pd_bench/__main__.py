@@ -1,0 +1,3 @@
+from pd.tools.pd_bench.cli import main
+
+main()

@@ -1,0 +1,5 @@
+import sys
+
+from pd.tools.peer_bench.cli import main
+
+sys.exit(main())

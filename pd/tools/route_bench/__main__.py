@@ -1,0 +1,3 @@
+from pd.tools.route_bench.cli import main
+
+main()
