@@ -136,7 +136,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
             self.producer = Producer(ProducerConfig(
                 engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, host=cfg.host, port=cfg.port,
                 lease_s=cfg.lease_s, io_timeout_s=cfg.io_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
-                shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=self._offer_shm), page_pool, self.metrics)
+                shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=self._offer_shm,
+                offer_device=self._offer_shm), page_pool, self.metrics)
             self.producer.start()
             self.advertised_port = self.producer.port
             if cfg.emulated_link is not None:

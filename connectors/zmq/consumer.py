@@ -307,7 +307,7 @@ class Consumer(StreamLoads):
         assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
         session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, mode,
-                                      cfg.io_timeout_s, cfg.spin_us / 1e6)
+                                      cfg.io_timeout_s, cfg.spin_us / 1e6, cfg.staging, cfg.device_checksums)
                            for _ in range(count)]
         with self._lock:
             session.state = SessionState.READY

@@ -7,9 +7,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from connectors.zmq.page_access import DEFAULT_STAGING
+from connectors.zmq.staging_ring import StagingShape
+
 
 class DataPath(str, enum.Enum):
-    AUTO = "auto"  # shared memory when the producer is on this host, else tcp
+    AUTO = "auto"  # same node, both pools on GPUs: cuda_ipc; same host: shared memory; else tcp
+    CUDA_IPC = "cuda_ipc"  # the producer's CUDA pool mapped here, pages copied device to device; falls back to shm
     TCP = "tcp"
     SHM = "shm"  # map the producer's CPU pool and copy once; else staged
     SHM_STAGED = "shm_staged"  # always through a staging segment (CUDA pools use this)
@@ -31,6 +35,10 @@ class ConsumerConfig:
     # After a PULL, a stream thread polls for the answer without sleeping for up to this long:
     # lower one-block latency for a bounded burst of CPU per pull (0: always sleep).
     spin_us: int = 200
+    staging: StagingShape = DEFAULT_STAGING  # how a CUDA pool's pages are staged (tcp)
+    # cuda_ipc: check every page against the producer's digest (a device-to-host pass and a hash of each
+    # page on this host: many times the cost of the device copy; the bytes never cross a wire on this path)
+    device_checksums: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id or len(self.secret) < 16:

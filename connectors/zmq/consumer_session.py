@@ -60,7 +60,17 @@ def side_socket(ctx: zmq.Context, remote: RemoteAddr) -> zmq.Socket:
 
 
 def data_mode(cfg: ConsumerConfig, welcome: dict, host_id: str, pool_device: str, engine_id: str) -> tuple[str, int]:
-    """The data streams' mode ("map", "shm" or "tcp") and how many to open, given the WELCOME."""
+    """The data streams' mode ("cuda_ipc", "map", "shm" or "tcp") and how many to open, given the WELCOME.
+
+    The device path is tried when the producer is on this node and either this side asked for it
+    (`cuda_ipc`) or, with `auto`, both pools are on GPUs (the WELCOME's `device` says the producer's
+    is); a stream that then cannot map the producer's pool falls back to shm (`PullStream`)."""
+    if welcome["host_id"] == host_id:
+        offered = welcome.get("device") is True
+        if cfg.data_path is DataPath.CUDA_IPC or (cfg.data_path is DataPath.AUTO and offered and pool_device == "cuda"):
+            return "cuda_ipc", cfg.num_shm_streams
+    elif cfg.data_path is DataPath.CUDA_IPC:
+        logger.warning("KV producer %s is not on this node: no device path; using tcp", engine_id)
     same_host = welcome["host_id"] == host_id and welcome["shm"]
     wants_shm = cfg.data_path in (DataPath.SHM, DataPath.SHM_STAGED)
     use_shm = wants_shm or (cfg.data_path is DataPath.AUTO and same_host)

@@ -20,9 +20,9 @@ Only transfer threads ever block on the host (on their own side stream's
 events, e.g. before a pinned staging half is refilled); the engine thread
 never calls a synchronize here.
 
-`CudaStaging` owns one transfer thread's pinned staging buffer (allocated
-once, two halves, reused for the life of the stream) and its side stream.
-Invariant: an instance is used by one thread only.
+`connectors.zmq.staging_ring.StagingRing` owns one transfer thread's pinned
+staging slots and side stream; `HostPin` page-locks memory this process did not
+allocate as pinned (a shared-memory segment), so copies to and from it are DMA.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import weakref
 import torch
 
 MAX_RUN_COPIES = 8  # above this many contiguous runs, one index gather/scatter beats slice copies
-STAGING_HALF_BYTES = 16 * 1024 * 1024  # pinned bytes per staging half: 32 MiB pinned per transfer stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,70 +167,29 @@ def fences_for(pool) -> StreamFences:
         return fences
 
 
-class CudaStaging:
-    """One transfer thread's pinned staging (two halves, allocated once) and side stream.
+class HostPin:
+    """Page-locks `tensor`'s host memory for CUDA (cudaHostRegister) until `release`.
 
-    `rows_per_half` pages fit in a half; callers chunk transfers to it.
-    Invariant: a half is handed out again only after the H2D copy reading it finished.
+    Memory CUDA did not allocate (an mmap of `/dev/shm`) is pageable: a copy
+    between it and the device goes through the driver's own small pinned
+    buffer, synchronously, at a fraction of the DMA rate. Registered, the same
+    memory is a DMA source and target like `pin_memory=True` tensors.
+    Guarantees: `release` unregisters once; the caller keeps the memory mapped
+    until then (unmapping registered memory first is undefined).
     """
 
-    def __init__(self, pool, max_pages: int = 64):
-        if pool.device.type != "cuda":
-            raise ValueError(f"CudaStaging needs a CUDA pool, got device {pool.device}")
-        self.pool = pool
-        self.device = pool.device
-        page_bytes = pool.page_size_bytes
-        self.rows_per_half = max(1, min(max_pages, STAGING_HALF_BYTES // page_bytes))
-        with torch.cuda.device(self.device):
-            self.host = torch.empty((2 * self.rows_per_half, page_bytes), dtype=torch.uint8, pin_memory=True)
-            self.stream = torch.cuda.Stream(device=self.device)
-        self.fences = fences_for(pool)
-        self._busy: list[torch.cuda.Event | None] = [None, None]  # H2D copies still reading each half
-        self._half = 0
+    def __init__(self, tensor: torch.Tensor):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available: nothing to pin host memory for")
+        self._ptr = tensor.data_ptr()
+        self.nbytes = tensor.numel() * tensor.element_size()
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(self._ptr, self.nbytes, _HOST_REGISTER_PORTABLE))
 
-    def half_rows(self, num_pages: int) -> torch.Tensor:
-        """The next free staging half's first `num_pages` rows (waits for its last H2D copy)."""
-        if num_pages > self.rows_per_half:
-            raise ValueError(f"{num_pages} pages exceed a staging half of {self.rows_per_half}")
-        self._half ^= 1
-        event = self._busy[self._half]
-        if event is not None:
-            event.synchronize()  # this thread only; the compute stream is not involved
-            self._busy[self._half] = None
-        start = self._half * self.rows_per_half
-        return self.host[start : start + num_pages]
+    def release(self) -> None:
+        if self._ptr:
+            ptr, self._ptr = self._ptr, 0
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
 
-    def copy_to_host(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Pages -> `out` (default: a staging half); complete when this returns."""
-        out = self.half_rows(len(block_ids)) if out is None else out
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.fences.order_after_writes(self.stream)
-            gather_pages(self.pool.buffer, block_ids, out)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()  # the bytes are about to be sent or checksummed by this thread
-        return out
 
-    def copy_to_pool(self, src: torch.Tensor, block_ids: list[int], wait: bool = False) -> None:
-        """`src` rows -> pages, async on the side stream; the compute stream is fenced on it.
-
-        `wait=True` returns only after the copy finished (needed when `src` is
-        not this object's staging, e.g. a shared-memory half about to be refilled).
-        """
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            scatter_pages(src, self.pool.buffer, block_ids)
-            landed = torch.cuda.Event()
-            landed.record(self.stream)
-        self.fences.add_landed(landed)
-        half = self._staging_half_of(src)
-        if half is not None:
-            self._busy[half] = landed
-        if wait:
-            landed.synchronize()
-
-    def _staging_half_of(self, rows: torch.Tensor) -> int | None:
-        offset = rows.data_ptr() - self.host.data_ptr()
-        half_bytes = self.rows_per_half * self.pool.page_size_bytes
-        if 0 <= offset < 2 * half_bytes:
-            return offset // half_bytes
-        return None
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process

@@ -1,24 +1,28 @@
 """Host-memory access to a KVPages's pages for the data streams.
 
 On a CPU pool the pages *are* host memory: senders hand page views to
-`sendmsg` and receivers `recv_into` the destination page, so bytes are never
-copied in user space. On a CUDA pool each stream owns a pinned staging buffer
-and a side stream (`connectors.zmq.cuda_staging.CudaStaging`): pages are gathered
-device-to-host into staging before sending (after the compute stream's latest
-forward, by event), and landed host-to-device from staging after receiving
-(the compute stream waits on the landing event before a forward reads them);
-copies are batched per contiguous run or one index gather, never per page.
+`sendmsg` (one view per run of consecutive blocks) and receivers `recv_into`
+the destination page, so bytes are never copied in user space. On a CUDA pool
+each stream owns a `StagingRing` (pinned slots and a side stream): pages are
+gathered device-to-host a chunk at a time, later chunks' copies queued while
+the current one is sent, and landed host-to-device asynchronously while the
+next chunk is received (`connectors.zmq.staging_ring`). Copies are batched per
+contiguous run or one index gather, never per page.
 
 Invariant: an instance is used by one thread only (its stream's thread).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 import xxhash
 
-from connectors.zmq.cuda_staging import CudaStaging
 from connectors.pages import KVPages
+from connectors.zmq.staging_ring import StagingRing, StagingShape
+
+DEFAULT_STAGING = StagingShape()
 
 
 def digest(view) -> int:
@@ -26,19 +30,38 @@ def digest(view) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
+def page_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(first block, count) for each run of ascending consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
 class PageAccess:
-    def __init__(self, pool: KVPages, staging_pages: int = 64):
+    """A data stream's view of a pool's pages as host memory: in place (`on_host`) or staged."""
+
+    def __init__(self, pool: KVPages, staging: StagingShape = DEFAULT_STAGING):
         self.pool = pool
         self.page_bytes = pool.page_size_bytes
-        self.on_host = pool.device.type == "cpu"
+        self.on_host = pool.device.type == "cpu" and not staging.stage_host_pools
+        self._ring: StagingRing | None = None
+        self._landing_rows: torch.Tensor | None = None
         if self.on_host:
             self._host = pool.buffer.numpy()  # shares memory with the pool
             self._flat = memoryview(self._host).cast("B")  # the pool's bytes, for cheap page views
             self.staging_pages = 1 << 30  # no staging limit: pages are used in place
         else:
-            self._staging = CudaStaging(pool, max(1, staging_pages))
-            self.staging_pages = self._staging.rows_per_half
-            self._landing_rows: torch.Tensor | None = None
+            self._ring = StagingRing(pool, staging)
+            self.staging_pages = self._ring.rows
+
+    @property
+    def ring(self) -> StagingRing:
+        assert self._ring is not None, "a staged access"
+        return self._ring
 
     def _host_views(self, block_ids: list[int]) -> list[memoryview]:
         """CPU pool: each page as a byte slice of the pool itself (no copy, no numpy)."""
@@ -46,37 +69,36 @@ class PageAccess:
         return [flat[b * size : (b + 1) * size] for b in block_ids]
 
     # ------------------------------------------------------------------ send side
-    def gather(self, block_ids: list[int]) -> list[np.ndarray]:
-        """Host views holding the pages' bytes, in order (at most `staging_pages` on CUDA)."""
-        if self.on_host:
-            return [self._host[b] for b in block_ids]
-        assert len(block_ids) <= self.staging_pages, "caller chunks to staging_pages"
-        rows = self._staging.copy_to_host(block_ids).numpy()
-        return [rows[i] for i in range(len(block_ids))]
+    def send_views(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        """The pages' bytes in order, as lists of byte views for one `sendmsg` each.
 
-    def gather_views(self, block_ids: list[int]) -> list[memoryview]:
-        """`gather` as byte memoryviews (what `sendmsg` takes; on CPU a slice per page, no numpy)."""
+        In place: one list, one view per run of consecutive blocks (fewer, larger
+        iovecs). Staged: one list per chunk, one view of its whole slot; the
+        views of a list stay valid until the generator is resumed."""
         if self.on_host:
-            return self._host_views(block_ids)
-        return [v.data.cast("B") for v in self.gather(block_ids)]
+            flat, size = self._flat, self.page_bytes
+            yield [flat[b * size : (b + n) * size] for b, n in page_runs(block_ids)]
+            return
+        for _, rows in self.ring.gather_chunks(block_ids):
+            yield [memoryview(rows.numpy()).cast("B")]
 
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
-        """dst[i] = page(block_ids[i]) for a host tensor `dst` (shared-memory staging)."""
+        """dst[i] = page(block_ids[i]) for host rows `dst` (shared-memory staging); done on return."""
         if self.on_host:
             # row by row: torch's index_select/index_copy_ are far slower than memcpy here
             out = dst.numpy()
             for i, b in enumerate(block_ids):
                 np.copyto(out[i], self._host[b])
             return
-        self._staging.copy_to_host(block_ids, out=dst)
+        self.ring.gather_into(block_ids, dst)
 
     # ------------------------------------------------------------------ receive side
     def landing(self, block_ids: list[int]) -> list[np.ndarray]:
-        """Where to `recv_into` these pages: the pool itself on CPU, staging on CUDA."""
+        """Where to put these pages' bytes: the pool itself in place, a staging slot otherwise
+        (then `commit` lands them)."""
         if self.on_host:
             return [self._host[b] for b in block_ids]
-        assert len(block_ids) <= self.staging_pages, "caller chunks to staging_pages"
-        self._landing_rows = self._staging.half_rows(len(block_ids))
+        self._landing_rows = self.ring.landing_rows(len(block_ids))
         rows = self._landing_rows.numpy()
         return [rows[i] for i in range(len(block_ids))]
 
@@ -87,30 +109,36 @@ class PageAccess:
         return [v.data.cast("B") for v in self.landing(block_ids)]
 
     def commit(self, block_ids: list[int]) -> None:
-        """Makes pages returned by `landing` visible in the pool
-        (CUDA: batched H2D on the side stream, event-fenced)."""
+        """Lands pages put where `landing` said: staged, a queued host-to-device copy (async;
+        the next `landing` may already receive into another slot). `settle` waits for it."""
         if self.on_host:
             return
         rows, self._landing_rows = self._landing_rows, None
         assert rows is not None and rows.shape[0] == len(block_ids), "commit follows landing"
-        # The compute stream is fenced on the landing event; this thread also waits for the copy so a
-        # resolved part never has a write in flight (PullStream's guarantee, for callers without an engine).
-        self._staging.copy_to_pool(rows, block_ids, wait=True)
+        self.ring.land(rows, block_ids)
 
     def copy_in(self, src: torch.Tensor, block_ids: list[int]) -> None:
-        """page(block_ids[i]) = src[i] for a host tensor `src` (shared-memory staging)."""
+        """page(block_ids[i]) = src[i] for host rows `src` (shared-memory staging). Staged, the
+        copy is queued: `src` stays untouched until `settle` returns."""
         if self.on_host:
             rows = src.numpy()
             for i, b in enumerate(block_ids):
                 np.copyto(self._host[b], rows[i])
             return
-        # wait: the caller hands `src` (a shared-memory half) back to the producer next
-        self._staging.copy_to_pool(src, block_ids, wait=True)
+        self.ring.land(src, block_ids)
+
+    def settle(self) -> None:
+        """Returns once no copy into the pool that this access queued is still running."""
+        if self._ring is not None:
+            self._landing_rows = None
+            self._ring.settle()
 
     def page_digests(self, block_ids: list[int]) -> list[int]:
-        """Checksums of pool pages as they are now (CUDA: through staging, chunked)."""
+        """Checksums of pool pages as they are now (staged: chunk by chunk through the ring)."""
+        if self.on_host:
+            return [digest(v) for v in self._host_views(block_ids)]
         out: list[int] = []
-        step = self.staging_pages
-        for i in range(0, len(block_ids), step):
-            out.extend(digest(v) for v in self.gather(block_ids[i : i + step]))
+        for _, rows in self.ring.gather_chunks(block_ids):
+            host = rows.numpy()
+            out.extend(digest(host[i]) for i in range(host.shape[0]))
         return out

@@ -14,25 +14,31 @@ Threads (all daemon, all with timeouts, none ended by bad input):
     pages out of this pool, mapped read-only, and CREDITs when done - the
     lease stays pinned until then;
   - shm (same host, staged): pages pass through a shared-memory segment,
-    double-buffered with CHUNK / CREDIT frames.
+    double-buffered with CHUNK / CREDIT frames (page-locked for a CUDA pool);
+  - cuda_ipc (same node, CUDA pool): ATTACHED carries the pool's IPC export
+    (`device_path.py`); a PULL is answered with its PAGES header once the
+    pages' writer finished, the consumer copies device to device and CREDITs.
+A CUDA pool's tcp pages leave through a staging ring (`staging_ring.py`):
+device-to-host copies of later chunks overlap the send of the current one.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import socket
 import threading
 import time
 
+import torch
 import zmq
 
 from connectors.zmq import handshake as hs
-from connectors.zmq import framing, wire
+from connectors.zmq import device_path, framing, wire
 from connectors.zmq.data_listener import DataListener, ListenerLimits
 from connectors.zmq.leases import LeaseTable, PullRefused, ServedPull
 from connectors.metrics import LeaseEnd, TransferMetrics
 from connectors.zmq.page_access import PageAccess
+from connectors.zmq.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
 from connectors.pages import KVPages
 from connectors.params import valid_trace_context
 from connectors.zmq.peer_log import WarnLimiter, quote
@@ -46,41 +52,6 @@ logger = logging.getLogger(__name__)
 
 _EXPIRE_EVERY_S = 1.0  # how often idle sessions are looked for
 _IDLE_S = 0.5  # an idle data stream's thread wakes this often to notice shutdown
-
-
-@dataclasses.dataclass(frozen=True)
-class ProducerConfig:
-    engine_id: str
-    secret: bytes
-    compat_hash: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    data_port: int = 0
-    lease_s: float = 30.0
-    io_timeout_s: float = 5.0  # longest wait for a peer in the middle of a frame or a credit
-    handshake_timeout_s: float = 5.0
-    max_streams: int = 64  # attached data streams
-    max_preauth: int = 32  # data connections waiting for their ATTACH (oldest evicted)
-    max_side_connections: int = 256  # ZMQ connections to the side channel (newest refused)
-    max_sessions: int = 1024  # least recently used evicted
-    max_watchers: int = 4096  # streamed requests WATCHed at once (a WATCH past it is refused)
-    session_idle_s: float = 300.0  # consumers keep theirs alive with heartbeats
-    shm_chunk_bytes: int = 8 * 1024 * 1024
-    offer_shm: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ValueError("engine_id must be non-empty")
-        if len(self.secret) < 16:
-            raise ValueError("secret must be at least 16 bytes (the side channel is always authenticated)")
-        if min(self.lease_s, self.io_timeout_s, self.handshake_timeout_s, self.session_idle_s) <= 0:
-            raise ValueError("timeouts must be positive")
-        if min(self.max_streams, self.max_preauth, self.max_side_connections, self.max_sessions,
-               self.max_watchers) < 1:
-            raise ValueError("max_streams, max_preauth, max_side_connections, max_sessions and max_watchers "
-                             "must be >= 1")
-        if not (0 <= self.port < 65536 and 0 <= self.data_port < 65536):
-            raise ValueError("ports must be in [0, 65535]")
 
 
 class Producer:
@@ -103,7 +74,7 @@ class Producer:
         self._warn = WarnLimiter(logger)  # what strangers can trigger is rate-limited
         self._threads: list[threading.Thread] = []
         self._streams: set[socket.socket] = set()
-        self._seal_access = PageAccess(pool)
+        self._seal_access = PageAccess(pool, config.staging)
         self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics,  # streamed leases
                                       config.max_watchers)
         self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
@@ -252,7 +223,11 @@ class Producer:
         self._send(ident, wire.encode(MsgType.WELCOME, session=session.session_id,
                                       mac=welcome_mac(key, session.session_id),
                                       data_port=self.advertised_data_port or self.data_port, host_id=self.host_id,
-                                      shm=self.config.offer_shm))
+                                      shm=self.config.offer_shm, device=self._offers_device))
+
+    @property
+    def _offers_device(self) -> bool:
+        return self.config.offer_device and self.pool.device.type == "cuda"
 
     def _refuse(self, ident: bytes, reason: hs.RefuseReason, detail: str) -> None:
         self._warn.warning("KV producer %s refused a peer (%s): %s", self.config.engine_id, reason.value, detail)
@@ -283,18 +258,26 @@ class Producer:
         try:
             conn.settimeout(self.config.io_timeout_s)
             mapped = mode == "map" and self.config.offer_shm and self.pool.shared_path is not None
-            if mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
+            access = PageAccess(self.pool, self.config.staging)
+            path = "map" if mapped else "tcp"
+            if mode == "cuda_ipc":  # only an attached (MAC-checked) connection of a live session gets here
+                if not self._attach_device(conn):
+                    return  # the consumer falls back on a new connection
+                path = "cuda_ipc"
+            elif mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
                                                      shm_bytes=self.pool.nbytes, chunk_pages=0))
             elif mode == "shm" and self.config.offer_shm:
                 chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
                 seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
+                if self.pool.device.type == "cuda":
+                    seg.pin()  # page-locked: the D2H copies into it run at DMA rate
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes,
                                                      chunk_pages=chunk))
+                path = "shm"
             else:
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
-            access = PageAccess(self.pool)
-            self._serve(conn, session, access, seg, mapped)
+            self._serve(conn, session, access, seg, path)
         except (ConnectionError, OSError, MalformedMessage) as e:
             if isinstance(e, MalformedMessage):
                 self.metrics.record_malformed()
@@ -307,15 +290,31 @@ class Producer:
             if seg is not None:
                 seg.close()
 
+    def _attach_device(self, conn: socket.socket) -> bool:
+        """Answers a cuda_ipc ATTACH: the pool's export, or why there is none (the consumer falls back)."""
+        try:
+            if not self._offers_device:
+                raise device_path.DeviceUnavailable("this producer does not offer its device pool")
+            export, reason = device_path.export_pool(self.pool), ""
+        except device_path.DeviceUnavailable as e:
+            export, reason = {}, str(e)
+        except Exception as e:  # noqa: BLE001 -- any failure to export means: no device path, say why
+            export, reason = {}, f"{type(e).__name__}: {e}"
+        framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0,
+                                             ipc=export, ipc_error=reason))
+        if reason:
+            logger.info("KV producer %s: no device path for a consumer: %s", self.config.engine_id, reason)
+        return bool(export)
+
     def _serve(self, conn: socket.socket, session: ProducerSession, access: PageAccess, seg: ShmSegment | None,
-               mapped: bool) -> None:
+               path: str) -> None:
         # Kernel-side timeouts: a read or a send is one syscall. Idle reads wake every
         # _IDLE_S to notice shutdown; a frame, a send or a credit waits at most io_timeout_s.
         io_s = self.config.io_timeout_s
         framing.kernel_timeouts(conn, _IDLE_S, io_s)
         reader = framing.FrameReader(conn)
         page_bytes = self.pool.page_size_bytes
-        path = "map" if mapped else "tcp" if seg is None else "shm"
+        device = torch.cuda.Stream(device=self.pool.device) if path == "cuda_ipc" else None
         while not self._stop.is_set():
             try:
                 msg_type, msg = reader.read(io_s, idle=True)
@@ -339,14 +338,12 @@ class Producer:
             try:
                 sealed = lease.digests
                 digests = [sealed[b] for b in block_ids] if sealed is not None else access.page_digests(block_ids)
-                if mapped:
+                if path in ("map", "cuda_ipc"):
+                    if device is not None:  # the consumer reads the pages on the device: their writer first
+                        device_path.wait_for_writes(self.pool, device)
                     # Digests only; the lease stays pinned until the consumer says it copied.
                     framing.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
                     self._await_credit(reader, [True, False])
-                elif seg is None and access.on_host:  # header and pages in one sendmsg, from the pool
-                    bufs: list[bytes | memoryview] = list(access.gather_views(block_ids))
-                    bufs.insert(0, wire.pages_frame(xfer, digests, page_bytes))
-                    framing.sendmsg_all(conn, bufs)
                 elif seg is None:
                     self._send_pages(conn, access, wire.pages_frame(xfer, digests, page_bytes), block_ids)
                 else:
@@ -359,12 +356,12 @@ class Producer:
             self.metrics.record_sent(len(block_ids), len(block_ids) * page_bytes)
 
     def _send_pages(self, conn, access: PageAccess, header: bytes, block_ids: list[int]) -> None:
-        """The PAGES header and the page bytes through staging: one sendmsg per staging chunk."""
-        step = access.staging_pages
+        """The PAGES header and the page bytes: in place, one sendmsg from the pool (a view per run
+        of consecutive pages); staged, one sendmsg per chunk, straight from its pinned slot while
+        the next chunks' device-to-host copies run."""
         bufs: list = [header]
-        for i in range(0, len(block_ids), step):
-            bufs += access.gather_views(block_ids[i : i + step])
-            framing.sendmsg_all(conn, bufs)
+        for views in access.send_views(block_ids):
+            framing.sendmsg_all(conn, bufs + views)
             bufs = []
 
     def _send_chunks(self, conn, reader: framing.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,

@@ -1,6 +1,8 @@
 """One consumer data stream: a socket (plus, on one host, a read-only mapping
-of the producer's pool or a shared-memory staging segment) and the thread that
-runs pulls over it, one after another.
+of the producer's pool, a shared-memory staging segment, or on one node the
+producer's CUDA pool mapped through IPC) and the thread that runs pulls over
+it, one after another. A stream asked for the device path that cannot map the
+producer's pool says why in the log and falls back to the host path.
 
 Guarantees:
 - every `PullPart` handed to `submit` is resolved exactly once (landed and
@@ -24,13 +26,15 @@ import time
 import numpy as np
 import xxhash
 
-from connectors.zmq import framing, wire
+from connectors.zmq import framing, same_host_receive, wire
+from connectors.zmq.device_path import DeviceUnavailable, MappedPool
 from connectors.zmq.loads import PullPart
 from connectors.metrics import FailureCause
-from connectors.zmq.page_access import PageAccess, digest
+from connectors.zmq.page_access import DEFAULT_STAGING, PageAccess, digest
 from connectors.pages import KVPages
 from connectors.zmq.session import ClientSession
 from connectors.zmq.shm import ShmSegment, map_pool
+from connectors.zmq.staging_ring import StagingShape
 from connectors.zmq.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
@@ -40,8 +44,11 @@ class PullStream:
     """Runs pulls on one data stream to one producer."""
 
     def __init__(self, pool: KVPages, host: str, data_port: int, session: ClientSession, mode: str, io_timeout_s: float,
-                 spin_s: float = 0.0):
+                 spin_s: float = 0.0, staging: StagingShape = DEFAULT_STAGING, device_checksums: bool = False):
         self._pool = pool
+        self._staging = staging
+        self._device_checksums = device_checksums
+        self._device: MappedPool | None = None  # the producer's CUDA pool (mode "cuda_ipc")
         self._spin_s = spin_s
         self._spin_poller = select.poll()  # the data socket alone, polled without sleeping
         self._addr = (host, data_port)
@@ -119,7 +126,7 @@ class PullStream:
         access = None
         try:
             self._connect()
-            access = PageAccess(self._pool)
+            access = PageAccess(self._pool, self._staging)
             with self._send_lock:
                 self._ready = True
         except Exception as e:  # noqa: BLE001 -- the stream thread reports any failure to open as a dead stream
@@ -177,6 +184,15 @@ class PullStream:
             self._break()
 
     def _connect(self) -> None:
+        if self.mode == "cuda_ipc":
+            try:
+                return self._attach()
+            except (OSError, ValueError, DeviceUnavailable) as e:
+                self.mode = "map" if self._pool.device.type == "cpu" else "shm"
+                logger.warning("KV device path (CUDA IPC) to %s:%d unavailable: %s; using %s", *self._addr, e,
+                               self.mode)
+                self._break()
+                self.dead = False
         if self.mode == "map":
             try:
                 return self._attach()
@@ -203,7 +219,12 @@ class PullStream:
         self._spin_poller.register(sock, select.POLLIN)
         self._polled_fd = sock.fileno()
         self._receive = self._recv_pages
-        if self.mode == "map":
+        if self.mode == "cuda_ipc":
+            if msg.get("ipc_error"):
+                raise DeviceUnavailable(f"the producer: {msg['ipc_error']}")
+            self._device = MappedPool(msg.get("ipc"), self._pool)
+            self._receive = self._copy_device
+        elif self.mode == "map":
             self._mapped = map_pool(msg["shm_name"], msg["shm_bytes"], self._pool.page_size_bytes)
             self._receive = self._copy_mapped
         elif self.mode == "shm":
@@ -211,6 +232,8 @@ class PullStream:
                 raise ConnectionError("producer declined shared memory")
             self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"],
                                         self._pool.page_size_bytes)
+            if self._pool.device.type == "cuda":
+                self._seg.pin()  # page-locked: its host-to-device copies run at DMA rate, asynchronously
             self._receive = self._recv_chunks
 
     def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:
@@ -259,6 +282,8 @@ class PullStream:
             logger.exception("KV pull of %s failed unexpectedly", part.remote_request_id)
             part.fail(FailureCause.PEER_GONE)
             self._break()
+        finally:
+            access.settle()  # resolved only with no copy into its pages still running
 
     def _spin_until_readable(self) -> None:
         """Polls for the answer without sleeping, for at most `spin_s`, then leaves the wait to the
@@ -352,43 +377,21 @@ class PullStream:
         views = [memoryview(head)]
         for _, off, n, rest in framing.recv_scatter(self._conn, views):
             digests = self._pages_header(part, head, off + n, views, rest)
-        src = self._mapped
-        assert src is not None and digests is not None  # (attached in map mode; the header came first)
-        for j, (s, view) in enumerate(zip(part.src_block_ids, access.landing(part.dst_block_ids), strict=True)):
-            np.copyto(view, src[s])  # the one copy: producer's page -> our page
-            if digest(view) != digests[j]:
-                part.bad_block_ids.append(part.dst_block_ids[j])
-        if part.bad_block_ids:
-            part.cause = FailureCause.CHECKSUM
-        self._final_credit = wire.encode(MsgType.CREDIT, half=0)  # unpins the lease; sent after reporting
+        assert self._mapped is not None and digests is not None  # (attached in map mode; the header came first)
+        same_host_receive.copy_mapped(self._mapped, part, access, digests)
+        self._final_credit = same_host_receive.FINAL_CREDIT  # unpins the lease; sent after reporting
+
+    def _copy_device(self, part: PullPart, access: PageAccess) -> None:
+        msg = self._expect(MsgType.PAGES, part.xfer)  # the producer's pages are written: copy them
+        assert self._device is not None  # (attached in cuda_ipc mode)
+        try:
+            same_host_receive.copy_device(self._device, part, access, msg["digests"], self._device_checksums)
+        finally:
+            self._final_credit = same_host_receive.FINAL_CREDIT  # unpins the lease; sent after reporting
 
     def _recv_chunks(self, part: PullPart, access: PageAccess) -> None:
-        seg = self._seg
-        assert seg is not None  # (attached in shm mode)
-        dst = part.dst_block_ids
-        done = 0
-        while done < len(dst):
-            msg = self._expect(MsgType.CHUNK, part.xfer)
-            half, digests = msg["half"], msg["digests"]
-            if half not in (0, 1) or not digests or len(digests) > seg.chunk_pages or done + len(digests) > len(dst):
-                raise MalformedMessage("chunk does not match the pull")
-            ids = dst[done : done + len(digests)]
-            done += len(ids)
-            last = done == len(dst)
-            rows = seg.half(half)
-            access.copy_in(rows, ids)
-            if access.on_host and not last:  # the half is copied out: let the producer refill it now
-                framing.send_frame(self._conn, wire.encode(MsgType.CREDIT, half=half))
-            check = access.landing(ids) if access.on_host else [rows[j].numpy() for j in range(len(ids))]
-            for j, view in enumerate(check):
-                if digest(view) != digests[j]:
-                    part.bad_block_ids.append(ids[j])
-            if last:  # sent once the part is reported (off the latency path), see _run
-                self._final_credit = wire.encode(MsgType.CREDIT, half=half)
-            elif not access.on_host:
-                framing.send_frame(self._conn, wire.encode(MsgType.CREDIT, half=half))
-        if part.bad_block_ids:
-            part.cause = FailureCause.CHECKSUM
+        assert self._seg is not None  # (attached in shm mode)
+        self._final_credit = same_host_receive.recv_shm_chunks(self._conn, self._seg, part, access, self._expect)
 
     def _send_final_credit(self) -> None:
         # Sent before any later PULL can go out: a direct send needs an empty `_parts`,
@@ -418,6 +421,9 @@ class PullStream:
             self._seg.close()
             self._seg = None
         self._mapped = None
+        if self._device is not None:
+            self._device.close()  # the session's mapping of the producer's pool ends with its stream
+            self._device = None
 
 
 class _Refused(Exception):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # a whole transfer may take: waiting longer only delays the fallback to local recompute.
 MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
-DataPathName = Literal["auto", "tcp", "shm"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
+DataPathName = Literal["auto", "tcp", "shm", "cuda_ipc"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
 DATA_PATHS = get_args(DataPathName)
 StreamingName = Literal["off", "chunk", "layer"]  # KV streaming (connectors.zmq.stream, .layer_slices)
 STREAMING_MODES = get_args(StreamingName)
@@ -35,7 +35,7 @@ class TransferSettings:
     port: int = 0  # 0: any free port (reported in kv_transfer_params)
     timeout_s: float = 10.0
     lease_s: float = 30.0
-    data_path: DataPathName = "auto"  # auto: shared memory to a producer on the same host, else tcp
+    data_path: DataPathName = "auto"  # auto: cuda_ipc between GPU pools of one node, shm on one host, else tcp
     emulated_link: LinkShape | None = None  # a producer's consumers reach it through this link (tcp)
     streaming: StreamingName = "off"  # chunk: P publishes a prompt's blocks after each prefill step
     stream_chunk_tokens: int = 256  # a streamed prefill's largest step (tokens)
@@ -52,8 +52,9 @@ class TransferSettings:
             raise ValueError(f"streaming must be one of {STREAMING_MODES} and stream_chunk_tokens >= 1")
         if not 1 <= self.stream_layer_parts <= 64:
             raise ValueError(f"stream_layer_parts must be in [1, 64], got {self.stream_layer_parts}")
-        if self.emulated_link is not None and self.data_path == "shm":
-            raise ValueError("an emulated link carries tcp only: data_path must be 'auto' or 'tcp', not 'shm'")
+        if self.emulated_link is not None and self.data_path in ("shm", "cuda_ipc"):
+            raise ValueError(f"an emulated link carries tcp only: data_path must be 'auto' or 'tcp', "
+                             f"not {self.data_path!r}")
 
     @property
     def step_timeout_s(self) -> float:

@@ -20,6 +20,7 @@ from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.loads import PullPart
 from connectors.zmq.pull_stream import PullStream
 from connectors.zmq.session import ClientSession
+from connectors.zmq.staging_ring import StagingShape
 from connectors.zmq.wire import MalformedMessage, MsgType
 
 SECRET = b"stream-tests-secret-0123456789"
@@ -319,35 +320,16 @@ def test_idle_session_whose_producer_goes_away_is_dropped_and_a_later_load_recon
             prod2.shutdown()
 
 
-def test_transfers_chunked_like_cuda_staging_land_exactly(monkeypatch):
-    """CUDA pools move pages through staging in chunks; the same chunked loops on a CPU pool
-    (3 pages a chunk) must land every byte, the frame riding only the first chunk."""
-    import connectors.zmq.page_access as pa
-    import connectors.zmq.producer as producer_mod
-    import connectors.zmq.pull_stream as pull_stream_mod
-
-    class Chunked(pa.PageAccess):  # the receive side: pages land in chunks of 3
-        def __init__(self, pool, staging_pages=64):
-            super().__init__(pool, staging_pages)
-            self.staging_pages = 3
-
-    class Staged(Chunked):  # the send side: takes the staging path, chunks of 3 at most
-        def __init__(self, pool, staging_pages=64):
-            super().__init__(pool, staging_pages)
-            self.on_host = False
-
-        def gather(self, block_ids):
-            assert len(block_ids) <= 3
-            return [self._host[b] for b in block_ids]
-
-    monkeypatch.setattr(producer_mod, "PageAccess", Staged)
-    monkeypatch.setattr(pull_stream_mod, "PageAccess", Chunked)
+def test_transfers_chunked_like_cuda_staging_land_exactly():
+    """CUDA pools move pages through a staging ring in chunks; the same ring on CPU pools
+    (3 pages a chunk, two slots) must land every byte, the frame riding only the first chunk."""
+    staged = StagingShape(chunk_bytes=3 * PAGE, slots=2, stage_host_pools=True)
     src_pool, dst_pool = PagePool(40, PAGE), PagePool(40, PAGE)
     src_pool.buffer.random_(0, 256, generator=torch.Generator().manual_seed(12))
-    prod = Producer(ProducerConfig(engine_id="P", secret=SECRET, compat_hash="c"), src_pool)
+    prod = Producer(ProducerConfig(engine_id="P", secret=SECRET, compat_hash="c", staging=staged), src_pool)
     prod.start()
-    cons = Consumer(ConsumerConfig(engine_id="D", secret=SECRET, compat_hash="c", data_path="tcp", num_tcp_streams=1),
-                    dst_pool)
+    cons = Consumer(ConsumerConfig(engine_id="D", secret=SECRET, compat_hash="c", data_path="tcp", num_tcp_streams=1,
+                                   staging=staged), dst_pool)
     cons.start()
     try:
         for n in (1, 3, 4, 10):
