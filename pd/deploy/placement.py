@@ -1,7 +1,8 @@
 """Placement of P/D worker actors on a Ray cluster: reserve, start, stop.
 
-Guarantees: GPU workers ask Ray for `num_gpus=1` (each gets its own GPU),
-CPU workers for the fraction of a CPU in `topology.cpus_per_worker`;
+Guarantees: GPU workers ask Ray for `topology.gpus_per_worker` of a GPU (1: each
+its own GPU; 0.5: two workers share one, which is how P and D run on a one-GPU
+box), CPU workers for no GPU; every worker for `topology.cpus_per_worker` CPUs;
 `topology.placement` reserves one placement-group bundle per worker, spread
 over nodes (`spread`) or packed onto few (`pack`), or none (`none`, each
 actor scheduled with Ray's SPREAD strategy); `start_workers` either returns
@@ -18,6 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pd.cluster.config import DeployConfig, Mode, Placement
+from pd.cluster.gpu_share import gpus_needed, workers_per_gpu
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.worker.actor import WorkerActor
 from pd.worker.process_env import worker_env
@@ -44,24 +46,36 @@ def worker_roles(config: DeployConfig) -> list[tuple[str, Role]]:
            [(f"decode-{i}", Role.DECODE) for i in range(topo.num_decode)]
 
 
+def worker_gpus(config: DeployConfig) -> float:
+    """The GPU share each worker asks Ray for: `topology.gpus_per_worker` on cuda, none on cpu."""
+    return config.topology.gpus_per_worker if config.topology.device == "cuda" else 0.0
+
+
 def worker_bundle(config: DeployConfig) -> dict[str, float]:
     """Ray resources of one worker (one placement-group bundle)."""
     bundle = {"CPU": float(config.topology.cpus_per_worker)}
     if config.topology.device == "cuda":
-        bundle["GPU"] = 1.0
+        bundle["GPU"] = worker_gpus(config)
     return bundle
 
 
 def resource_shortfall(config: DeployConfig, cluster_resources: dict) -> str | None:
-    """Why the cluster's total resources cannot hold the topology, or None if they can."""
+    """Why the cluster's total resources cannot hold the topology, or None if they can.
+
+    GPU shares below 1 count whole GPUs: a GPU holds floor(1 / share) workers (Ray never splits
+    one worker's share over two GPUs), so 2 workers at 0.6 need 2 GPUs, at 0.5 one."""
     n = config.topology.num_workers
     for key, per_worker in worker_bundle(config).items():
         have = float(cluster_resources.get(key, 0.0))
-        if have + 1e-9 < per_worker * n:
-            hint = (" (device: cuda asks one GPU per worker; use device: cpu on a machine without GPUs)"
-                    if key == "GPU" else "")
-            return (f"the topology needs {per_worker * n:g} {key} ({n} workers x {per_worker:g}), "
-                    f"the Ray cluster has {have:g}{hint}")
+        if key == "GPU" and per_worker < 1.0:
+            need = gpus_needed(n, per_worker)
+            detail = f"{n} workers at {per_worker:g} GPU each, {workers_per_gpu(per_worker)} per GPU"
+        else:
+            need, detail = per_worker * n, f"{n} workers x {per_worker:g}"
+        if have + 1e-9 < need:
+            hint = (" (device: cuda asks topology.gpus_per_worker of a GPU per worker; use device: cpu on a "
+                    "machine without GPUs)" if key == "GPU" else "")
+            return f"the topology needs {need:g} {key} ({detail}), the Ray cluster has {have:g}{hint}"
     return None
 
 
@@ -99,8 +113,7 @@ def release_placement(pg: PlacementGroup | None) -> None:
 
 def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle_index: int = 0) -> dict:
     """Ray options of worker `bundle_index`: its resources, inside its bundle when `pg` is given."""
-    num_gpus = 1 if config.topology.device == "cuda" else 0
-    options: dict[str, object] = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": num_gpus,
+    options: dict[str, object] = {"num_cpus": config.topology.cpus_per_worker, "num_gpus": worker_gpus(config),
                                   "runtime_env": {"env_vars": worker_env()}}
     if pg is None:
         options["scheduling_strategy"] = "SPREAD"

@@ -46,9 +46,11 @@ class Probe:
         return os.environ.get(name)
 
 
-def _config(device: str, placement: str, num_prefill: int = 1, num_decode: int = 1) -> DeployConfig:
+def _config(device: str, placement: str, num_prefill: int = 1, num_decode: int = 1,
+            gpus_per_worker: float = 1.0) -> DeployConfig:
     return DeployConfig.from_dict({"topology": {"device": device, "placement": placement, "num_prefill": num_prefill,
-                                                "num_decode": num_decode, "cpus_per_worker": 0.25}})
+                                                "num_decode": num_decode, "cpus_per_worker": 0.25,
+                                                "gpus_per_worker": gpus_per_worker}})
 
 
 def _wait_all_free(timeout_s: float = 30.0) -> None:
@@ -106,6 +108,17 @@ def test_2p2d_fills_every_gpu_of_both_nodes_with_one_worker_each(cluster):
         by_node.setdefault(node, []).extend(gpus)
     assert len(by_node) == 2
     assert all(sorted(g) == sorted(set(g)) and len(g) == NODE_GPUS for g in by_node.values())
+
+
+def test_half_gpu_shares_pack_two_workers_onto_each_gpu(cluster):
+    config = _config("cuda", "pack", 2, 2, gpus_per_worker=0.5)
+    with _placed(config) as places:
+        assert _available_gpus() == 2 * NODE_GPUS - 2  # four halves: two GPUs' worth
+    per_gpu: dict[tuple[str, str], int] = {}
+    for node, gpus in places:
+        assert len(gpus) == 1
+        per_gpu[(node, gpus[0])] = per_gpu.get((node, gpus[0]), 0) + 1
+    assert sorted(per_gpu.values()) == [2, 2]
 
 
 def test_cpu_spread_bundles_hold_no_gpu(cluster):
