@@ -130,7 +130,15 @@ class TopologySection(StrictModel):
     num_colocated: int = Field(1, ge=0)
     # Only the spelling is checked here: the launcher may have no GPU while the workers do;
     # the worker's EngineConfig checks that CUDA really exists where it runs.
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: each worker asks Ray for one GPU")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cuda: each worker asks Ray for gpus_per_worker of a GPU")
+    gpus_per_worker: float = Field(1.0, gt=0, le=1, description=(
+        "cuda only: the share of one GPU each worker asks Ray for, and may fill with its weights, activations "
+        "and KV pool; 0.5 puts two workers (P and D) on one GPU; at most 1: a worker computes on one device"))
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1, description=(
+        "cuda only: size each worker's KV pool from its GPU share: the pool is this fraction of "
+        "(gpus_per_worker x the GPU's memory) less the weights and an activation reserve, and "
+        "cache.kv_memory_mb is not used; unset: the pool is cache.kv_memory_mb, checked at start to fit the share"))
     cpus_per_worker: float = Field(0.25, gt=0, le=64, description="what Ray reserves per worker (scheduling only)")
     # Ray sets OMP_NUM_THREADS=1 in an actor whose num_cpus is below 1, so without this a worker
     # computes on one thread whatever the machine has (`Worker.start` sets this).
@@ -145,6 +153,20 @@ class TopologySection(StrictModel):
         for name in needed:
             if getattr(self, name) < 1:
                 raise FieldError(name, f"must be >= 1 in {self.mode.value} mode")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_share_on_cuda_only(self) -> TopologySection:
+        # a GPU share on a cpu worker would be silently meaningless: refuse it rather than ignore it
+        if self.device == "cpu" and self.gpus_per_worker != 1.0:
+            raise FieldError("gpus_per_worker", "applies to device: cuda only (a cpu worker asks Ray for no GPU); "
+                             "leave it at 1 or set device: cuda")
+        if self.device == "cpu" and self.gpu_memory_fraction is not None:
+            raise FieldError("gpu_memory_fraction", "applies to device: cuda only (a cpu worker's KV pool is "
+                             "cache.kv_memory_mb); remove it or set device: cuda")
+        if round(self.gpus_per_worker, 4) != self.gpus_per_worker:  # Ray counts GPU shares in 1/10000ths
+            raise FieldError("gpus_per_worker",
+                             f"at most 4 decimal places (Ray's precision), got {self.gpus_per_worker}")
         return self
 
     @property
