@@ -33,6 +33,7 @@ from pd.cluster.fault_rules import parse_worker_faults
 from pd.cluster.router_config import ConnectionsSection, RouterSection  # noqa: F401  (sections of DeployConfig)
 from pd.cluster.schema import FieldError, StrictModel, describe
 from pd.cluster.tracing_config import TracingSection
+from pd.engine.text.vocab import BYTE_VOCAB_SIZE, byte_vocab_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
 _TRANSFER = TransferSettings()  # the transfer defaults are the connector's own
@@ -92,6 +93,17 @@ class ModelSection(StrictModel):
         if path is not None and not path.strip():
             raise ValueError("must be a directory path or empty")
         return path
+
+    @model_validator(mode="after")
+    def _random_weights_speak_bytes(self) -> ModelSection:
+        # Without a checkpoint the workers and the router use the byte tokenizer: any other declared
+        # vocabulary samples ids nobody can decode (or tokens with no embedding). A checkpoint's own
+        # tokenizer is checked where the workers run (pd.worker.wiring), since its files live there.
+        if self.path is None:
+            problem = byte_vocab_problem(self.architecture.get("vocab_size", BYTE_VOCAB_SIZE))
+            if problem is not None:
+                raise FieldError("architecture", problem)
+        return self
 
 
 class CacheSection(StrictModel):

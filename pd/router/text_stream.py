@@ -18,12 +18,20 @@ earliest occurrence of any stop string (the stop string itself is never
 shown); after a stop string is found, `stopped` is True and further pushes
 return "". Text before the end never contains a replacement character that
 completing a cut character would remove.
+
+An id the tokenizer cannot decode (a worker whose model's padded vocabulary
+was not masked, a peer of another version) shows as no text, as the
+`tokenizers` library decodes an id it does not know, and is logged once per
+stream: it never fails the request. `token_ids` still holds every id.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from pd.engine.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _CUT_CHAR = "\ufffd"
 
@@ -38,6 +46,9 @@ class TextStream:
         self._stop_heads = frozenset(s[0] for s in self._stop)
         self._longest_stop = max((len(s) for s in self._stop), default=0)
         self._token_ids: list[int] = []
+        self._text_ids: list[int] = []  # the ids the tokenizer decodes (all of them, unless a worker erred)
+        self._num_unknown = 0
+        # (these two index _text_ids)
         self._window_start = 0  # tokens before this decoded to whole characters and are in `_decoded`
         self._read_end = 0  # tokens before this have their text in `_decoded`
         self._decoded: list[str] = []  # confirmed text, in pieces
@@ -59,6 +70,7 @@ class TextStream:
         if self.stopped:
             return ""
         self._token_ids.extend(token_ids)
+        self._keep_known(token_ids)
         self._pending += self._decode_new(final=False)
         return self._release(final=False)
 
@@ -69,24 +81,41 @@ class TextStream:
         self._pending += self._decode_new(final=True)
         return self._release(final=True)
 
+    def _keep_known(self, token_ids: Sequence[int]) -> None:
+        vocab_size = self._tokenizer.vocab_size
+        known = [t for t in token_ids if 0 <= t < vocab_size]
+        if len(known) != len(token_ids):
+            if not self._num_unknown:
+                bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+                logger.warning("token id %d is outside the tokenizer's vocabulary of %d ids: shown as no text "
+                               "(the worker should never sample it)", bad, vocab_size)
+            self._num_unknown += len(token_ids) - len(known)
+        self._text_ids.extend(known)
+
+    @property
+    def num_unknown(self) -> int:
+        """Ids received that the tokenizer cannot decode (shown as no text)."""
+        return self._num_unknown
+
     def _decode_new(self, final: bool) -> str:
         """Text of the tokens past `_read_end`, or "" while it may end in a cut character."""
-        if self._read_end == len(self._token_ids):
+        ids = self._text_ids
+        if self._read_end == len(ids):
             return ""
         decode = self._tokenizer.decode
-        before = decode(self._token_ids[self._window_start:self._read_end], self._skip_special)
-        after = decode(self._token_ids[self._window_start:], self._skip_special)
+        before = decode(ids[self._window_start:self._read_end], self._skip_special)
+        after = decode(ids[self._window_start:], self._skip_special)
         if not final and (after.endswith(_CUT_CHAR) or len(after) < len(before)):
             return ""  # a character cut mid-bytes: wait for the rest
         if not after.startswith(before):
             # the decoder rewrote the window's text; the full decode is the reference (rare, costs O(n))
-            full = decode(self._token_ids, self._skip_special)
+            full = decode(ids, self._skip_special)
             shown = "".join(self._decoded)
             new = full[len(shown):] if full.startswith(shown) else ""
         else:
             new = after[len(before):]
         self._decoded.append(new)
-        self._window_start, self._read_end = self._read_end, len(self._token_ids)
+        self._window_start, self._read_end = self._read_end, len(ids)
         return new
 
     def _release(self, final: bool) -> str:

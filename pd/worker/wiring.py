@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from pd.engine.config import EngineConfig
 from pd.engine.model.config import ModelConfig
+from pd.engine.text.tokenizer import load_tokenizer
+from pd.engine.text.vocab import check_vocabularies
 from pd.cluster.kv_wire import deployment_hash_seed, hashing_identity
 from pd.cluster.gpu_share import worker_kv_cache_bytes
 from pd.cluster.roles import Role
@@ -35,24 +37,20 @@ _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def engine_config_for(spec) -> EngineConfig:
-    """DeployConfig (+ worker identity) -> EngineConfig; unknown architecture keys are refused."""
+    """DeployConfig (+ worker identity) -> EngineConfig; unknown architecture keys are refused, and so
+    is a tokenizer larger than the model's vocabulary (`pd.engine.text.vocab`), before anything serves."""
     cfg = spec.config
-    arch = dict(cfg.model.architecture)
-    unknown = sorted(set(arch) - _MODEL_FIELDS)
-    if unknown:
-        raise ValueError(f"model.architecture: unknown key(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
-    if "layer_types" in arch and arch["layer_types"] is not None:
-        arch["layer_types"] = tuple(arch["layer_types"])
-    arch["dtype"] = cfg.model.dtype
-    arch.setdefault("max_position_embeddings", max(cfg.scheduler.max_model_len, 4096))
+    model = _model_config(cfg)
+    tokenizer_vocab_size = _tokenizer_vocab_size(cfg, model)
     return EngineConfig(
-        model=ModelConfig(**arch),
+        model=model,
+        tokenizer_vocab_size=tokenizer_vocab_size,
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,  # the serving dtype, also for a checkpoint stored in another one
         attention_backend=cfg.model.attention_backend,
         seed=cfg.model.seed,
         block_size=cfg.cache.block_size,
-        kv_cache_bytes=worker_kv_cache_bytes(cfg, arch),  # cuda: planned on the worker's GPU share
+        kv_cache_bytes=worker_kv_cache_bytes(cfg, dataclasses.asdict(model)),  # cuda: planned on the worker's GPU share
         max_model_len=cfg.scheduler.max_model_len,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
@@ -65,6 +63,37 @@ def engine_config_for(spec) -> EngineConfig:
         hash_seed=deployment_hash_seed(spec.secret),
         enable_kv_events=cfg.cache.enable_prefix_caching,
     )
+
+
+def _model_config(cfg) -> ModelConfig:
+    """The model the worker serves: the checkpoint's own config, else the declared architecture."""
+    arch = dict(cfg.model.architecture)
+    unknown = sorted(set(arch) - _MODEL_FIELDS)
+    if unknown:
+        raise ValueError(f"model.architecture: unknown key(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
+    if cfg.model.path:
+        from pd.engine.model.checkpoint import load_config  # torch-heavy
+
+        return load_config(cfg.model.path, dtype=cfg.model.dtype)
+    if "layer_types" in arch and arch["layer_types"] is not None:
+        arch["layer_types"] = tuple(arch["layer_types"])
+    arch["dtype"] = cfg.model.dtype
+    arch.setdefault("max_position_embeddings", max(cfg.scheduler.max_model_len, 4096))
+    return ModelConfig(**arch)
+
+
+def _tokenizer_vocab_size(cfg, model: ModelConfig) -> int:
+    """The ids the served tokenizer decodes (the router loads the same one); a tokenizer larger than
+    the model is refused here with both numbers, a smaller one is padding and bounds the sampler."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    where = f"model.path {cfg.model.path}" if cfg.model.path else "the byte tokenizer, no model.path"
+    model_where = (f"config.json of model.path {cfg.model.path}" if cfg.model.path
+                   else "model.architecture.vocab_size")
+    check_vocabularies(tokenizer.vocab_size, model.vocab_size, where, model_where)
+    if tokenizer.vocab_size < model.vocab_size:
+        logger.info("model vocabulary %d padded past the tokenizer's %d ids: ids from %d on are never sampled",
+                    model.vocab_size, tokenizer.vocab_size, tokenizer.vocab_size)
+    return tokenizer.vocab_size
 
 
 def build_engine(spec) -> tuple[Engine, KVConnector | None]:
@@ -91,12 +120,10 @@ def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     connector's handshake accepts exactly the peers of this deployment.
     """
     from connectors.zmq.connector import KVRole, ZmqConnector
-    from pd.engine.model.checkpoint import load_config
     from pd.engine.kv.layout import KVLayout
 
     cfg = spec.config
-    model_config = load_config(cfg.model.path, dtype=engine_config.dtype) if cfg.model.path else engine_config.model
-    groups = KVLayout(model_config, engine_config.block_size).kv_cache_groups()
+    groups = KVLayout(engine_config.model, engine_config.block_size).kv_cache_groups()
     role = KVRole.PRODUCER if spec.role is Role.PREFILL else KVRole.CONSUMER
     connector_config = cfg.transfer.transfer_settings().connector_config(
         engine_id=engine_config.engine_id, role=role, secret=spec.secret, model_id=_model_id(cfg), host=spec.host)

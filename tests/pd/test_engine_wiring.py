@@ -41,7 +41,7 @@ def test_attention_backend_auto_is_fused_where_valid_and_matches_torch():
         assert engine_config_for(spec).attention_backend == backend
         engine, connector = build_engine(spec)
         assert connector is None
-        assert engine.runner.fused_decode is (backend != "torch")
+        assert engine.runner.backend.name == ("torch" if backend == "torch" else "fused")
         tokens[backend] = engine.generate_sync({"r": prompt}, greedy)["r"]
         assert_all_free(engine.kv_cache_manager)
     assert tokens["auto"] == tokens["fused"] == tokens["torch"]
@@ -49,7 +49,7 @@ def test_attention_backend_auto_is_fused_where_valid_and_matches_torch():
 
 def test_attention_backend_auto_falls_back_and_fused_is_refused_where_invalid():
     engine = Engine(engine_config(FULL_MODEL, attention_backend="auto", dtype="bfloat16", num_blocks=64))
-    assert not engine.runner.fused_decode and engine.layout.dtype == torch.bfloat16
+    assert engine.runner.backend.name == "torch" and engine.layout.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="attention_backend 'fused' is not usable: .*float32"):
         Engine(engine_config(FULL_MODEL, attention_backend="fused", dtype="bfloat16", num_blocks=64))
     # the deploy config refuses what it can judge without the worker's machine: dtype and device
@@ -64,6 +64,10 @@ def test_attention_backend_auto_falls_back_and_fused_is_refused_where_invalid():
 def test_model_dtype_is_honoured_for_a_checkpoint(tmp_path):
     model = build_model(FULL_MODEL, seed=5)  # stored in float32
     save_checkpoint(model, tmp_path)
+    from tokenizers import Tokenizer, models  # a worker serves a checkpoint with its own tokenizer
+
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(FULL_MODEL.vocab_size)}, unk_token="t0")).save(
+        str(tmp_path / "tokenizer.json"))
     for role, mode in ((Role.BOTH, "colocated"), (Role.DECODE, "disaggregated")):
         config = DeployConfig.from_dict({"model": {"path": str(tmp_path), "dtype": "bfloat16"},
                                          "cache": {"block_size": 4, "kv_memory_mb": 1},
@@ -72,7 +76,7 @@ def test_model_dtype_is_honoured_for_a_checkpoint(tmp_path):
         try:
             assert engine.model_config.dtype == "bfloat16" and engine.layout.dtype == torch.bfloat16
             assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}
-            assert not engine.runner.fused_decode  # auto: the kernel is float32 only
+            assert engine.runner.backend.name == "torch"  # auto: the kernel is float32 only
             if connector is not None:  # peers of another dtype are refused by the handshake
                 assert connector.config.model_id.endswith("|bfloat16|{}")
             out = engine.generate_sync({"r": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=3, ignore_eos=True))

@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from rel_deploy import ARCH, LocalDeployment, local_config
+from rel_deploy import LocalDeployment, local_config
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 48, "ignore_eos": True}
 COMPLETION = {"prompt": "Tell me a story.", "max_tokens": 48, "ignore_eos": True}
@@ -31,9 +31,13 @@ def sse_events(url: str, path: str, body: dict, headers: dict | None = None) -> 
 
 @pytest.fixture(scope="module")
 def vocab_mismatch():
-    """A model whose vocabulary (1024) is larger than the router's byte tokenizer (260): sampled
-    ids >= 260 cannot be decoded, which is an unexpected exception inside the router."""
-    with LocalDeployment(local_config("colocated", model__architecture=dict(ARCH, vocab_size=1024))) as dep:
+    """A router whose tokenizer fails to decode (an injected bug: a mismatched vocabulary is refused
+    at config time, and an unknown id shows as no text): an unexpected exception inside the router."""
+    with LocalDeployment(local_config("colocated")) as dep:
+        def broken_decode(token_ids, skip_special_tokens=True):
+            raise ValueError("injected router bug: decode failed")
+
+        dep.router.tokenizer.decode = broken_decode
         yield dep
 
 

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 from collections.abc import Sequence
 
 from pd.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from pd.engine.text.vocab import BYTE_SPECIAL_TOKENS, NUM_BYTES
 
-DEFAULT_SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<unk>")
+DEFAULT_SPECIAL_TOKENS = BYTE_SPECIAL_TOKENS
 
 # Our own template for the byte-level test models: plain text markers, no special-token strings
 # (the byte tokenizer encodes text as bytes only; `encode_chat` adds the BOS id itself).
@@ -51,7 +52,7 @@ class ByteTokenizer:
     mid-character (replacement character), so decoding partial outputs never raises.
     """
 
-    NUM_BYTES = 256
+    NUM_BYTES = NUM_BYTES
 
     def __init__(self, special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS):
         if len(set(special_tokens)) != len(special_tokens):
