@@ -41,9 +41,9 @@ from pd.engine.model.llama import build_model
 from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.output import SchedulerOutput
+from pd.engine.attention.metadata import StepCapacity
 from pd.engine.runner.model_runner import ModelRunner
 from pd.engine.sample.params import SamplingParams
-from pd.engine.sample.sampler import make_generator
 from pd.engine.sched.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
 from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
@@ -85,7 +85,10 @@ class Engine:
             enable_kv_cache_events=config.enable_kv_events)
         self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
                                   shareable=connector is not None and connector.shares_page_pool)
-        self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend)
+        capacity = StepCapacity(config.max_num_batched_tokens, config.max_num_seqs,
+                                cdiv(config.resolved_max_model_len, config.block_size))
+        self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend, capacity,
+                                  num_ids=config.tokenizer_vocab_size)
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm,
                                         seed=config.hash_seed)
         # called on the step thread with each step's prefix-cache events, under the step lock
@@ -125,7 +128,7 @@ class Engine:
         req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
                       kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
                       cache_salt=cache_salt)
-        state = RequestState(req, params, make_generator(params))
+        state = RequestState(req, params)
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError("engine step loop died") from self._dead
@@ -177,6 +180,7 @@ class Engine:
                 connector.bind_connector_metadata(sched.connector_metadata)
                 connector.start_load_kv()
             self.fault_marks.check(sched.chunks, LOOP)  # a fault plan's stand-in for a bug in the loop
+            self.runner.update_requests(sched)
             sampled, failed = self._execute(sched)
             connector_output = None
             if connector is not None:
@@ -256,9 +260,7 @@ class Engine:
     def _run_chunks(self, chunks: list) -> dict[str, int]:
         self.fault_marks.check(chunks, STEP)
         ids = [c.request_id for c in chunks if c.needs_logits]
-        states = [self.scheduler.requests[rid] for rid in ids]
-        tokens = self.runner.next_tokens(chunks, [s.params for s in states], [s.generator for s in states],
-                                         on_layer=self.scheduler.layer_hook(chunks))
+        tokens = self.runner.next_tokens(chunks, on_layer=self.scheduler.layer_hook(chunks))
         return dict(zip(ids, tokens, strict=True))
 
     def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:

@@ -278,7 +278,7 @@ def test_timing_restarts_when_the_computed_prompt_is_dropped():
 
     from pd.engine.sched.request_state import RequestState
 
-    state = RequestState(request=None, params=GREEDY, generator=None)
+    state = RequestState(request=None, params=GREEDY)
     state.admitted_s = time.perf_counter()
     state.num_batched_tokens = 50
     time.sleep(0.05)

@@ -27,7 +27,7 @@ def intra_op_threads(request):
 def test_fused_decode_logits_match_reference(name, intra_op_threads):
     case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=1)
     runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
-    assert runner.fused_decode
+    assert runner.backend.name == "fused"
     for pos in range(max(map(len, prompts))):
         chunks = [ScheduledChunk(str(i), [p[pos]], pos, tables[i], True) for i, p in enumerate(prompts) if pos < len(p)]
         rows = runner.execute(chunks)
@@ -55,7 +55,7 @@ def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
     reference, whichever split the decode-only steps use."""
     case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=2)
     runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
-    runner.fused_decoder.panel_split_max_rows = split
+    runner.backend.panel_split_max_rows = split
     # Chunk sizes per step and prompt (0: the prompt has ended): 1-token chunks beside prompt chunks,
     # chunks that end inside a block and ones that cross several.
     plan = [(3, 5, 1), (1, 11, 6), (1, 1, 17), (1, 13, 1), (1, 0, 20)]
@@ -67,7 +67,7 @@ def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
             if n:
                 chunks.append(ScheduledChunk(str(i), prompts[i][done[i]:done[i] + n], done[i], tables[i], True))
                 done[i] += n
-        assert runner.fused_decoder.applies(chunks)
+        assert runner.backend.applies(runner.inputs.build(chunks))
         rows = runner.execute(chunks)
         assert rows.shape[0] == len(chunks)
         for row, c in zip(rows, chunks):
@@ -83,21 +83,23 @@ def test_fused_prompt_rows_only_where_small():
     model = build_model(cfg, seed=9)
     layout = KVLayout(cfg, 4)
     runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
-    fused = runner.fused_decoder
+    fused = runner.backend
     table = tuple([list(range(1, 40))] * len(layout.groups))
     small = [ScheduledChunk("a", list(range(10)), 0, table, False)]
-    assert fused.applies(small)
+    assert fused.applies(runner.inputs.build(small))
     assert runner.execute(small).shape == (0, cfg.vocab_size)
     fused.prompt_max_rows = 9
-    assert not fused.applies(small)
+    assert not fused.applies(runner.inputs.build(small))
     fused.prompt_max_rows, fused.prompt_max_keys = 10, 99
-    assert not fused.applies(small)
+    assert not fused.applies(runner.inputs.build(small))
     fused.prompt_max_keys = 100
-    assert fused.applies(small)
-    assert fused.applies([ScheduledChunk("b", [1], 50, table, True)] * 3)
-    # deep into a long prompt the rows see many keys each: the torch path takes the chunk
+    assert fused.applies(runner.inputs.build(small))
+    assert fused.applies(runner.inputs.build([ScheduledChunk("b", [1], 50, table, True)] * 3))
+    # deep into a long prompt the rows see many keys each: the torch path takes the chunk (the step's
+    # inputs are only built here, never run: the block ids need not exist in the pool)
+    table = tuple([list(range(1, 200))] * len(layout.groups))
     fused.prompt_max_rows, fused.prompt_max_keys = 1024, 1 << 20
-    assert fused.applies([ScheduledChunk("c", list(range(64)), 600, table, False)])  # mean 632.5 keys
-    assert not fused.applies([ScheduledChunk("c", list(range(64)), 610, table, False)])  # mean 642.5
+    assert fused.applies(runner.inputs.build([ScheduledChunk("c", list(range(64)), 600, table, False)]))  # mean 632.5 keys
+    assert not fused.applies(runner.inputs.build([ScheduledChunk("c", list(range(64)), 610, table, False)]))  # mean 642.5
     fused.prompt_max_mean_keys = 650
-    assert fused.applies([ScheduledChunk("c", list(range(64)), 610, table, False)])
+    assert fused.applies(runner.inputs.build([ScheduledChunk("c", list(range(64)), 610, table, False)]))

@@ -60,29 +60,39 @@ def test_packed_modules_keep_nn_semantics():
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fused_runner_packs_the_model_once_without_changing_it(tied):
-    """The fused runner swaps the projections (and a tied embedding) for packed views of one buffer:
-    the model's state_dict keeps every value, and its own forward (prefill) reads the panels."""
+def test_the_cpu_backend_packs_its_own_copy_and_leaves_the_model_as_built(tied):
+    """The CPU backend lays its weights out as panels at load time, in its own copy of the model:
+    the copy's projections (and a tied embedding) are packed views of one buffer, the one
+    `decode_layers` reads, and they give the model's logits; the engine's model keeps its nn.Linear
+    modules, its parameters (same tensors, same values) and its logits."""
     cfg = dataclasses.replace(FULL_MODEL, tie_word_embeddings=tied)
     model = build_model(cfg, seed=5)
     before = {name: t.clone() for name, t in model.state_dict().items()}
+    params = {name: p.data_ptr() for name, p in model.named_parameters()}
+    modules = [type(m) for m in model.modules()]
     ref_logits = model.reference_logits(list(range(20)))
     layout = KVLayout(cfg, 4)
     runner = ModelRunner(model, layout, PagePool(40, layout.page_size_bytes), attention_backend="fused")
-    assert runner.fused_decoder.packed_gemm
+    backend = runner.backend
+    assert backend.packed_gemm and runner.model is model and backend.model is not model
+    assert [type(m) for m in model.modules()] == modules
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
     after = model.state_dict()
     assert after.keys() == before.keys()
     for name, value in before.items():
         assert torch.equal(after[name], value), name
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert any(isinstance(m, torch.nn.Embedding) for m in model.modules()) == (not tied)
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    copy = backend.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
+    linears = [m for m in copy.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 7 * cfg.num_layers + 1
     storages = {m.packed.untyped_storage().data_ptr() for m in linears}
     assert len(storages) == 1  # one buffer, shared with decode_layers' weights
-    assert runner.fused_decoder.weights[1].untyped_storage().data_ptr() in storages
-    assert isinstance(model.model.embed_tokens, PackedEmbedding) == tied
-    torch.testing.assert_close(model.reference_logits(list(range(20))), ref_logits, atol=1e-5, rtol=1e-5)
+    assert backend.weights[1].untyped_storage().data_ptr() in storages
+    assert isinstance(copy.model.embed_tokens, PackedEmbedding) == tied
+    assert not any(t.is_meta for t in list(copy.parameters()) + list(copy.buffers()))
+    assert copy.state_dict().keys() == before.keys()
+    torch.testing.assert_close(copy.reference_logits(list(range(20))), ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.reference_logits(list(range(20))), ref_logits, atol=0, rtol=0)
 
 
 def test_unpackable_shapes_keep_the_plain_fused_path():
@@ -93,6 +103,6 @@ def test_unpackable_shapes_keep_the_plain_fused_path():
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = Engine(engine_config(cfg)).generate_sync(prompts, params)
     eng = Engine(engine_config(cfg, attention_backend="fused"))
-    assert eng.runner.fused_decode and not eng.runner.fused_decoder.packed_gemm
+    assert eng.runner.backend.name == "fused" and not eng.runner.backend.packed_gemm
     assert eng.generate_sync(prompts, params) == want
     assert_all_free(eng.kv_cache_manager)

@@ -95,8 +95,8 @@ def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
     outs, logits = [], []
     for setting in ("on", "off"):
         engine = _q4_engine(monkeypatch, setting)
-        fused = engine.runner.fused_decoder
-        assert fused is not None
+        fused = engine.runner.backend
+        assert fused.name == "fused"
         assert (len(fused.q4) == 8 * FULL_MODEL.num_layers and all(t.numel() for t in fused.q4)) == (setting == "on")
         # one step of prompt chunks (rows <= 64) straight through the runner, then the engine's own run
         tables = ([1, 2, 3],)

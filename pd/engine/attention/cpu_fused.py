@@ -1,13 +1,17 @@
-"""Engine steps through one C++ call for all layers (pd/engine/cpu/cpu_kernels.cpp `decode_layers`).
+"""The CPU backend: float32 on the CPU, through the C++ kernels (pd/engine/cpu/).
 
-When the fused CPU kernels are available, a step of decode tokens, or of decode tokens and prompt
-chunks under the row and key caps below, skips the per-layer Python path: the step's metadata is
-built straight from the chunks' Python lists (a handful of small tensors, one row per token), and
-the layers run in C++ with the projections through the packed-panel GEMM (pd/engine/cpu/cpu_gemm.cpp,
-AVX-512 or AVX2, weights re-laid once by pd/engine/cpu/packed_linear.py), or at::linear where that GEMM
-is not built. A prompt's token attends to the K/V that the chunk's earlier tokens wrote into the same
-layer. The q/k/v and gate/up weights are concatenated once at construction, so each layer makes four
-matmuls instead of seven.
+A step of decode tokens, or of decode tokens and prompt chunks under the row and key caps below,
+runs every layer in one C++ call (cpu_kernels.cpp `decode_layers`: norms, RoPE, K/V write, attention
+and SiLU in C++, the projections through the packed-panel GEMM of cpu_gemm.cpp, AVX-512 or AVX2, or
+at::linear where that GEMM is not built), reading the step metadata's tensors. A prompt's token
+attends to the K/V that the chunk's earlier tokens wrote into the same layer. Larger steps take the
+per-layer path: the torch backend's plan, with decode tokens through the C++ paged-decode kernel.
+
+At load time the backend lays out its own copy of the weights: the q/k/v and gate/up matrices
+concatenated (four matmuls a layer instead of seven), as panels for the packed GEMM
+(pd/engine/cpu/packed_linear.py `packed_copy`, whose model copy the per-layer path runs), with the
+4-bit codes of matrices that are exactly 4-bit blocks (packed_q4.py) and an int8 screen of the
+lm_head for greedy tokens (greedy_head.py). The engine's model is not changed.
 """
 from __future__ import annotations
 
@@ -15,19 +19,17 @@ import ctypes
 import ctypes.util
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from pd.engine.attention.metadata import StepMetadata
+from pd.engine.attention.torch_paged import TorchPagedBackend
+from pd.engine.cpu import gemm_tuning, packed_linear, packed_q4
 from pd.engine.cpu import kernels as cpu_kernels
-from pd.engine.cpu import gemm_tuning
-from pd.engine.cpu import packed_linear
-from pd.engine.cpu import packed_q4
+from pd.engine.cpu.greedy_head import GreedyHead, greedy_head_for
 from pd.engine.kv.layout import KVLayout
+from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.llama import CausalLM
-
-if TYPE_CHECKING:
-    from pd.engine.sched.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +89,22 @@ def _pack_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o.copy_(t) for o, t in zip(out, tensors, strict=True)]
 
 
-class FusedDecoder:
-    """Runs the decode and short-prompt steps of a float32 CPU model in one kernel call.
+class CpuFusedBackend(TorchPagedBackend):
+    """Runs the decode and short-prompt steps of a float32 CPU model in one kernel call; the others
+    through the per-layer path over the backend's own copy of the model.
 
-    Guarantees: writes K/V only into the slots of each chunk's own positions and
-    returns float32 logits, one row per chunk with `needs_logits`, in chunk order; raises
-    ValueError (before writing anything) when a token's slot would be the null
-    block. Weights are read once at construction (the model's weights never
-    change afterwards) and held once: the model's own layers then read the same
-    storage (with the packed GEMM its linear layers become PackedLinear views of
-    the panels, so prefill runs that GEMM too).
+    Guarantees: writes K/V only into the step's slots; `run_step` returns the final-norm hidden
+    states of the rows that need logits, in chunk order, or None for a step it leaves to the
+    per-layer path (`applies`). Its weights are copied from the model once, here (the model's
+    weights never change afterwards); the model itself is left as it was.
     """
 
-    def __init__(self, model: CausalLM, layout: KVLayout, group_views: list[torch.Tensor]):
-        self.model = model
-        self.layout = layout
+    name = "fused"
+    decode_in_kernel = True
+
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
+        super().__init__(model, layout, page_pool)
+        self.source_model = model
         cfg = model.config
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps = cfg.rms_norm_eps
@@ -110,26 +113,29 @@ class FusedDecoder:
         self.layer_group: list[int] = []
         for i in range(cfg.num_layers):
             g, slot = layout.layer_to_group[i]
-            self.caches.append(group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
+            self.caches.append(self.group_views[g][:, slot])  # (num_blocks, 2, bs, H, D), no copy
             self.layer_group.append(g)
-        # Packed panels for the AVX-512/AVX2 GEMM where it is built and the shapes allow, else plain
-        # weights through at::linear (MKL); either way the weights are held once.
         self.panel_split_max_rows = PANEL_SPLIT_MAX_ROWS
         self.prompt_max_rows, self.prompt_max_keys = FUSED_PROMPT_MAX_ROWS, FUSED_PROMPT_MAX_KEYS
         self.prompt_max_mean_keys = FUSED_PROMPT_MAX_MEAN_KEYS
+        # Packed panels for the AVX-512/AVX2 GEMM where it is built and the shapes allow, else plain
+        # (concatenated) weights through at::linear (MKL).
         self.packed_gemm = cpu_kernels.load().packed_gemm_available() and packed_linear.packable(model)
         # Codes of the matrices whose float32 values are exactly 4-bit blocks (packed_q4.py): steps of
-        # up to 64 rows read those instead of the panels. None elsewhere.
+        # up to 64 rows read those instead of the panels. Empty elsewhere.
         self.q4: list[torch.Tensor] = []
+        self.greedy_head: GreedyHead | None = None
         if self.packed_gemm:
-            self.weights = packed_linear.pack_model(model, _on_huge_pages)
-            gemm_tuning.apply_crossovers(model)  # prefill-sized batches may run faster through torch's GEMM
+            # the per-layer path runs the copy over the panels
+            self.model, self.weights = packed_linear.packed_copy(model, _on_huge_pages)
+            gemm_tuning.apply_crossovers(self.model)  # prefill-sized batches may run faster through torch's GEMM
             if packed_q4.q4_enabled() and cpu_kernels.load().q4_gemm_available():
                 self.q4 = packed_q4.q4_for_layers(self.weights)
+            # Greedy rows read an int8 copy of the packed lm_head, then their few candidates in float32.
+            self.greedy_head = greedy_head_for(self.model.lm_head)
         else:
             self.weights = _pack_on_huge_pages(self._plain_weights())
-            self._share_storage()
-        logger.info("fused decode: projections through %s", self.gemm_name)
+        logger.info("fused CPU backend: projections through %s", self.gemm_name)
 
     @property
     def gemm_name(self) -> str:
@@ -137,9 +143,13 @@ class FusedDecoder:
             return "at::linear"
         return f"the packed {cpu_kernels.load().packed_gemm_isa().upper()} GEMM"
 
+    @property
+    def description(self) -> str:
+        return f"fused (C++ CPU kernels, projections through {self.gemm_name})"
+
     def _plain_weights(self) -> list[torch.Tensor]:
         weights = []
-        for layer in self.model.model.layers:
+        for layer in self.source_model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             bias = _EMPTY
             if attn.q_proj.bias is not None:
@@ -155,93 +165,58 @@ class FusedDecoder:
             ]
         return weights
 
-    def _share_storage(self) -> None:
-        """Point the model's own parameters at the packed copies (views, same values), so the
-        weights are held once and the torch path reads the same pages."""
-        for i, layer in enumerate(self.model.model.layers):
-            norm1, qkv, bias, o, norm2, gate_up, down = self.weights[7 * i: 7 * i + 7]
-            attn, mlp = layer.self_attn, layer.mlp
-            layer.input_layernorm.weight.data = norm1
-            layer.post_attention_layernorm.weight.data = norm2
-            attn.o_proj.weight.data = o
-            mlp.down_proj.weight.data = down
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            for proj, part in zip(projections, qkv.split([p.weight.shape[0] for p in projections]), strict=True):
-                proj.weight.data = part
-            if bias.numel():
-                for proj, part in zip(projections, bias.split([p.bias.shape[0] for p in projections]), strict=True):
-                    proj.bias.data = part
-            gate_up_parts = gate_up.split(mlp.gate_proj.weight.shape[0])
-            for proj, part in zip((mlp.gate_proj, mlp.up_proj), gate_up_parts, strict=True):
-                proj.weight.data = part
+    def kernel_decode(self, q: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, key_start: torch.Tensor,
+                      key_end: torch.Tensor, scale: float) -> torch.Tensor:
+        return cpu_kernels.paged_decode_attention(q, layer_cache, table, key_start, key_end, scale)
 
-    def applies(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the step runs here: decode tokens, and prompt chunks while the step's rows (one per
-        token) and the keys they attend to stay small (`FUSED_PROMPT_MAX_ROWS`, `FUSED_PROMPT_MAX_KEYS`,
-        `FUSED_PROMPT_MAX_MEAN_KEYS`). Past those the torch path's GEMM and attention run a prompt faster."""
+    def greedy_tokens(self, hidden: torch.Tensor, num_ids: int) -> list[int | None]:
+        if self.greedy_head is None:
+            return [None] * hidden.shape[0]
+        return self.greedy_head.tokens(hidden, num_ids)
+
+    def applies(self, metadata: StepMetadata) -> bool:
+        """Whether the step runs in one kernel call: decode tokens, and prompt chunks while the step's
+        rows (one per token) and the keys they attend to stay small (`FUSED_PROMPT_MAX_ROWS`,
+        `FUSED_PROMPT_MAX_KEYS`, `FUSED_PROMPT_MAX_MEAN_KEYS`). Past those the per-layer path's GEMM
+        and attention run a prompt faster."""
         num_rows = 0
         num_keys = 0  # an upper bound: every row counted at its chunk's end
         num_prompt_rows = 0
         num_prompt_keys = 0  # exact: row i of a chunk sees start + i + 1 keys
-        for c in chunks:
-            n = len(c.token_ids)
+        for start, n in zip(metadata.starts, metadata.query_lens, strict=True):
             num_rows += n
             if n > 1:
-                num_keys += n * (c.start + n)
+                num_keys += n * (start + n)
                 num_prompt_rows += n
-                num_prompt_keys += n * c.start + n * (n + 1) // 2
+                num_prompt_keys += n * start + n * (n + 1) // 2
         if not num_prompt_rows:
-            return all(c.needs_logits for c in chunks)
+            return metadata.num_logits == metadata.num_seqs
         return (num_rows <= self.prompt_max_rows and num_keys <= self.prompt_max_keys
                 and num_prompt_keys <= self.prompt_max_mean_keys * num_prompt_rows)
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits of the chunks with `needs_logits`, one row each, in chunk order."""
-        hidden = self.final_hidden(chunks)
-        if not hidden.shape[0]:
-            return torch.empty((0, self.model.config.vocab_size))
-        return self.model.compute_logits(hidden)
+    def prepare(self, metadata: StepMetadata) -> None:
+        if not self.applies(metadata):  # (a step run in one call needs no per-layer plan)
+            super().prepare(metadata)
 
     @torch.inference_mode()
-    def final_hidden(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The final-norm hidden states of the chunks with `needs_logits`, one row each, in chunk order."""
-        bs = self.layout.block_size
-        positions: list[int] = []
-        ids: list[int] = []
-        chunk_of_row: list[int] = []
-        logit_rows: list[int] = []
-        for i, c in enumerate(chunks):
-            positions.extend(range(c.start, c.start + len(c.token_ids)))
-            ids.extend(c.token_ids)
-            chunk_of_row.extend([i] * len(c.token_ids))
-            if c.needs_logits:
-                logit_rows.append(len(ids) - 1)
-        key_end = torch.tensor([p + 1 for p in positions], dtype=torch.long)
-        slot_blocks, tables, key_starts = [], [], []
-        for g, grp in enumerate(self.layout.groups):
-            width = max(len(c.block_ids[g]) for c in chunks)
-            padded = [c.block_ids[g] + [0] * (width - len(c.block_ids[g])) for c in chunks]
-            rows = [chunks[i].block_ids[g] for i in chunk_of_row]
-            blocks = [r[p // bs] if p // bs < len(r) else 0 for r, p in zip(rows, positions, strict=True)]
-            if 0 in blocks:
-                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-            slot_blocks.append(torch.tensor(blocks, dtype=torch.long))
-            table = torch.tensor(padded, dtype=torch.long)
-            tables.append(table if len(chunks) == len(ids) else table[torch.tensor(chunk_of_row)])
-            key_starts.append(torch.zeros_like(key_end) if grp.window is None
-                              else torch.clamp(key_end - grp.window, min=0))
-        offsets = torch.tensor([p % bs for p in positions], dtype=torch.long)
+    def run_step(self, metadata: StepMetadata) -> torch.Tensor | None:
+        if not self.applies(metadata):
+            return None
+        m = metadata
+        key_end = m.positions + 1
+        tables = m.block_tables if m.decode_only else tuple(t.index_select(0, m.token_seq) for t in m.block_tables)
+        key_starts = [torch.zeros_like(key_end) if grp.window is None else torch.clamp(key_end - grp.window, min=0)
+                      for grp in self.layout.groups]
         body = self.model.model
-        x = body.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        cos, sin = body.rotary.cos_sin(torch.tensor(positions), x.dtype)
+        x = body.embed_tokens(m.input_ids)
+        cos, sin = body.rotary.cos_sin(m.positions, x.dtype)
         # A prompt's rows must stay on one thread's share in the per-thread split (they would race
         # across threads), so a step holding prompt rows runs layer by layer.
-        split_max = self.panel_split_max_rows if len(ids) == len(chunks) else len(ids)
-        module = cpu_kernels.load()
-        hidden = module.decode_layers(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches,
-                                      self.layer_group, slot_blocks, offsets, tables, key_starts, key_end,
-                                      self.num_heads, self.num_kv_heads, self.eps, self.scale, split_max, self.q4)
-        if len(logit_rows) != len(ids):
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        split_max = self.panel_split_max_rows if m.decode_only else m.num_tokens
+        hidden = cpu_kernels.load().decode_layers(
+            x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches, self.layer_group,
+            list(m.slot_blocks), m.slot_offsets, list(tables), key_starts, key_end, self.num_heads,
+            self.num_kv_heads, self.eps, self.scale, split_max, self.q4)
+        if m.num_logits != m.num_tokens:
+            hidden = hidden[m.logits_indices]
         return body.norm(hidden)

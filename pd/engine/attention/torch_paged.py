@@ -1,11 +1,10 @@
-"""Paged attention on torch: K/V live in pages, requests reach them through block tables.
+"""The torch attention backend: K/V live in pages, requests reach them through block tables.
 
-One `PagedAttention` object serves one engine step. Built once from the
-step's sequences, it holds per KV cache group the slot mapping (where each new
-token's K/V goes) and per attention sub-batch the gathered block tables and
-masks. Decode tokens (one query each) are batched: either all of them through
-the fused C++ kernel (pd/engine/cpu/kernels.py), or in a few sub-batches of similar
-context length so padding stays small. Each prefill chunk is its own
+Each step, `prepare` turns the step metadata (attention/metadata.py) into a plan: per KV cache
+group the rows each new token's K/V goes to, and per attention sub-batch the gathered block tables
+and masks. Decode tokens (one query each) are batched: either all of them through a kernel (the CPU
+backend's C++ paged decode, `decode_in_kernel`), or in a few sub-batches of similar context length
+so padding stays small. Each prefill chunk is its own
 sub-batch, so padding never grows with the longest prompt of the step; a
 chunk that starts at position 0 attends to its own fresh K/V directly.
 
@@ -18,18 +17,10 @@ import dataclasses
 
 import torch
 
-from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.attention.metadata import StepMetadata
 from pd.engine.kv.layout import KVLayout
-from pd.engine.model.llama import masked_attention
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqSlice:
-    """The tokens one request computes this step: positions [start, start + num_tokens)."""
-
-    start: int
-    num_tokens: int
-    block_ids: tuple[list[int], ...]  # per KV cache group, the request's whole block table
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.llama import CausalLM, masked_attention
 
 
 @dataclasses.dataclass
@@ -87,65 +78,81 @@ class Workspace:
 DECODE_BUCKET_RATIO = 2.0
 
 
-class PagedAttention:
-    """AttentionBackend over a page pool for one step's batch of sequences."""
+class TorchPagedBackend:
+    """The reference attention backend, in torch: K/V written into pages with `index_copy_`, read back
+    through block tables by gather, attention by `masked_attention` (see the module docstring).
 
-    def __init__(self, layout: KVLayout, group_views: list[torch.Tensor], seqs: list[SeqSlice],
-                 token_rows: torch.Tensor, workspace: Workspace | None = None, fused_decode: bool = False):
+    Its per-step plan (`prepare`) groups decode tokens into sub-batches of similar context length and
+    gives each prompt chunk its own; it is made on the host from `metadata.host`, then moved to the
+    device once. The model it runs is the engine's model, unchanged."""
+
+    name = "torch"
+    # decode tokens through the C++ paged-decode kernel instead of torch sub-batches (the CPU backend)
+    decode_in_kernel = False
+
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
+        self.model = model
         self.layout = layout
-        self.group_views = group_views
-        self.workspace = workspace or Workspace()
+        self.group_views = layout.group_views(page_pool)
+        self.workspace = Workspace()
         # Per group, each block's K and V of one layer as rows: (num_blocks, layers * 2, bs * H * D).
-        self.group_rows = [v.reshape(v.shape[0], v.shape[1] * 2, -1) for v in group_views]
-        self.token_rows = token_rows  # the pool as rows of one token's K or V (see KVLayout.token_rows)
-        bs = layout.block_size
-        starts = [s.start for s in seqs]
-        counts = [s.num_tokens for s in seqs]
-        self.num_tokens = sum(counts)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
-        first_token = torch.tensor([0] + counts[:-1]).cumsum(0)
-        self.positions = (torch.tensor(starts)[seq_of_token]
-                          + (torch.arange(self.num_tokens) - first_token[seq_of_token]))
-        # Per group: the request's block table as a padded matrix, and the slot of every new token.
-        self.slot_blocks: list[torch.Tensor] = []
-        self.slot_offsets = self.positions % bs
-        tables = []
-        for g in range(len(layout.groups)):
-            width = max(len(s.block_ids[g]) for s in seqs)
-            table = torch.tensor([s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in seqs], dtype=torch.long)
-            tables.append(table)
-            self.slot_blocks.append(table[seq_of_token, self.positions // bs])
-        for g, blocks in enumerate(self.slot_blocks):
-            if bool((blocks == 0).any()):
-                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-        # Row of each new token's K in slot 0 of its group; layer slot s adds 2*s*bs (V: one more bs).
-        self.slot_rows = [blocks * layout.rows_per_page + self.slot_offsets for blocks in self.slot_blocks]
+        self.group_rows = [v.reshape(v.shape[0], v.shape[1] * 2, -1) for v in self.group_views]
+        self.token_rows = layout.token_rows(page_pool)  # the pool as rows of one token's K or V
         self.sub_batches: list[_SubBatch] = []
-        decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: -starts[i])
         self.fused: _FusedDecode | None = None
-        if fused_decode and decode:
+        self.slot_rows: list[torch.Tensor] = []
+        self._identity = False
+
+    @property
+    def description(self) -> str:
+        return "torch"
+
+    def run_step(self, metadata: StepMetadata) -> torch.Tensor | None:
+        return None
+
+    def greedy_tokens(self, hidden: torch.Tensor, num_ids: int) -> list[int | None]:
+        return [None] * hidden.shape[0]
+
+    def prepare(self, metadata: StepMetadata) -> None:
+        layout = self.layout
+        host = metadata.host
+        starts, counts = list(host.starts), list(host.query_lens)
+        # Row of each new token's K in slot 0 of its group; layer slot s adds 2*s*bs (V: one more bs).
+        self.slot_rows = [blocks * layout.rows_per_page + metadata.slot_offsets for blocks in metadata.slot_blocks]
+        first_token = host.query_start_loc[:-1]
+        tables = list(host.block_tables)
+        self.sub_batches = []
+        self.fused = None
+        decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: -starts[i])
+        if self.decode_in_kernel and decode:
             self.fused = self._build_fused(decode, starts, tables, first_token)
             decode = []
         while decode:
             longest = starts[decode[0]] + 1
             bucket = [i for i in decode if (starts[i] + 1) * DECODE_BUCKET_RATIO >= longest]
             decode = decode[len(bucket):]
-            self.sub_batches.append(self._build(bucket, seqs, tables, first_token))
+            self.sub_batches.append(self._build(bucket, starts, counts, tables, first_token))
         for i, n in enumerate(counts):
             if n > 1:
-                self.sub_batches.append(self._build([i], seqs, tables, first_token))
+                self.sub_batches.append(self._build([i], starts, counts, tables, first_token))
         # One sub-batch whose queries are exactly the step's tokens in order: no scatter needed.
+        num_tokens = metadata.num_tokens
         self._identity = (self.fused is None and len(self.sub_batches) == 1 and self.sub_batches[0].valid is None
-                          and bool((self.sub_batches[0].out_index == torch.arange(self.num_tokens)).all()))
-        device = token_rows.device
-        if device.type != "cpu":  # metadata is built on the CPU; the pages may live elsewhere
-            self.slot_rows = [r.to(device) for r in self.slot_rows]
+                          and bool((self.sub_batches[0].out_index == torch.arange(num_tokens)).all()))
+        device = self.token_rows.device
+        if device.type != "cpu":  # the plan is made on the host; the pages live on the device
             for sb in self.sub_batches:
                 sb.q_index, sb.out_index = sb.q_index.to(device), sb.out_index.to(device)
                 sb.valid = None if sb.valid is None else sb.valid.to(device)
                 for gb in sb.groups:
                     gb.table, gb.mask = gb.table.to(device), gb.mask.to(device)
                     gb.unwritten = None if gb.unwritten is None else gb.unwritten.to(device)
+
+    def kernel_decode(self, q: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, key_start: torch.Tensor,
+                      key_end: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode queries (B, Hq, D) over keys [key_start, key_end) of their block tables, where
+        `decode_in_kernel` is set (a subclass's kernel)."""
+        raise NotImplementedError
 
     def _build_fused(self, members: list[int], starts: list[int], tables: list[torch.Tensor],
                      first_token: torch.Tensor) -> _FusedDecode:
@@ -157,13 +164,13 @@ class PagedAttention:
             per_group.append((tables[g][idx].contiguous(), key_start))
         return _FusedDecode(token_index=first_token[idx], key_end=key_end, groups=per_group)
 
-    def _build(self, members: list[int], seqs: list[SeqSlice], tables: list[torch.Tensor],
+    def _build(self, members: list[int], seq_starts: list[int], seq_counts: list[int], tables: list[torch.Tensor],
                first_token: torch.Tensor) -> _SubBatch:
         bs = self.layout.block_size
         idx = torch.tensor(members)
-        lq = max(seqs[i].num_tokens for i in members)
-        counts = torch.tensor([seqs[i].num_tokens for i in members])
-        starts = torch.tensor([seqs[i].start for i in members])
+        lq = max(seq_counts[i] for i in members)
+        counts = torch.tensor([seq_counts[i] for i in members])
+        starts = torch.tensor([seq_starts[i] for i in members])
         ar = torch.arange(lq)
         valid = ar[None, :] < counts[:, None]
         q_pos = starts[:, None] + torch.minimum(ar[None, :], counts[:, None] - 1)
@@ -197,22 +204,28 @@ class PagedAttention:
         return _SubBatch(q_index=q_index, out_index=q_index[valid], valid=valid if padded else None, groups=groups,
                          fresh=fresh)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        g, slot = self.layout.layer_to_group[layer_idx]
-        layer_cache = self.group_views[g][:, slot]  # (num_blocks, 2, bs, H, D)
-        # Write first, then read: the new tokens attend to themselves through the pages.
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: StepMetadata) -> None:
+        g, slot = self.layout.layer_to_group[layer]
         bs = self.layout.block_size
         rows = self.slot_rows[g] + 2 * slot * bs
         width = self.token_rows.shape[1]
         self.token_rows.index_copy_(0, rows, k.reshape(-1, width).to(self.token_rows.dtype))
         self.token_rows.index_copy_(0, rows + bs, v.reshape(-1, width).to(self.token_rows.dtype))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                metadata: StepMetadata) -> torch.Tensor:
+        """Writes the step's K/V, then reads them back through the pages with the context."""
+        self.write_kv(k, v, layer, metadata)
+        g, slot = self.layout.layer_to_group[layer]
+        layer_cache = self.group_views[g][:, slot]  # (num_blocks, 2, bs, H, D)
+        bs = self.layout.block_size
         k_rows = self.group_rows[g][:, 2 * slot]
         v_rows = self.group_rows[g][:, 2 * slot + 1]
         h, d = k.shape[1], k.shape[2]
         out = q if self._identity else torch.empty_like(q)
         if self.fused is not None:
             table, key_start = self.fused.groups[g]
-            out[self.fused.token_index] = cpu_kernels.paged_decode_attention(
+            out[self.fused.token_index] = self.kernel_decode(
                 q[self.fused.token_index], layer_cache, table, key_start, self.fused.key_end, d ** -0.5)
         for sb in self.sub_batches:
             gb = sb.groups[g]

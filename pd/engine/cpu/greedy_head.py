@@ -47,8 +47,9 @@ def screen_enabled() -> bool:
 class GreedyHead:
     """The exact greedy tokens of a packed float32 lm_head (no bias), screened through int8.
 
-    Guarantees: `tokens(h)[i]` is the index of the largest float32 logit of row i (the lowest on a
-    tie), or None where the row is not finite (the caller then computes that row's logits). The
+    Guarantees: `tokens(h, n)[i]` is the index of the largest float32 logit of row i among ids
+    [0, n) (the lowest on a tie; ids from n on, a padded vocabulary's, are never chosen), or None
+    where the row is not finite (the caller then computes that row's logits). The
     lm_head's panels are read, never written; the int8 copy is made once, here.
     """
 
@@ -77,15 +78,17 @@ class GreedyHead:
         self.coef = torch.where(coef32.double() < coef, torch.nextafter(coef32, torch.tensor(float("inf"))),
                                 coef32).reshape(-1).contiguous()
 
-    def tokens(self, hidden: torch.Tensor) -> list[int | None]:
-        """Greedy token per row of `hidden` (R, K) float32; None where the row is not finite. Rows go
+    def tokens(self, hidden: torch.Tensor, num_ids: int | None = None) -> list[int | None]:
+        """Greedy token among ids [0, num_ids) (default: every output) per row of `hidden` (R, K)
+        float32; None where the row is not finite. Rows go
         to the kernel `ROWS_PER_CALL` at a time: its approximate logits (rows x vocabulary floats) stay
         in a buffer the calling thread keeps, so that buffer stays small."""
         module = cpu_kernels.load()
+        n_out = self.out_features if num_ids is None else min(num_ids, self.out_features)
         out: list[int | None] = []
         for r0 in range(0, hidden.shape[0], ROWS_PER_CALL):
             rows = module.screened_argmax(hidden[r0:r0 + ROWS_PER_CALL].contiguous(), self.q, self.scale, self.coef,
-                                          self.packed, self.out_features)
+                                          self.packed, n_out)
             out += [t if t >= 0 else None for t in rows.tolist()]
         return out
 

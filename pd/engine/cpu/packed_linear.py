@@ -1,11 +1,12 @@
 """Linear layers whose weights are held in the packed-panel layout of pd/engine/cpu/cpu_gemm.cpp.
 
-On the fused CPU path the weights are re-laid once, as panels of 16 output
+On the CPU backend the weights are re-laid once, at load time, as panels of 16 output
 columns ((N, K) -> (ceil(N/16), K, 16)), which the AVX-512 / AVX2 kernel streams at
 close to the FMA peak where MKL's sgemm at decode shapes reaches half of it.
-The model's own `nn.Linear` / tied `nn.Embedding` modules are swapped for the
-modules below, which read the same panels: the weights are held once, and
-prefill (the torch path) and decode (`decode_layers`) run the same GEMM.
+`packed_copy` builds the backend's own copy of the model whose `nn.Linear` / tied
+`nn.Embedding` modules are the modules below, reading the same panels as `decode_layers`:
+prefill (the per-layer path) and decode run the same GEMM, and the engine's model is
+left as pd/engine/model/llama.py builds it.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.model.llama import CausalLM
 
 PANEL = 16  # output columns per panel (kPanel in cpu_gemm.cpp)
 NEVER = 1 << 31  # a row count no batch reaches: the packed kernel always (pd/engine/cpu/gemm_tuning.py)
@@ -111,7 +113,7 @@ class PackedEmbedding(nn.Module):
 
 
 def packable(model: nn.Module) -> bool:
-    """Whether `pack_model` applies: q, k, v, gate and up each fill whole panels (their fused
+    """Whether `packed_copy` applies: q, k, v, gate and up each fill whole panels (their fused
     weights are then split into per-module views without copies)."""
     cfg = model.config
     d = cfg.resolved_head_dim
@@ -126,28 +128,33 @@ def _layer_shapes(cfg) -> list[tuple[int, ...]]:  # noqa: ANN001 - ModelConfig
             (num_panels(2 * i), h, PANEL), (num_panels(h), i, PANEL)]
 
 
-def pack_model(model: nn.Module, allocate: Callable[[list[tuple[int, ...]]], list[torch.Tensor]]
-               ) -> list[torch.Tensor]:
-    """Re-lays every projection and the lm_head of `model` (a float32 CausalLM) as panels and
-    swaps its modules for the packed ones above, in place; returns the 7 tensors per layer that
-    `decode_layers` takes (norms plain, q|k|v and gate|up fused). `allocate(shapes)` returns the
-    empty tensors to fill (one buffer for all, so they may share 2 MiB pages). Layer by layer: the
-    old weights are released as it goes, so at most one layer is held twice."""
+def packed_copy(model: CausalLM, allocate: Callable[[list[tuple[int, ...]]], list[torch.Tensor]]
+                ) -> tuple[CausalLM, list[torch.Tensor]]:
+    """A copy of `model` (a float32 CausalLM) over panels: every projection and the lm_head re-laid
+    as panels in PackedLinear modules (a tied embedding reads the head's panels), the norms copied
+    beside them; the embedding (untied), final norm and rotary tables are `model`'s own modules,
+    shared. Returns the copy and the 7 tensors per layer that `decode_layers` takes (norms plain,
+    q|k|v and gate|up fused, views of the same panels). `allocate(shapes)` returns the empty tensors
+    to fill (one buffer for all, so they may share 2 MiB pages). `model` is left as it is."""
     cfg = model.config
     body = model.model
+    with torch.device("meta"):
+        twin = CausalLM(cfg)  # the structure only: every module holding weights is replaced below
+    twin.requires_grad_(False)
+    twin.model.rotary, twin.model.norm = body.rotary, body.norm
     shapes = [s for _ in body.layers for s in _layer_shapes(cfg)]
     head_shape = (num_panels(cfg.vocab_size), cfg.hidden_size, PANEL)
     buffers = allocate(shapes + [head_shape])
     weights: list[torch.Tensor] = []
     with torch.no_grad():
-        for li, layer in enumerate(body.layers):
+        for li, (layer, copy) in enumerate(zip(body.layers, twin.model.layers, strict=True)):
             norm1, qkv, bias, o, norm2, gate_up, down = buffers[7 * li: 7 * li + 7]
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
             norm1.copy_(layer.input_layernorm.weight)
             norm2.copy_(layer.post_attention_layernorm.weight)
-            layer.input_layernorm.weight.data = norm1
-            layer.post_attention_layernorm.weight.data = norm2
+            copy.input_layernorm.weight = nn.Parameter(norm1, requires_grad=False)
+            copy.post_attention_layernorm.weight = nn.Parameter(norm2, requires_grad=False)
             pack_into(torch.cat([p.weight for p in projections]), qkv)
             if bias.numel():
                 bias.copy_(torch.cat([p.bias for p in projections]))
@@ -155,22 +162,20 @@ def pack_model(model: nn.Module, allocate: Callable[[list[tuple[int, ...]]], lis
             pack_into(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up)
             pack_into(mlp.down_proj.weight, down)
             sizes = [p.out_features for p in projections]
-            names = ("q_proj", "k_proj", "v_proj")
             start = 0
-            for name, size in zip(names, sizes, strict=True):
+            for name, size in zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True):
                 part = qkv[start // PANEL:(start + size) // PANEL]
-                setattr(attn, name, PackedLinear(part, cfg.hidden_size, size,
-                                                 bias[start:start + size] if bias.numel() else None))
+                setattr(copy.self_attn, name, PackedLinear(part, cfg.hidden_size, size,
+                                                           bias[start:start + size] if bias.numel() else None))
                 start += size
-            attn.o_proj = PackedLinear(o, attn.o_proj.in_features, cfg.hidden_size, None)
+            copy.self_attn.o_proj = PackedLinear(o, attn.o_proj.in_features, cfg.hidden_size, None)
             half = cfg.intermediate_size // PANEL
-            mlp.gate_proj = PackedLinear(gate_up[:half], cfg.hidden_size, cfg.intermediate_size, None)
-            mlp.up_proj = PackedLinear(gate_up[half:], cfg.hidden_size, cfg.intermediate_size, None)
-            mlp.down_proj = PackedLinear(down, cfg.intermediate_size, cfg.hidden_size, None)
+            copy.mlp.gate_proj = PackedLinear(gate_up[:half], cfg.hidden_size, cfg.intermediate_size, None)
+            copy.mlp.up_proj = PackedLinear(gate_up[half:], cfg.hidden_size, cfg.intermediate_size, None)
+            copy.mlp.down_proj = PackedLinear(down, cfg.intermediate_size, cfg.hidden_size, None)
             weights += [norm1, qkv, bias, o, norm2, gate_up, down]
         head = buffers[-1]
         pack_into(model.lm_head.weight, head)
-        model.lm_head = PackedLinear(head, cfg.hidden_size, cfg.vocab_size, None)
-        if cfg.tie_word_embeddings:
-            body.embed_tokens = PackedEmbedding(model.lm_head)
-    return weights
+        twin.lm_head = PackedLinear(head, cfg.hidden_size, cfg.vocab_size, None)
+        twin.model.embed_tokens = PackedEmbedding(twin.lm_head) if cfg.tie_word_embeddings else body.embed_tokens
+    return twin, weights

@@ -4,16 +4,16 @@ Parameter names follow Hugging Face's Llama layout (`model.layers.N.self_attn.q_
 `lm_head.weight`, ...), so `state_dict()` round-trips through a HF checkpoint
 without renaming.
 
-The model does not own a KV cache. Attention is delegated to an
-`AttentionBackend`: the paged runner passes one that writes K/V into pages and
-reads them back through block tables; `DenseAttention` is the plain, non-paged
-reference used to check the paged path.
+The model does not own a KV cache. Attention is delegated to a `LayerAttention`: the runner passes
+an attention backend (pd/engine/attention/backend.py) that writes K/V into pages and reads them back
+through block tables, with the step's metadata; `DenseAttention` is the plain, non-paged reference
+used to check the paged path. This module is the model that runs: no backend changes its modules.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,12 @@ from torch import nn
 from pd.engine.model.config import SLIDING_ATTENTION, ModelConfig
 
 
-class AttentionBackend(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (T, Hq, D), k/v: (T, Hkv, D) for this step's tokens -> (T, Hq, D)."""
+class LayerAttention(Protocol):
+    """What a layer asks of attention (the attention backends' contract, seen from the model)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any) -> torch.Tensor:
+        """q: (T, Hq, D), k/v: (T, Hkv, D) for this step's tokens -> (T, Hq, D); the K/V are kept
+        (written to the backend's cache) before the queries attend to them."""
 
 
 class RMSNorm(nn.Module):
@@ -75,12 +78,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention,
+                metadata: Any) -> torch.Tensor:
         t = x.shape[0]
         q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        out = backend(self.layer_idx, q, k, v)
+        out = backend.forward(q, k, v, self.layer_idx, metadata)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -103,8 +107,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention,
+                metadata: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,13 +142,14 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """`on_layer(i)`: called after layer i ran (its K/V are written), e.g. to publish them."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: LayerAttention,
+                metadata: Any = None, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """`metadata`: the step's, handed to every layer's attention. `on_layer(i)`: called after
+        layer i ran (its K/V are written), e.g. to publish them."""
         x = self.model.embed_tokens(token_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, backend)
+            x = layer(x, cos, sin, backend, metadata)
             if on_layer is not None:
                 on_layer(i)
         return self.model.norm(x)
@@ -221,7 +227,7 @@ class DenseAttention:
         if cfg.sliding_window:
             self.windowed[cfg.sliding_window] = self.causal & (delta < cfg.sliding_window)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        window = window_of(self.cfg, layer_idx)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any = None) -> torch.Tensor:
+        window = window_of(self.cfg, layer)
         mask = self.causal if window is None else self.windowed[window]
         return masked_attention(q[None], k[None], v[None], mask[None])[0]

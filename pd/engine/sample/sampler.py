@@ -9,7 +9,8 @@ the batch.
 
 Guarantees of `sample`: it never raises for any parameters `SamplingParams`
 accepts and any logits (nan and inf included), and every token it returns is
-a valid index into the row. The filtered distribution always keeps at least
+a valid index into the row, below `num_ids` when given (the ids a tokenizer can
+decode: a padded vocabulary's extra ids are never sampled, in any mode). The filtered distribution always keeps at least
 the most likely token (a top_p smaller than any representable mass keeps
 exactly that one); a row whose distribution is still not finite and positive
 before the draw is sampled greedily instead, and logged.
@@ -80,8 +81,12 @@ def _draw(row: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` (R, vocab); greedy rows in one argmax. Never raises."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           num_ids: int | None = None) -> list[int]:
+    """One token per row of `logits` (R, vocab), among ids [0, num_ids) when given; greedy rows in one
+    argmax. Never raises."""
+    if num_ids is not None and num_ids < logits.shape[-1]:
+        logits = logits[:, :num_ids]  # the ids past it are not in the tokenizer's vocabulary
     tokens = torch.argmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:

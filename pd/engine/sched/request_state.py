@@ -5,8 +5,6 @@ import dataclasses
 import time
 from typing import Any
 
-import torch
-
 from connectors.metrics import FailureCause
 from pd.engine.outputs import RequestTiming
 from pd.engine.sample.params import SamplingParams
@@ -17,8 +15,7 @@ class RequestState:
     """Engine-side companions of a kvcache Request (which has fixed slots)."""
 
     request: Any  # kvcache.Request
-    params: SamplingParams
-    generator: torch.Generator | None
+    params: SamplingParams  # the scheduler reads its stop rules; the runner gets it once (SchedulerOutput)
     skip_connector_load: bool = False  # set once a remote load failed: compute locally from then on
     load_failed: bool = False
     load_failure: FailureCause | None = None  # why, when the connector said

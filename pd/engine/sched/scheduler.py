@@ -33,8 +33,7 @@ from connectors.metrics import FailureCause
 from pd.engine.config import EngineConfig
 from pd.engine.outputs import FinishReason, RequestOutput
 from pd.engine.sched.request_state import RequestState
-from pd.engine.sched.output import SchedulerOutput
-from pd.engine.sched.output import ScheduledChunk
+from pd.engine.sched.output import RunnerRequests, ScheduledChunk, SchedulerOutput
 from pd.engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -62,6 +61,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._error_outputs: list[RequestOutput] = []
         self._stream_chunks: dict[str, int] = {}  # streamed prefills (connector's KV streaming): largest chunk
+        self._runner_requests = RunnerRequests()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, state: RequestState) -> None:
@@ -141,7 +141,10 @@ class Scheduler:
             self._admit_waiting(chunks, budget)
         meta = self.connector.build_connector_meta() if self.connector is not None else None
         self.stats.num_steps += 1
-        return SchedulerOutput(chunks=chunks, connector_metadata=meta, num_preempted=len(preempted))
+        finished = self._runner_requests.take_finished()
+        new = self._runner_requests.new(chunks, self.requests)
+        return SchedulerOutput(chunks=chunks, connector_metadata=meta, num_preempted=len(preempted),
+                               new_requests=new, finished_request_ids=finished)
 
     def layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None] | None:
         """The connector's per-layer callback for a forward of these chunks (layer streaming), or None."""
@@ -326,6 +329,7 @@ class Scheduler:
             self.waiting.remove(state)
         self.finished_recving.discard(rid)
         self._stream_chunks.pop(rid, None)
+        self._runner_requests.finished(rid)
         params = None
         if self.connector is not None:
             num_blocks = -(-req.num_computed_tokens // self.block_size)
