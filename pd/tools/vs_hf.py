@@ -179,8 +179,7 @@ def bench_vs_hf_model(model_path: str, num_requests: int, max_new: int, rounds: 
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     try:
         run = side_by_side(eng, hf, prompts, pad_id, max_new, rounds)
-        fused = eng.runner.fused_decoder
-        backend = f"fused (C++ CPU decode kernel, projections through {fused.gemm_name})" if fused else "torch"
+        backend = eng.runner.backend.description
     finally:
         eng.shutdown()
     lens = [len(p) for p in prompts.values()]
