@@ -111,6 +111,10 @@ class Consumer(StreamLoads):
         with self._lock:
             self._heartbeats = {r: list(ids) for r, ids in waiting.items() if ids}
 
+    def data_paths(self) -> dict[str, list[str]]:
+        """The modes of each producer session's data streams (after any fallback), by engine id."""
+        return {s.remote.engine_id: [st.mode for st in s.streams] for s in list(self._sessions.values())}
+
     def take_finished(self) -> list[LoadResult]:
         with self._lock:
             out, self._finished = self._finished, []

@@ -293,8 +293,9 @@ class Producer:
     def _attach_device(self, conn: socket.socket) -> bool:
         """Answers a cuda_ipc ATTACH: the pool's export, or why there is none (the consumer falls back)."""
         try:
-            if not self._offers_device:
-                raise device_path.DeviceUnavailable("this producer does not offer its device pool")
+            if not self.config.offer_device:
+                raise device_path.DeviceUnavailable("this producer does not offer its device pool (an emulated "
+                                                    "link, or shared memory disallowed)")
             export, reason = device_path.export_pool(self.pool), ""
         except device_path.DeviceUnavailable as e:
             export, reason = {}, str(e)
