@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from pd.cluster.admin_key import weakness
 from pd.cluster.planner_config import PlannerSection
 from pd.cluster.schema import FieldError, StrictModel
 
@@ -44,6 +45,17 @@ class ConnectionsSection(StrictModel):
         return self.max_connections_per_peer or max(1, self.max_connections // 2)
 
 
+class AuthThrottleSection(StrictModel):
+    """How failed authentications back off, per client address (pd.router.auth_throttle): `burst`
+    failures in a row, then one per 1/`per_s` seconds; past that every request from the address that
+    needs a key (the right one too) gets 429 with Retry-After. At most `max_addresses` addresses are
+    remembered (IPv6 grouped by /64); the one that failed least recently is forgotten first."""
+
+    burst: int = Field(5, ge=1)
+    per_s: Positive = Field(1.0, description="failures forgiven per second")
+    max_addresses: int = Field(65536, ge=16)
+
+
 class RouterSection(StrictModel):
     """The router's address, timeouts, request limits and admission control.
 
@@ -59,11 +71,15 @@ class RouterSection(StrictModel):
     health_interval_s: Positive = 2.0
     api_key: str | None = None  # one client key (its tenant id is "default"); api_keys names several
     # tenancy (pd.router.tenancy): tenant id -> API key; `admin_key` alone opens /pd/*, protected /metrics
-    # and refreshes; per_api_key gives each tenant its own prefix cache (a salt derived from its id)
+    # and refreshes; per_api_key gives each tenant its own prefix cache (a salt derived from its id).
+    # Empty isolation or metrics_auth: the safe choice for the keys set (`cache_isolation`, `metrics_protected`)
     api_keys: dict[TenantId, NonEmpty] = Field(default_factory=dict, description="tenant id -> API key")
-    admin_key: NonEmpty | None = None
-    prefix_cache_isolation: Literal["shared", "per_api_key"] = "shared"
+    admin_key: NonEmpty | None = Field(None, description="32+ characters, 128+ bits (pd.cluster.admin_key)")
+    prefix_cache_isolation: Literal["shared", "per_api_key"] | None = Field(
+        None, description="empty: per_api_key with two or more API keys, else shared (then explicit)")
     report_cached_tokens: bool = Field(True, description="false: usage carries no prompt_tokens_details")
+    report_route: bool = Field(False, description="true: responses carry pdkv_route (workers, predicted TTFTs)")
+    auth_throttle: AuthThrottleSection = Field(default_factory=AuthThrottleSection)
     refresh_min_interval_s: float = Field(1.0, ge=0.0, description="at most one ?refresh=1 poll per interval")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
     max_prompt_tokens: int | None = Field(None, ge=1, description="empty: scheduler.max_model_len - 1")
@@ -72,7 +88,8 @@ class RouterSection(StrictModel):
     max_queued_requests: int = Field(64, ge=0)
     queue_timeout_s: Positive = 10.0
     retry_after_s: int = Field(1, ge=1)
-    metrics_auth: bool = Field(False, description="GET /metrics requires the admin_key too")
+    metrics_auth: bool | None = Field(None, description="GET /metrics requires the admin_key too; "
+                                                         "empty: on when any API key is set")
     # worker choice (pd.router.choice): prefix_aware scores each worker by the formula `ttft_cost`,
     # hit_tokens - prefix_queue_weight * queued_tokens - prefix_running_weight * requests_in_flight
     policy: Literal["least_loaded", "round_robin", "prefix_aware"] = "least_loaded"
@@ -95,6 +112,28 @@ class RouterSection(StrictModel):
     def tenant_keys(self) -> dict[str, str]:
         """Every API key by tenant id (`api_key` is tenant "default")."""
         return ({"default": self.api_key} if self.api_key else {}) | dict(self.api_keys)
+
+    @property
+    def cache_isolation(self) -> Literal["shared", "per_api_key"]:
+        """`prefix_cache_isolation`, or when unset per_api_key for two or more tenants (one tenant
+        shares with nobody): a tenant must never read another's prompts unless `shared` is chosen."""
+        if self.prefix_cache_isolation is not None:
+            return self.prefix_cache_isolation
+        return "per_api_key" if len(self.tenant_keys()) > 1 else "shared"
+
+    @property
+    def metrics_protected(self) -> bool:
+        """`metrics_auth`, or when unset on with any API key: /metrics carries every worker's prefix
+        cache hits, which would let one client learn what others sent."""
+        return self.metrics_auth if self.metrics_auth is not None else bool(self.tenant_keys())
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_strong(cls, key: str | None) -> str | None:
+        why = None if key is None else weakness(key)
+        if why is not None:
+            raise ValueError(why)
+        return key
 
     @model_validator(mode="after")
     def _keys_apart(self) -> RouterSection:

@@ -217,6 +217,11 @@ class CompletionEndpoints:
         count tells a client what others sent, where the prefix cache is shared."""
         return num_cached_tokens if self._config.router.report_cached_tokens else None
 
+    def _route(self, tally: _Tally) -> dict | None:
+        """The `pdkv_route` extension, only with `router.report_route`: it names workers and their
+        predicted TTFTs, which tell a client about other clients' load and cache."""
+        return tally.route.as_dict() if self._config.router.report_route else None
+
     def _refuse(self, exc: oa.APIError, headers: dict | None = None) -> web.Response:
         self._metrics.record_outcome(f"error_{exc.status}")
         return error_response(exc, headers)
@@ -236,8 +241,9 @@ class CompletionEndpoints:
                          self._reported(sum(t.num_cached_tokens for t in tallies)))
         self._metrics.record_outcome("ok")
         body = job.output.response(outputs, usage)
-        for choice, tally in zip(body["choices"], tallies, strict=True):
-            choice["pdkv_route"] = tally.route.as_dict()
+        if self._config.router.report_route:
+            for choice, tally in zip(body["choices"], tallies, strict=True):
+                choice["pdkv_route"] = tally.route.as_dict()
         if timeline.want_extension:  # x-pdkv-timing: 1
             body["pdkv_timing"] = timeline.extension()
         return web.json_response(body)
@@ -333,12 +339,12 @@ class CompletionEndpoints:
                 tally.num_cached_tokens = max(tally.num_cached_tokens, event.num_cached_tokens)
                 if text.stopped:
                     finish = "stop"
-                    yield Piece(new, event.token_ids, finish, tally.route.as_dict())
+                    yield Piece(new, event.token_ids, finish, self._route(tally))
                     break
                 if event.finish_reason is not None:
                     new += text.flush()  # the held-back tail may itself complete a stop string
                     finish = "stop" if text.stopped else event.finish_reason
-                    yield Piece(new, event.token_ids, finish, tally.route.as_dict())
+                    yield Piece(new, event.token_ids, finish, self._route(tally))
                     break
                 if event.token_ids:
                     yield Piece(new, event.token_ids)
@@ -373,4 +379,5 @@ def internal_error(exc: BaseException) -> oa.APIError:
 
 
 def error_response(exc: oa.APIError, headers: dict | None = None) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
+    """The error as OpenAI JSON, with `headers` (default: the error's own)."""
+    return web.json_response(exc.to_dict(), status=exc.status, headers=headers if headers is not None else exc.headers)

@@ -4,7 +4,7 @@
 live in one process) holding two kinds of series:
 - the router's own, recorded as requests pass: requests by outcome, prompt and
   generated tokens, finished requests by reason, TTFT / inter-token / end-to-end
-  latency, the prefill hop, failed worker calls;
+  latency, the prefill hop, failed worker calls, failed and throttled authentications;
 - per-worker figures, read by `WorkerStatsCollector` at scrape time from the
   stats of the router's last worker poll: KV usage, queue depths, prefix cache,
   preemptions, engine time, KV transfer bytes / latency / failures.
@@ -100,6 +100,13 @@ class RouterMetrics:
                                      ("model_name", "kind"), registry=self.registry, buckets=LATENCY_BUCKETS_S)
         self._plan_unpredicted = self._counter("pdkv_planner_unpredicted", "Planned requests with no prediction "
                                                "(a figure still had no samples), by kind", "kind")
+        self._auth_failures = self._counter("pdkv_auth_failures", "Requests refused for a wrong or missing key "
+                                            "(401), by the key the path takes (api_key, admin_key)", "key")
+        self._auth_throttled = self._counter("pdkv_auth_throttled", "Requests refused with 429 because their "
+                                             "address failed to authenticate too often (router.auth_throttle)")
+        for key in ("api_key", "admin_key"):  # at 0 from the start: an alert on their rate needs the series
+            self._auth_failures.labels(model_name, key)
+        self._auth_throttled.labels(model_name)
         self._ttft_stages = Histogram("pdkv_ttft_stage_seconds", "Time to first token by stage (pd.router.timeline: "
                                       "parse, tokenize, admission, route, prefill_queue, prefill_compute, "
                                       "kv_transfer, decode_queue, first_chunk)", ("model_name", "stage"),
@@ -159,6 +166,13 @@ class RouterMetrics:
         """One request's TTFT stages (`pd.router.timeline.STAGES` names, seconds); the `_s` is dropped."""
         for stage, seconds in stages.items():
             self._ttft_stages.labels(self.model_name, stage.removesuffix("_s")).observe(seconds)
+
+    def record_auth_failure(self, key: str) -> None:
+        """A 401 on a path that takes `key` (api_key or admin_key)."""
+        self._auth_failures.labels(self.model_name, key).inc()
+
+    def record_auth_throttled(self) -> None:
+        self._auth_throttled.labels(self.model_name).inc()
 
     def record_kv_batch(self, outcome: str) -> None:
         self._kv_batches.labels(self.model_name, outcome).inc()

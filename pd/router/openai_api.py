@@ -37,9 +37,10 @@ class APIError(Exception):
     """An error returned to the client as OpenAI-style JSON with `status`."""
 
     def __init__(self, status: int, message: str, *, err_type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.param, self.code = status, message, err_type, param, code
+        self.headers = headers  # sent with the error (429: Retry-After)
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}

@@ -12,7 +12,8 @@ extension) the token ids come along, and are absent otherwise: completions'
 choices carry `prompt_token_ids` (a stream: on its first chunk) and `token_ids`;
 chat responses carry `prompt_token_ids` (a stream: on its first chunk) and each
 choice `token_ids`; a stream's chunks, joined, carry every generated id once, in
-order, as the non-streamed response does.
+order, as the non-streamed response does. `pdkv_route` (where a prompt was prefilled and
+why) is there only with `router.report_route` (off by default).
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class Router:
                                num_readmit_probes=self.recovery.num_readmit_probes)
         for endpoint in endpoints:
             self.pool.add(endpoint)
-        self.tenancy = Tenancy(rc, secret, metrics_require_key)  # API keys, the admin key, cache salts
+        self.tenancy = Tenancy(rc, secret, metrics_require_key, self.metrics)  # keys, auth throttle, cache salts
         self._colocated = config.topology.mode is Mode.COLOCATED
         self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size,
                                     config.scheduler.max_num_batched_tokens)

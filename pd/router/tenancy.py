@@ -2,7 +2,8 @@
 
 `Tenancy` is built once from the router config and the deployment secret. It
 sorts a request's path into client (`/v1/`), admin (`/pd/`, and `/metrics`
-with `metrics_auth`) or open (`/health`, ...) and checks its bearer key:
+with `metrics_auth`, which is on by default once any API key is set) or open
+(`/health`, ...) and checks its bearer key:
 
 - client paths take an API key (`router.api_key`, tenant id "default", or any
   of `router.api_keys`) when any is configured; `tenant(request)` names the
@@ -10,9 +11,13 @@ with `metrics_auth`) or open (`/health`, ...) and checks its bearer key:
 - admin paths take `router.admin_key` alone: an API key there gets 403, any
   other key 401. With API keys but no admin key the admin paths are closed
   (403); with no key at all the deployment is open, as before keys existed;
-- keys are compared in constant time, every configured key each time.
+- keys are compared in constant time, every configured key each time;
+- an address whose keys failed too often waits (429, Retry-After) before any
+  key of its is looked at, the right one too (pd.router.auth_throttle); each
+  401 and each such 429 is counted on /metrics.
 
-Cache salts (`cache_salt`): with `prefix_cache_isolation: shared` the
+Cache salts (`cache_salt`): `prefix_cache_isolation` left unset is per_api_key
+once two or more API keys are set (`RouterSection.cache_isolation`). With `shared` the
 client's `cache_salt` is used as given (vLLM's semantics: two requests share
 cached blocks only with equal salts, none meaning "no salt"). With
 `per_api_key` every tenant's salt is an HMAC-SHA256 of the deployment secret
@@ -25,23 +30,33 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from pd.cluster.router_config import RouterSection
+from pd.router.auth_throttle import AuthThrottle
 from pd.router.openai_api import APIError
+
+if TYPE_CHECKING:
+    from pd.router.metrics import RouterMetrics
 
 _SALT_CONTEXT = b"pdkv-cache-salt\x00"
 
 
 class Tenancy:
-    def __init__(self, config: RouterSection, secret: str, metrics_auth: bool | None = None) -> None:
-        """`metrics_auth` overrides the config's (None: `config.metrics_auth`)."""
-        metrics_auth = config.metrics_auth if metrics_auth is None else metrics_auth
+    def __init__(self, config: RouterSection, secret: str, metrics_auth: bool | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        """`metrics_auth` overrides the config's (None: `config.metrics_protected`); `metrics`, when
+        given, counts failed and throttled authentications."""
+        metrics_auth = config.metrics_protected if metrics_auth is None else metrics_auth
         self._api_keys = [(tenant_id, f"Bearer {key}".encode()) for tenant_id, key in config.tenant_keys().items()]
         self._admin = f"Bearer {config.admin_key}".encode() if config.admin_key else None
         self._admin_paths = ("/pd/", "/metrics") if metrics_auth else ("/pd/",)
-        self.per_api_key = config.prefix_cache_isolation == "per_api_key"
+        self.per_api_key = config.cache_isolation == "per_api_key"
         self._secret = secret.encode()
+        self.throttle = AuthThrottle(config.auth_throttle)
+        self._metrics = metrics
 
     def authorize(self, request: web.Request) -> APIError | None:
         """None when the request may go on; else the refusal to send."""
@@ -49,17 +64,39 @@ class Tenancy:
         if path.startswith("/v1/"):
             if not self._api_keys:
                 return None
-            if self._tenant_of(_header(request)) is None:
-                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+            key_kind = "api_key"
+        elif path.startswith(self._admin_paths) and (self._admin is not None or self._api_keys):
+            key_kind = "admin_key"
+        else:
             return None
-        if not path.startswith(self._admin_paths) or (self._admin is None and not self._api_keys):
-            return None
+        wait_s = self.throttle.retry_after_s(request.remote)
+        if wait_s is not None:  # before the key is looked at: a right key must not answer otherwise
+            if self._metrics is not None:
+                self._metrics.record_auth_throttled()
+            return APIError(429, f"too many failed authentications from this address; retry after {wait_s} s",
+                            err_type="rate_limit_error", code="auth_rate_limited", headers={"Retry-After": str(wait_s)})
+        refused = self._check_client(request) if key_kind == "api_key" else self._check_admin(request, path)
+        if refused is not None and refused.status == 401:
+            self.throttle.record_failure(request.remote)
+            if self._metrics is not None:
+                self._metrics.record_auth_failure(key_kind)
+        return refused
+
+    def _check_client(self, request: web.Request) -> APIError | None:
+        if self._tenant_of(_header(request)) is None:
+            return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return None
+
+    def _check_admin(self, request: web.Request, path: str) -> APIError | None:
         given = _header(request)
         if self._admin is not None and given is not None and hmac.compare_digest(given, self._admin):
             return None
-        if self._admin is None or self._tenant_of(given) is not None:
-            return APIError(403, "this endpoint takes the admin key (router.admin_key), not an API key"
-                            if self._admin is not None else "admin endpoints are closed: router.admin_key is not set",
+        if self._admin is not None and self._tenant_of(given) is not None:
+            return APIError(403, "this endpoint takes the admin key (router.admin_key), not an API key",
+                            err_type="permission_error", code="admin_key_required")
+        if self._admin is None:
+            hint = " (or set router.metrics_auth: false)" if path.startswith("/metrics") else ""
+            return APIError(403, f"admin endpoints are closed: router.admin_key is not set{hint}",
                             err_type="permission_error", code="admin_key_required")
         return APIError(401, "invalid or missing admin key", code="invalid_api_key")
 

@@ -108,6 +108,7 @@ def deploy_config(mode: str, link: str, settings: BenchSettings) -> DeployConfig
         "topology": {"mode": "disaggregated"},
         "transfer": transfer,
         "router": {"port": 0, "request_timeout_s": 300.0, "health_interval_s": 1.0, "max_queued_requests": 1024,
+                   "report_route": True,  # the bench reads the router's predictions from pdkv_route
                    "planner": {"mode": mode, "exploration_rate": settings.exploration_rate,
                                "tpot_weight": settings.tpot_weight, "min_samples": 3, "seed": settings.seed}},
     })

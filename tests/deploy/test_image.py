@@ -276,7 +276,7 @@ def test_the_bench_job_runs_with_the_images_tools_only(image_env, tmp_path):
     config["model"]["attention_backend"] = "torch"  # no C++ kernel build (minutes on a loaded machine) in a job test
     (work / "bench.yaml").write_text(yaml.safe_dump(config))
     env = {**image_env.env, "PATH": f"{image_env.dir / 'bin'}:{_path_without('curl', 'wget', root=tmp_path)}",
-           "PDKV_API_KEY": secrets.token_hex(16), "PDKV_ADMIN_KEY": secrets.token_hex(16),
+           "PDKV_API_KEY": secrets.token_hex(16), "PDKV_ADMIN_KEY": secrets.token_urlsafe(32),
            "PDKV_RESULT_DIR": str(tmp_path / "results"),
            "PDKV_HEALTH_TIMEOUT_S": "300", "PDKV_LAUNCH_ARGS": "--num-cpus 2 --object-store-mb 200",
            "PDKV_BENCH_ARGS": "--dataset-name random --random-input-len 32 --random-output-len 8 --num-prompts 4 "

@@ -15,18 +15,22 @@ import pytest
 import ray
 import requests
 
+from pd.cluster.admin_key import generate_admin_key
 from pd.deploy.launch import Deployment
 from e2e_helpers import REPO, e2e_config, ray_init_kwargs
 
 API_KEY = "loadgen-test-key-" + "k" * 16
-ADMIN_KEY = "loadgen-admin-key-" + "a" * 16  # the metrics scrape's refresh (/pd/workers) takes it alone
+ADMIN_KEY = generate_admin_key()  # the metrics scrape's refresh (/pd/workers) takes it alone
 
 
 @pytest.fixture(scope="module")
 def keyed():
     ray.init(**ray_init_kwargs())
     try:
-        with Deployment(e2e_config("local.yaml", router__api_key=API_KEY, router__admin_key=ADMIN_KEY)) as dep:
+        # the keyless runs fail a dozen authentications from this address: a roomy auth throttle lets the
+        # keyed runs that follow in at once (the throttle has tests of its own: test_auth_throttle.py)
+        with Deployment(e2e_config("local.yaml", router__api_key=API_KEY, router__admin_key=ADMIN_KEY,
+                                   router__auth_throttle={"burst": 64})) as dep:
             yield dep
     finally:
         ray.shutdown()

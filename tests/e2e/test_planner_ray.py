@@ -28,7 +28,7 @@ def test_planner_paths_are_token_identical_and_parse_with_openai(ray_instance):
     with Deployment(e2e_config("local-colocated.yaml")) as colocated:
         want = [complete(colocated.url, p, ignore_eos=True)["choices"][0]["token_ids"] for p in PROMPTS]
         wait_all_free(colocated.url)
-    with Deployment(e2e_config("local.yaml", router__planner=PLANNER)) as dep:
+    with Deployment(e2e_config("local.yaml", router__planner=PLANNER, router__report_route=True)) as dep:
         decisions = set()
         for _ in range(2):
             for prompt, ids in zip(PROMPTS, want, strict=True):

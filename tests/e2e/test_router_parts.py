@@ -183,6 +183,7 @@ def test_router_api_key_and_no_workers_over_real_http():
 
     import aiohttp
 
+    from pd.cluster.admin_key import generate_admin_key
     from pd.router.server import Router
 
     async def scenario() -> None:
@@ -200,11 +201,20 @@ def test_router_api_key_and_no_workers_over_real_http():
                     assert resp.status == 503 and error["code"] == "no_worker_available", error
                 async with http.get(f"{url}/health") as resp:
                     assert resp.status == 503
-                async with http.get(f"{url}/metrics") as resp:  # no key needed for ops endpoints
-                    assert resp.status == 200 and "pdkv_requests_total" in await resp.text()
+                async with http.get(f"{url}/metrics") as resp:  # API keys set: /metrics takes the admin key,
+                    assert resp.status == 403 and "metrics_auth" in await resp.text()  # and there is none
         finally:
             await router.stop()
-        guarded = Router(config.replace(router__admin_key="a" * 20), [], "s" * 32, metrics_require_key=True)
+        opened = Router(config.replace(router__metrics_auth=False), [], "s" * 32)  # explicitly open
+        url = await opened.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/metrics") as resp:
+                    assert resp.status == 200 and "pdkv_requests_total" in await resp.text()
+        finally:
+            await opened.stop()
+        admin_key = generate_admin_key()
+        guarded = Router(config.replace(router__admin_key=admin_key), [], "s" * 32, metrics_require_key=True)
         url = await guarded.start()
         try:
             async with aiohttp.ClientSession() as http:
@@ -212,7 +222,7 @@ def test_router_api_key_and_no_workers_over_real_http():
                     assert resp.status == 401
                 async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + "k" * 20}) as resp:
                     assert resp.status == 403  # an API key is not the admin key
-                async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + "a" * 20}) as resp:
+                async with http.get(f"{url}/metrics", headers={"Authorization": "Bearer " + admin_key}) as resp:
                     assert resp.status == 200 and "vllm:num_requests_running" in await resp.text()
         finally:
             await guarded.stop()

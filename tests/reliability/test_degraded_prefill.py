@@ -52,7 +52,7 @@ def _config(mode: str):
     # not the poll's; a call waits on a frozen worker at most first_byte_timeout_s
     return e2e_config(router__health_interval_s=2.0, router__first_byte_timeout_s=2.0,
                       router__num_readmit_probes=NUM_READMIT_PROBES, router__readmit_interval_s=READMIT_INTERVAL_S,
-                      router__planner={"mode": mode, "seed": 0})
+                      router__planner={"mode": mode, "seed": 0}, router__report_route=True)
 
 
 def _complete(url: str, prompt: str) -> requests.Response:

@@ -34,7 +34,7 @@ def _config(mode: str, local_prefill_max_tokens: int = 0, **overrides):
     return local_config(model__architecture=ARCH, cache__kv_memory_mb=24, scheduler__max_model_len=1536,
                         router__planner={"mode": mode, "min_samples": 3, "exploration_rate": 0.0, "seed": 0,
                                          "local_prefill_max_tokens": local_prefill_max_tokens},
-                        **overrides)
+                        router__report_route=True, **overrides)
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:

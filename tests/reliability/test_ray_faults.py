@@ -41,7 +41,7 @@ def post(url: str, **body) -> tuple[requests.Response, float]:
 
 
 def test_prefill_worker_killed_after_prefill_before_answering(ray_instance, fault_record):
-    config = e2e_config(faults={"prefill": "worker.prefill_done:kill"})
+    config = e2e_config(faults={"prefill": "worker.prefill_done:kill"}, router__report_route=True)
     with Deployment(config) as dep:
         resp, seconds = post(dep.url, return_token_ids=True)
         assert resp.status_code == 200, resp.text  # degrade, don't refuse: D prefilled it itself

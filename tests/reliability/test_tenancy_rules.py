@@ -12,6 +12,7 @@ import openai
 import pytest
 import requests
 
+from pd.cluster.admin_key import generate_admin_key
 from pd.cluster.config import ConfigError, DeployConfig
 from pd.cluster.roles import Role, WorkerEndpoint
 from pd.router.refresh import RefreshBusy, RefreshLimiter
@@ -20,11 +21,12 @@ from pd.router.tenancy import Tenancy
 from rel_deploy import LocalDeployment, local_config
 
 TIMEOUT_S = 30
+STRONG = generate_admin_key()
 
 
 @pytest.mark.parametrize(("router", "blamed"), [
     ({"api_keys": {"a": "k" * 20, "b": "k" * 20}}, "router.api_keys: two tenants share one API key"),
-    ({"api_key": "k" * 20, "admin_key": "k" * 20}, "router.admin_key: must differ from every API key"),
+    ({"api_key": STRONG, "admin_key": STRONG}, "router.admin_key: must differ from every API key"),
     ({"prefix_cache_isolation": "per_api_key"}, "router.prefix_cache_isolation: per_api_key needs"),
     ({"api_keys": {"has space": "k" * 20}}, "router.api_keys.has space"),
     ({"api_key": "k" * 20, "api_keys": {"default": "j" * 20}}, "router.api_keys: tenant id 'default'"),
@@ -34,6 +36,26 @@ TIMEOUT_S = 30
 def test_bad_tenancy_configs_are_refused_by_name(router, blamed):
     with pytest.raises(ConfigError, match=blamed.replace(".", r"\.")):
         DeployConfig.from_dict({"router": router})
+
+
+def test_isolation_and_metrics_auth_default_to_the_safe_choice_for_the_keys_set():
+    def router(**fields):
+        return DeployConfig.from_dict({"router": fields}).router
+
+    two = {"a": "a-key-" + "x" * 20, "b": "b-key-" + "y" * 20}
+    assert router(api_keys=two).cache_isolation == "per_api_key"  # two tenants, nothing said: apart
+    assert router(api_keys=two).prefix_cache_isolation is None  # unset stays told apart from an explicit shared
+    assert router(api_keys=two, prefix_cache_isolation="shared").cache_isolation == "shared"
+    assert router(api_key="k" * 20, api_keys={"b": "b" * 20}).cache_isolation == "per_api_key"
+    assert router(api_key="k" * 20).cache_isolation == "shared" and router().cache_isolation == "shared"
+    # the default follows keys added later (DeployConfig.replace validates the whole section again)
+    assert DeployConfig.from_dict({}).replace(router__api_keys=two).router.cache_isolation == "per_api_key"
+    assert Tenancy(router(api_keys=two), "s" * 32).per_api_key
+    assert not Tenancy(router(api_keys=two, prefix_cache_isolation="shared"), "s" * 32).per_api_key
+    assert router(api_key="k" * 20).metrics_protected and not router().metrics_protected
+    assert not router(api_key="k" * 20, metrics_auth=False).metrics_protected
+    assert router(metrics_auth=True).metrics_protected
+    assert router().report_route is False
 
 
 def test_tenant_salts_are_derived_per_tenant_and_never_hold_the_key():

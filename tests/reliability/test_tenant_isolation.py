@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_helpers import HTTP_TIMEOUT_S, e2e_config, ray_init_kwargs, wait_all_free, worker_reports  # noqa: E402
 from test_ray_recovery import worker_pid  # noqa: E402
 
+from pd.cluster.admin_key import generate_admin_key  # noqa: E402
 from pd.deploy.launch import Deployment  # noqa: E402
 
 VICTIM_KEY = "victim-api-key-" + "v" * 20
 ATTACKER_KEY = "attacker-api-key-" + "a" * 20
-ADMIN_KEY = "admin-key-" + "z" * 24
+ADMIN_KEY = generate_admin_key()
 MEMO = "Memo to the night shift from the site manager. The door code for the east wing is {code}. Memorise it."
 CODE = "4821"
 GUESSES = ["1234", "4820", CODE, "9999", "1284"]  # the first is wrong: it can only hit the victim's blocks
@@ -49,7 +50,9 @@ def dep():
     try:
         config = e2e_config(router__api_keys={"victim": VICTIM_KEY, "attacker": ATTACKER_KEY},
                             router__admin_key=ADMIN_KEY, router__prefix_cache_isolation="per_api_key",
-                            router__metrics_auth=True, router__health_interval_s=30.0)
+                            router__metrics_auth=True, router__health_interval_s=30.0,
+                            # test_api_keys_cannot_reach_admin_endpoints fails 8 keys in a row on purpose
+                            router__auth_throttle={"burst": 64})
         with Deployment(config) as deployment:
             yield deployment
     finally:

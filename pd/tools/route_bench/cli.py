@@ -74,7 +74,8 @@ def bench_config(kv_memory_mb: float) -> DeployConfig:
         "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "max_model_len": 2048},
         "topology": {"mode": "disaggregated"},
         "transfer": {"lease_s": 30.0, "timeout_s": 10.0},
-        "router": {"port": 0, "request_timeout_s": 120.0, "health_interval_s": 0.5, "max_queued_requests": 1024},
+        "router": {"port": 0, "request_timeout_s": 120.0, "health_interval_s": 0.5, "max_queued_requests": 1024,
+                   "report_route": True},  # the bench reads each answer's workers from pdkv_route
     })
 
 
