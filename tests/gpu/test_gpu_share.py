@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd.cluster.config import DeployConfig, load_deploy_config
+from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
 from pd.cluster.gpu_share import (GIB, MIB, GpuBudget, GpuShareError, WorkerFootprint, gpus_needed, plan_kv_pool,
                                   weight_bytes, worker_kv_cache_bytes, workers_per_gpu)
 from pd.cluster.roles import Role
@@ -96,5 +96,26 @@ def test_the_one_gpu_deployment_plans_a_pool_inside_half_of_this_gpu():
     engine_config = engine_config_for(_spec(config))
     total = torch.cuda.get_device_properties(0).total_memory
     model = ModelConfig(**dict(config.model.architecture, dtype=config.model.dtype))
-    footprint = WorkerFootprint.of(model, 4096, 128, 4096)
+    sched = config.scheduler
+    footprint = WorkerFootprint.of(model, sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len)
     assert engine_config.kv_cache_bytes == int(total * 0.5 * 0.9) - footprint.weight_bytes - footprint.reserve_bytes
+
+
+@pytest.mark.parametrize(("topology", "message"), [
+    ({"gpus_per_worker": 0.5}, "topology.gpus_per_worker: applies to device: cuda only"),
+    ({"gpu_memory_fraction": 0.9}, "topology.gpu_memory_fraction: applies to device: cuda only"),
+    ({"device": "cuda", "gpus_per_worker": 2}, "topology.gpus_per_worker: input should be less than or equal to 1"),
+    ({"device": "cuda", "gpus_per_worker": 0}, "topology.gpus_per_worker: input should be greater than 0"),
+    ({"device": "cuda", "gpus_per_worker": 0.33333}, r"topology.gpus_per_worker: at most 4 decimal places"),
+    ({"device": "cuda", "gpu_memory_fraction": 1.5}, "topology.gpu_memory_fraction: input should be less than or"),
+])
+def test_gpu_share_settings_are_validated_at_the_edge(topology, message):
+    with pytest.raises(ConfigError, match=message):
+        DeployConfig.from_dict({"topology": topology})
+
+
+def test_gpu_share_defaults_keep_one_gpu_per_worker_and_the_configured_pool():
+    topology = DeployConfig.from_dict({"topology": {"device": "cuda"}}).topology
+    assert topology.gpus_per_worker == 1.0 and topology.gpu_memory_fraction is None
+    shared = DeployConfig.from_dict({"topology": {"device": "cuda", "gpus_per_worker": 0.25}})
+    assert DeployConfig.from_json(shared.to_json()) == shared  # crosses to the workers unchanged
