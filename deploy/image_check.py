@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "connectors", "pd")
-MODULES = ("pd.launch", "pd.loadgen", "pd.deploy.serve_app", "pd.tools.loadgen")
+MODULES = ("pd.launch", "pd.loadgen", "pd.deploy.serve_app", "pd.tools.loadgen.cli")
 BENCH_JOB_TOOLS = ("bash", "mktemp")  # deploy/bench-job.sh; HTTP goes through python (no curl in Ray's images)
 
 
