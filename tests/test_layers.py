@@ -5,6 +5,11 @@
 A module may import its own room and any room below it, never one above or beside it
 (router and worker do not import each other), and no set of modules imports itself in a loop.
 
+Inside `pd.engine`: its rooms point down too (`ENGINE_RANKS`: the model never imports attention,
+runner or scheduler; backends and the runner build on the model, the KV layout and the scheduler's
+output); the rooms above it import only its public parts (`ENGINE_PUBLIC`); what the router reaches
+of it imports no torch, and `sample/params.py` (the router builds sampling params too) none at all.
+
 Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
 implementation lives in `connectors.zmq`; the rigs (emulated and faulty links, fault plans) in
 `connectors.links`, which the runtime reaches only through the doors in `LINK_DOORS`, each the place
@@ -195,6 +200,101 @@ def test_pd_top_level_holds_only_entry_points():
         tree = ast.parse((REPO / "pd" / name).read_text())
         defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
         assert not defs, f"pd/{name} is an entry point and defines nothing itself"
+
+
+# Inside pd.engine: a module may import its own room and rooms of strictly lower rank.
+ENGINE_RANKS = {
+    "pd.engine.outputs": 0, "pd.engine.sample.params": 0, "pd.engine.text": 0,
+    "pd.engine.model": 1,
+    "pd.engine.config": 2, "pd.engine.kv": 2, "pd.engine.cpu": 2, "pd.engine.sample": 2,
+    "pd.engine.sched": 3,
+    "pd.engine.attention": 4, "pd.engine.step_isolation": 4,
+    "pd.engine.runner": 5,
+    "pd.engine.engine": 6,
+    "pd.engine": 7,  # the package itself
+}
+# text/ finds and converts a checkpoint's tokenizer where the checkpoint is found (model/files.py,
+# model/gguf.py), lazily; nothing else of the engine.
+TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
+# What the rooms above the engine (cluster, router, worker, deploy, pd's entry points) may import of it:
+# the engine, its config and outputs, tokenizers, sampling params, and the model's config and files (a
+# worker sizes its KV pool from the model's shape before it builds an engine). pd.tools may reach
+# further (benchmarks of the kernels).
+ENGINE_PUBLIC = frozenset({
+    "pd.engine.engine", "pd.engine.config", "pd.engine.outputs", "pd.engine.sample.params",
+    "pd.engine.model.config", "pd.engine.model.checkpoint", "pd.engine.model.gguf", "pd.engine.kv.layout",
+})
+
+
+def _engine_room(module: str) -> str:
+    for room in sorted(ENGINE_RANKS, key=len, reverse=True):
+        if module == room or module.startswith(room + "."):
+            return room
+    raise AssertionError(f"{module} is in no room of pd.engine")
+
+
+def _against_engine_rooms(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in graph.items():
+        if not _in(module, "pd.engine"):
+            if not _in(module, "pd.tools"):
+                wrong += [f"{module} -> {t} (not public)" for t in sorted(targets)
+                          if _in(t, "pd.engine") and t not in ENGINE_PUBLIC and not _in(t, "pd.engine.text")]
+            continue
+        room = _engine_room(module)
+        for target in sorted(t for t in targets if _in(t, "pd.engine")):
+            other = _engine_room(target)
+            if room == "pd.engine.text" and other != room:
+                if target not in TEXT_MAY_IMPORT:
+                    wrong.append(f"{module} -> {target}")
+            elif other != room and ENGINE_RANKS[other] >= ENGINE_RANKS[room]:
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_engine_rooms_point_down_and_expose_only_their_public_parts():
+    wrong = _against_engine_rooms(_graph())
+    assert not wrong, "imports against the engine's rooms:\n" + "\n".join(wrong)
+
+
+def _imports_torch(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            return True
+    return False
+
+
+def test_what_the_router_reaches_of_the_engine_imports_no_torch():
+    """The router process never loads torch: every engine module its imports reach (tokenizers,
+    sampling params) imports none, at any depth, and sample/params.py imports nothing else of pdkv."""
+    modules, graph = _modules(), _graph()
+    reached, todo = set(), [m for m in graph if _in(m, "pd.router")]
+    while todo:
+        module = todo.pop()
+        for target in graph[module]:
+            if target not in reached and (_in(target, "pd.engine") or _in(target, "pd.router")):
+                reached.add(target)
+                todo.append(target)
+    engine_side = sorted(m for m in reached if _in(m, "pd.engine"))
+    assert "pd.engine.text.tokenizer" in engine_side
+    assert [m for m in engine_side if _imports_torch(modules[m])] == []
+    assert not _imports_torch(modules["pd.engine.sample.params"])
+    assert graph["pd.engine.sample.params"] == set()
+
+
+def test_the_engine_room_check_sees_wrong_imports():
+    graph = {"pd.engine.model.llama": {"pd.engine.attention.backend", "pd.engine.model.config"},
+             "pd.engine.text.tokenizer": {"pd.engine.model.files", "pd.engine.sample.params"},
+             "pd.engine.runner.model_runner": {"pd.engine.attention.backend", "pd.engine.engine"},
+             "pd.router.server": {"pd.engine.text.tokenizer", "pd.engine.cpu.kernels"},
+             "pd.worker.wiring": {"pd.engine.engine", "pd.engine.config"},
+             "pd.tools.gemm_bench": {"pd.engine.cpu.gemm_tuning"}}
+    assert _against_engine_rooms(graph) == ["pd.engine.model.llama -> pd.engine.attention.backend",
+                                            "pd.engine.text.tokenizer -> pd.engine.sample.params",
+                                            "pd.engine.runner.model_runner -> pd.engine.engine",
+                                            "pd.router.server -> pd.engine.cpu.kernels (not public)"]
 
 
 def test_the_checker_sees_wrong_imports():
