@@ -1,20 +1,18 @@
-"""Optional fused paged decode kernels for CPUs (a small C++ extension, the cpu_*.cpp files beside this one).
+"""The C++ kernels of the CPU backend (a small extension: the cpu_*.cpp files beside this one).
 
-The torch path gathers each request's K/V out of the pages into a scratch
-buffer and then runs attention over it: three passes over the context. This
-kernel reads every K and V element once, straight from the pages through the
-block table, with no padding between requests of different lengths.
+- `decode_layers` (cpu_kernels.cpp): every decoder layer of a step in one call, for steps of decode
+  tokens and of short prompt chunks (norms, RoPE, K/V write, attention and SiLU in C++; the
+  projections through the packed-panel GEMM of cpu_gemm.cpp where the compiler targets AVX2 + FMA
+  (`packed_gemm_available()`; `packed_gemm_isa()` says "avx512" or "avx2"), from exact 4-bit codes
+  where a matrix is one (cpu_q4.cpp), else at::linear);
+- `paged_decode_attention` (cpu_attention.cpp): decode queries attending straight through the block
+  table, each K and V element read once, no gather and no padding (the per-layer path's decode tokens);
+- `packed_linear`, `packed_rows`, `q4_linear`: one projection, or embedding rows, from packed weights;
+- `screened_argmax` (cpu_argmax.cpp): greedy tokens through an int8 screen of the lm_head.
 
-It is built on first use with torch's cpp_extension (needs a C++ compiler;
-the build is cached under ~/.cache/pdkv/kernels, see `build_directory()`). When the build fails
-or the dtype is not float32, `load()` returns None and callers keep the torch
-path, which is the reference.
-
-`decode_layers` goes further for steps made only of decode tokens: every
-decoder layer in one call (norms, RoPE, K/V write, attention and SiLU in C++,
-the projections through the packed-panel GEMM of cpu_gemm.cpp where the
-compiler targets AVX2 + FMA (`packed_gemm_available()`; `packed_gemm_isa()` says
-"avx512" or "avx2"), else at::linear), so no per-layer Python or small torch ops.
+Built on first use with torch's cpp_extension (needs a C++ compiler; the build is cached under
+~/.cache/pdkv/kernels, see `build_directory()`). When the build fails, `load()` returns None and the
+engine keeps the torch backend, which is the reference (pd/engine/attention/selector.py).
 """
 from __future__ import annotations
 
