@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 # a whole transfer may take: waiting longer only delays the fallback to local recompute.
 MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
-DataPathName = Literal["auto", "tcp", "shm", "cuda_ipc"]  # what a deployment may choose (connectors.zmq.consumer.DataPath)
+# what a deployment may choose (connectors.zmq.consumer_config.DataPath)
+DataPathName = Literal["auto", "tcp", "shm", "cuda_ipc"]
 DATA_PATHS = get_args(DataPathName)
 StreamingName = Literal["off", "chunk", "layer"]  # KV streaming (connectors.zmq.stream, .layer_slices)
 STREAMING_MODES = get_args(StreamingName)

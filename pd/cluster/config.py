@@ -222,7 +222,8 @@ class TransferSection(StrictModel):
     lease_s: Positive = Field(_TRANSFER.lease_s, description="P keeps unpulled blocks this long without a heartbeat")
     kv_load_failure_policy: FailurePolicyField = FailurePolicy.RECOMPUTE
     data_path: DataPathName = Field(
-        _TRANSFER.data_path, description="auto: shared memory to a producer on the same host, else tcp")
+        _TRANSFER.data_path, description="auto: cuda_ipc between GPU pools of one node (falls back to shm), "
+                                       "shared memory on one host, else tcp")
     emulated_link: EmulatedLinkSection | None = Field(
         None, description="tests and benchmarks only: the P->D KV path crosses a link of this bandwidth and latency")
     streaming: StreamingName = Field(_TRANSFER.streaming, description=(
@@ -236,7 +237,7 @@ class TransferSection(StrictModel):
 
     @model_validator(mode="after")
     def _link_takes_tcp(self) -> TransferSection:
-        if self.emulated_link is not None and self.data_path == "shm":
+        if self.emulated_link is not None and self.data_path in ("shm", "cuda_ipc"):
             raise FieldError("data_path", "must be 'auto' or 'tcp' with an emulated_link (it carries tcp only)")
         return self
 
