@@ -86,11 +86,12 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
-        # (a checkpoint's vocabulary is known once it is loaded: the runner checks the bound against it)
-        bound = None if self.model_path else self.model.vocab_size
-        if self.tokenizer_vocab_size is not None and not 0 < self.tokenizer_vocab_size <= (bound or self.tokenizer_vocab_size):
-            raise ValueError(f"the tokenizer's vocabulary ({self.tokenizer_vocab_size} ids) must be positive and at most "
-                             f"the model's (vocab_size {bound})")
+        if self.tokenizer_vocab_size is not None:
+            # (a checkpoint's vocabulary is known once it is loaded: the runner checks it against that)
+            bound = self.tokenizer_vocab_size if self.model_path else self.model.vocab_size
+            if not 0 < self.tokenizer_vocab_size <= bound:
+                raise ValueError(f"the tokenizer's vocabulary ({self.tokenizer_vocab_size} ids) must be positive and "
+                                 f"at most the model's (vocab_size {bound})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
 

@@ -227,7 +227,8 @@ class DenseAttention:
         if cfg.sliding_window:
             self.windowed[cfg.sliding_window] = self.causal & (delta < cfg.sliding_window)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                metadata: Any = None) -> torch.Tensor:
         window = window_of(self.cfg, layer)
         mask = self.causal if window is None else self.windowed[window]
         return masked_attention(q[None], k[None], v[None], mask[None])[0]
