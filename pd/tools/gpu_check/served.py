@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -191,6 +192,7 @@ def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = N
     base = base if base is not None else load_deploy_config(ONE_GPU_CONFIG)
     plan = plan or ServedPlan()
     t0 = time.perf_counter()
+    _release_this_process_gpu_memory()  # the workers plan their pools from the GPU's whole memory
     started_ray = not ray.is_initialized()
     if started_ray:
         init_ray(None, None, 256)  # the object store carries nothing big here
@@ -208,6 +210,14 @@ def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = N
                                        section["pd_one_gpu"].get("greedy_token_ids"))
     section["seconds"] = round(time.perf_counter() - t0, 1)
     return section
+
+
+def _release_this_process_gpu_memory() -> None:
+    """Earlier gpu_check steps ran engines in this process: free what torch's allocator still caches."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def served_ok(section: dict) -> bool:
