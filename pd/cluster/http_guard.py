@@ -34,13 +34,28 @@ import logging
 import resource
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
 logger = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@runtime_checkable
+class StreamTransport(Protocol):
+    """What the guard uses of a connection's transport. asyncio's own transports have it, and so
+    do other loops' (uvloop's `TCPTransport`, which Ray's async actors run on wherever uvloop is
+    installed, subclasses no asyncio class): the guard relies on these methods, never on a type."""
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...
+
+    def get_write_buffer_size(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +105,7 @@ class _Conn:
     __slots__ = ("transport", "peer", "idle_since", "head_started_at", "num_active", "doomed", "closed",
                  "paused_since")
 
-    def __init__(self, transport: asyncio.Transport, peer: str, now: float) -> None:
+    def __init__(self, transport: StreamTransport, peer: str, now: float) -> None:
         self.transport = transport
         self.peer = peer
         self.idle_since = now  # the accept, or the end of the last request
@@ -115,7 +130,11 @@ class _GuardedProtocol(asyncio.Protocol):
         self._conn: _Conn | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        if not isinstance(transport, StreamTransport):  # not a stream (no loop's TCP server makes one)
+            logger.error("%s: refused a connection on a %s, which is not a stream transport", self._guard.name,
+                         type(transport).__name__)
+            transport.close()
+            return
         self._conn = self._guard._admit(transport)
         if self._conn is not None:  # only once admitted: a refused connection costs no request handler
             self._inner = self._make_inner()
@@ -255,7 +274,7 @@ class ConnectionGuard:
                     self._touch(conn)
 
     # -- connection life --------------------------------------------------
-    def _admit(self, transport: asyncio.Transport) -> _Conn | None:
+    def _admit(self, transport: StreamTransport) -> _Conn | None:
         peer = peer_key(transport.get_extra_info("peername"))
         peer_conns = self._by_peer.get(peer)
         if peer_conns is not None and len(peer_conns) >= self.max_per_peer:
@@ -272,7 +291,7 @@ class ConnectionGuard:
         self.counts["accepted"] += 1
         return conn
 
-    def _refuse(self, transport: asyncio.Transport) -> None:
+    def _refuse(self, transport: StreamTransport) -> None:
         self.counts["refused"] += 1
         transport.abort()
 
