@@ -6,7 +6,8 @@
 - every repository path written in backticks (`pd/engine/kv/page_pool.py`, a pytest node id) exists,
   every `python -m pd...` names a runnable module, every `from pd... import` an importable one;
 - the README keeps the two quick-start commands byte for byte (CI copies them; `.ci/run` runs the
-  second), links every page of docs/, and stays under 320 lines.
+  second), links every page of docs/, and stays under 320 lines;
+- the Python examples that need no server (the KV cache's, the engine's) run as written.
 """
 from __future__ import annotations
 
@@ -153,6 +154,25 @@ def test_readme_is_a_short_front_door_with_the_two_commands():
     linked = {Path(t.partition("#")[0]).name for t in LINK.findall(text) if t.startswith("docs/")}
     unlinked = sorted({p.name for p in PAGES} - linked)
     assert not unlinked, f"pages not linked from README.md: {unlinked}"
+
+
+def library_examples() -> list[tuple[str, str]]:
+    """The manual's Python examples that need no server: blocks that start by importing kvcache or the engine."""
+    found = []
+    for page in MANUAL:
+        for n, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+            if code.startswith(("from kvcache", "from pd.engine")):
+                found.append((f"{page.relative_to(REPO)}#{n}", code))
+    return found
+
+
+@pytest.mark.parametrize(("where", "code"), library_examples(), ids=[w for w, _ in library_examples()])
+def test_library_examples_run_as_written(where, code):
+    exec(compile(code, where, "exec"), {"__name__": "docs_example"})
+
+
+def test_the_manual_has_library_examples():
+    assert {w.split("#")[0] for w, _ in library_examples()} >= {"docs/kv-cache.md", "docs/engine.md"}
 
 
 def test_the_checks_see_what_they_guard(tmp_path):
