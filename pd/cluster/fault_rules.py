@@ -8,6 +8,10 @@ Points (`WORKER_POINTS`, used with `connectors.links.faults` rule syntax):
   (hit once per request a worker takes; the request fails, the engine goes on);
 - `engine.loop` (`kill` only): the engine's step loop dies while computing this request, as a bug
   in the loop would (the worker reports itself unhealthy; under Ray the actor restarts);
+- `engine.device_oom`, `engine.device_error` (`kill` only): the step computing this request raises
+  what torch raises for CUDA out of memory (`torch.OutOfMemoryError`) or an illegal memory access
+  (`torch.AcceleratorError`): every request of that step fails with a device-fault error, and the
+  worker reports itself unhealthy and restarts its process, as on a GPU (`pd.engine.step_isolation`);
 plus every `connectors.links.fault_points.LINK_POINTS` point (fired by a FaultLink in
 front of the producer a decode worker pulls from).
 
@@ -20,7 +24,7 @@ from connectors.links.fault_points import LINK_POINTS
 from connectors.links.faults import FaultAction, FaultPlan, FaultSpecError
 
 WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
-ENGINE_POINTS = frozenset({"engine.step", "engine.loop"})
+ENGINE_POINTS = frozenset({"engine.step", "engine.loop", "engine.device_oom", "engine.device_error"})
 ALL_POINTS = WORKER_POINTS | ENGINE_POINTS | LINK_POINTS
 WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
 

@@ -98,6 +98,11 @@ class StepTiming(StrictModel):
     num_batched_tokens: int = Field(0, ge=0)  # other requests' tokens in the steps that computed this prompt
 
 
+# `TokenEvent.error_cause` of a request failed by a device fault in its step (CUDA out of memory, an
+# illegal access): the worker restarts; the router answers 503 with Retry-After, not 500.
+DEVICE_FAULT_CAUSE = "device_fault"
+
+
 class TokenEvent(StrictModel):
     """What one engine step produced for one request, as the worker streams it.
 
@@ -112,6 +117,7 @@ class TokenEvent(StrictModel):
     finish_reason: FinishReason | None = None
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
-    error_cause: str | None = None  # why a KV load ended the request (connectors.metrics.FailureCause value)
+    # why the request failed: a KV load (connectors.metrics.FailureCause value), or DEVICE_FAULT_CAUSE
+    error_cause: str | None = None
     num_cached_tokens: int = Field(0, ge=0)
     timing: StepTiming | None = None  # on the first event with a token only

@@ -68,6 +68,7 @@ from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, Worker
 logger = logging.getLogger(__name__)
 
 _REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
+DEVICE_FAULT_RETRY_AFTER_S = 1  # the other workers serve a retry at once; the faulted one restarts meanwhile
 
 
 class _PrefillLost(Exception):
@@ -366,7 +367,8 @@ class Dispatcher(StreamedFlow):
     async def _on_failure(self, load: WorkerLoad, exc: WorkerCallError) -> None:
         worker_id = load.endpoint.worker_id
         self._metrics.record_worker_failure(worker_id, exc.cause.value)
-        if not exc.worker_unreachable or not load.healthy:
+        # a device fault: the worker said so and restarts; the probe finds it unhealthy at once
+        if not (exc.worker_unreachable or exc.cause is CallCause.DEVICE_FAULT) or not load.healthy:
             return
         try:
             await self._client.get_json(load.endpoint.url, "/internal/health")
@@ -391,4 +393,7 @@ def _api_error(load: WorkerLoad, exc: WorkerCallError) -> APIError:
         return APIError(400, f"{who} refused the request: {exc}")
     if exc.cause is CallCause.WORKER_ERROR:
         return server_error(f"{who} failed the request: {exc}", status=500, code="worker_error")
+    if exc.cause is CallCause.DEVICE_FAULT:  # not this request's fault alone, and other workers serve: retry
+        return APIError(503, f"{who}: {exc}", err_type="server_error", code="worker_device_fault",
+                        headers={"Retry-After": str(DEVICE_FAULT_RETRY_AFTER_S)})
     return server_error(f"{who} failed mid-request: {exc}", status=502, code="worker_failed")

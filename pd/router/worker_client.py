@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 import aiohttp
 from pydantic import ValidationError
 
-from pd.cluster.messages import GenerateRequest, TokenEvent
+from pd.cluster.messages import DEVICE_FAULT_CAUSE, GenerateRequest, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class CallCause(str, enum.Enum):
     REFUSED = "refused"  # HTTP 4xx: the worker refused this request (bad input for it)
     HTTP_ERROR = "http_error"  # any other non-200 answer
     WORKER_ERROR = "worker_error"  # the worker reported an error in-band
+    DEVICE_FAULT = "device_fault"  # in-band too: its device failed in this request's step; it restarts
 
 
 _UNREACHABLE = frozenset({CallCause.CONNECT, CallCause.STREAM, CallCause.TIMEOUT})
@@ -121,7 +122,9 @@ class WorkerClient:
                         break
                     event = TokenEvent.model_validate_json(line)
                     if event.error:
-                        raise WorkerCallError(CallCause.WORKER_ERROR, event.error)
+                        faulted = event.error_cause == DEVICE_FAULT_CAUSE
+                        cause = CallCause.DEVICE_FAULT if faulted else CallCause.WORKER_ERROR
+                        raise WorkerCallError(cause, event.error)
                     finished = event.finished
                     yield event
                     if finished:

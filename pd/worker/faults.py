@@ -21,7 +21,7 @@ import os
 
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultAction, FaultPlan
-from pd.cluster.fault_rules import ALL_POINTS, WORKER_POINTS, parse_worker_faults
+from pd.cluster.fault_rules import ALL_POINTS, ENGINE_POINTS, WORKER_POINTS, parse_worker_faults
 
 __all__ = ["ALL_POINTS", "WORKER_POINTS", "WorkerFaults", "die", "parse_worker_faults"]
 
@@ -54,8 +54,9 @@ class WorkerFaults:
         await asyncio.sleep(rule.seconds)
 
     def engine_marks(self) -> list[str]:
-        """The engine points (`step`, `loop`) due for the request a worker just took; one hit each."""
-        return [point.split(".", 1)[1] for point in ("engine.step", "engine.loop") if self.plan.fire(point)]
+        """The engine points (`step`, `loop`, `device_oom`, `device_error`) due for the request a worker
+        just took; one hit each (the engine honours one mark per request: the last)."""
+        return [point.split(".", 1)[1] for point in sorted(ENGINE_POINTS) if self.plan.fire(point)]
 
     def route(self, params: dict | None) -> dict | None:
         """Points a remote-prefill request's pull at a FaultLink in front of its producer."""

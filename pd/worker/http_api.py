@@ -16,6 +16,9 @@ Guarantees:
   the engine, so its blocks are freed; that is logged once at INFO, never as an error;
 - bad input gets a 400 JSON error naming the field; a wrong or missing secret
   gets 401 before any body is read;
+- a request this worker can no longer finish through no fault of its own (its device failed in
+  another request's step: `WorkerUnavailable`) ends its stream without a finished event, as if the
+  worker had gone, so the router serves it elsewhere instead of failing it;
 - `stop()` closes the listening socket and every open stream;
 - a client costs bounded connections and time: header, body and idle timeouts and connection
   caps (`pd.cluster.http_guard`, settings `router.connections`, with the worker's keep-alive).
@@ -179,6 +182,8 @@ class WorkerHTTPServer:
         except ConnectionError:  # the router closed the stream (its client left): not an error, no traceback
             logger.info("request %s: router went away, aborting", job.request_id)
             return response
+        except WorkerUnavailable as exc:  # lost with this worker: the stream ends unfinished, the router retries
+            logger.warning("request %s: %s", job.request_id, exc)
         except asyncio.CancelledError:
             logger.info("request %s: router went away, aborting", job.request_id)
             raise

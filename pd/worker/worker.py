@@ -15,6 +15,10 @@ Guarantees:
 - an engine whose step loop died makes `health()` say `error` at once (the HTTP API then
   answers 503, so the router takes the worker out) and calls `on_engine_death`, which under
   Ray ends the process so that the actor restarts;
+- a device fault (CUDA out of memory, an illegal access: `pd.engine.step_isolation`) fails the
+  requests of its step with `error_cause` DEVICE_FAULT_CAUSE; the worker then does as for a dead
+  loop (unhealthy, `on_engine_death` once), and every other request it holds ends its stream
+  without a finish (`WorkerUnavailable`), as a lost worker's would, so the router serves it elsewhere;
 - `stop()` is idempotent and releases the HTTP port, the engine thread and
   the connector's sockets.
 """
@@ -33,7 +37,7 @@ from connectors.base import KV_TRACE_CONTEXT_KEY
 from pd.cluster.config import DeployConfig, Mode
 from pd.cluster.http_guard import GuardLimits
 from pd.cluster.messages import FinishReason as WireFinishReason
-from pd.cluster.messages import GenerateRequest, KVTransferParams, StepTiming, TokenEvent
+from pd.cluster.messages import DEVICE_FAULT_CAUSE, GenerateRequest, KVTransferParams, StepTiming, TokenEvent
 from pd.cluster.roles import Role
 from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
@@ -96,6 +100,7 @@ class Worker:
         self._num_aborted = 0
         self._num_rejected = 0
         self._kv_events: KVEventPublisher | None = None  # once started with prefix caching
+        self._death_reported = False  # on_engine_death is called once, whatever ended the engine
         self.url: str | None = None
         from pd.worker.faults import WorkerFaults, parse_worker_faults
 
@@ -136,8 +141,21 @@ class Worker:
     def _engine_died(self, exc: BaseException) -> None:
         logger.error("worker %s: engine step loop died (%s: %s); reporting unhealthy", self.spec.worker_id,
                      type(exc).__name__, exc)
-        if self._on_engine_death is not None:
-            self._on_engine_death(exc)
+        self._report_death(exc)
+
+    def _report_death(self, exc: BaseException) -> None:
+        if not self._death_reported:
+            self._death_reported = True
+            if self._on_engine_death is not None:
+                self._on_engine_death(exc)
+
+    def _device_fault(self):
+        """The engine's latched device fault (pd.engine.step_isolation.DeviceFault), reported once; or None."""
+        fault = self._engine.fault_marks.device_fault if self._engine is not None else None
+        if fault is not None and not self._death_reported:
+            logger.error("worker %s: %s; reporting unhealthy, restarting", self.spec.worker_id, fault)
+            self._report_death(fault)
+        return fault
 
     async def stop(self) -> None:
         await self._http.stop()
@@ -160,6 +178,8 @@ class Worker:
         dead = self._engine.dead if self._engine is not None else None
         if dead is not None:
             raise WorkerUnavailable(f"worker {self.spec.worker_id}: engine step loop died: {type(dead).__name__}")
+        if self._device_fault() is not None:
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed; restarting")
         try:
             request = GenerateRequest.model_validate(body)
         except ValidationError as exc:
@@ -202,18 +222,28 @@ class Worker:
                 engine.fault_marks.mark(job.request_id, where)
         if trace_context is not None and params is not None:
             params = {**params, KV_TRACE_CONTEXT_KEY: trace_context}
-        async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
-                                         kv_transfer_params=params, cache_salt=job.cache_salt):
-            if faults is not None:
-                await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
-                                else "worker.decode_token")
-            params = out.kv_transfer_params if out.finished else None
-            yield TokenEvent(token_ids=list(out.new_token_ids), finished=out.finished,
-                             finish_reason=_reason_name(out.finish_reason),
-                             kv_transfer_params=KVTransferParams(**params) if params else None,
-                             error=out.error, num_cached_tokens=out.num_cached_tokens,
-                             error_cause=out.error_cause.value if out.error_cause is not None else None,
-                             timing=_wire_timing(out.timing, engine.page_pool.page_size_bytes))
+        try:
+            async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
+                                             kv_transfer_params=params, cache_salt=job.cache_salt):
+                if faults is not None:
+                    await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
+                                    else "worker.decode_token")
+                params = out.kv_transfer_params if out.finished else None
+                cause = out.error_cause.value if out.error_cause is not None else None
+                if out.error is not None and self._device_fault() is not None:  # (no step ran after it)
+                    cause = DEVICE_FAULT_CAUSE
+                yield TokenEvent(token_ids=list(out.new_token_ids), finished=out.finished,
+                                 finish_reason=_reason_name(out.finish_reason),
+                                 kv_transfer_params=KVTransferParams(**params) if params else None,
+                                 error=out.error, num_cached_tokens=out.num_cached_tokens, error_cause=cause,
+                                 timing=_wire_timing(out.timing, engine.page_pool.page_size_bytes))
+        except RuntimeError as exc:
+            fault = self._device_fault()
+            if fault is None:
+                raise
+            # not in the failing step: this request is lost with the worker, never failed by it
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed ({fault.cause_text}); "
+                                    f"request {job.request_id} goes elsewhere") from exc
 
     def abort(self, request_id: str) -> None:
         """Aborts a request whose consumer went away (counted in stats as `num_aborted`); harmless
@@ -254,6 +284,7 @@ class Worker:
         from pd.worker.wiring import kv_listen_ports
 
         dead = self._engine.dead if self._engine is not None else None
+        dead = dead or self._device_fault()
         status = "stopped" if self._engine is None else "error" if dead is not None else "ok"
         return {"status": status, "worker_id": self.spec.worker_id,
                 "engine_error": f"{type(dead).__name__}: {dead}" if dead is not None else None,

@@ -1,0 +1,51 @@
+"""GPU faults simulated on the CPU, served through the real router and real 1P2D workers over HTTP
+(no Ray: the process restart is test_engine_survival.py's): a step that raises what torch raises
+for an illegal memory access fails its request with a 503 and Retry-After (streamed: an error event
+and [DONE], never a 500), the worker reports itself unhealthy and the router takes it out at once,
+and every pool ends all free."""
+from __future__ import annotations
+
+import json
+
+import requests
+from rel_deploy import LocalDeployment, local_config
+
+BODY = {"prompt": "A GPU fault costs one request, never the worker's silence.", "max_tokens": 8,
+        "temperature": 0, "ignore_eos": True}
+
+
+def _faulted(dep: LocalDeployment) -> set[str]:
+    return {wid for wid, w in dep.workers.items() if w.health()["status"] != "ok"}
+
+
+def test_device_fault_is_a_503_with_retry_after_and_the_worker_leaves_the_rotation(fault_record):
+    # each decode worker's first request faults in its step (an illegal memory access, as torch raises it)
+    config = local_config(topology__num_decode=2, faults={"decode": "engine.device_error:kill"})
+    with LocalDeployment(config) as dep:
+        resp = requests.post(f"{dep.url}/v1/completions", json=BODY, timeout=60)
+        assert resp.status_code == 503, resp.text
+        assert resp.headers.get("Retry-After") == "1"
+        error = resp.json()["error"]
+        assert error["code"] == "worker_device_fault" and error["type"] == "server_error", error
+        assert "illegal memory access" in error["message"] and "retry" in error["message"]
+        [first] = _faulted(dep)
+        health = dep.workers[first].health()
+        assert health["status"] == "error" and "DeviceFault" in health["engine_error"]
+        assert not dep.router.pool.get(first).healthy  # taken out at once, not after failed polls
+        # routed around: the next request goes to the other decode worker (whose first request faults too,
+        # streamed this time: a clear error event, then [DONE])
+        events = []
+        with requests.post(f"{dep.url}/v1/completions", json=dict(BODY, stream=True), stream=True,
+                           timeout=60) as streamed:
+            assert streamed.status_code == 200
+            for line in streamed.iter_lines():
+                if line.startswith(b"data: "):
+                    events.append("[DONE]" if line == b"data: [DONE]" else json.loads(line[6:]))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_device_fault", events
+        assert _faulted(dep) == {"decode-0", "decode-1"}
+        freed = dep.wait_all_free()
+    fault_record(fault="CUDA illegal memory access in a decode step (fault plan engine.device_error), 1P2D",
+                 where="D engine step", user_saw="HTTP 503 worker_device_fault with Retry-After: 1; streamed: "
+                 "an error event and [DONE]", pdkv_did="failed the step's request, freed its blocks, worker "
+                 "answered 503 on health, router took it out at once and sent the next request to the other D",
+                 pools=f"all free ({freed:.1f}s)")
