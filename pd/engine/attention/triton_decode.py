@@ -1,0 +1,132 @@
+"""Paged decode attention in Triton: one query token per sequence, keys read through the block table.
+
+`paged_decode` computes, for every sequence b and query head h,
+softmax(q[b, h] . K / sqrt-scale) V over the keys at positions
+[max(0, seq_lens[b] - window), seq_lens[b]) of that sequence, where key
+position p lives in page `block_table[b, p // block_size]`, row
+`p % block_size`. That is the semantics of `masked_attention` with the decode
+mask of `attention/torch_paged.py` (window = tokens seen, the query included).
+
+The caches are the per-layer strided views of the page pool, shape
+(num_blocks, block_size, num_kv_heads, head_dim), passed with their strides
+as they are (block-major pages: K and V of one layer are not contiguous).
+One program serves one (sequence, KV head) pair and all the query heads that
+share it (GQA of any ratio: the group is padded to a power of two, at least
+16 for the tensor-core `tl.dot`), walking the keys in tiles with an online
+softmax in float32. Only positions inside the window and before the sequence
+length are loaded: out-of-window table entries (the null block 0) and unwritten
+page tails are never read. A sequence of length 0 (a padding row of a CUDA
+graph bucket) gets zeros.
+
+The launch reads no tensor values on the host, so it can be captured in a
+CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from pd.engine.attention.triton_launch import dot_precision, launcher, next_power_of_2, upcast_dot
+
+# Keys per inner iteration. 64 keys x 128 dims of bf16 fit comfortably in registers and shared memory.
+KEY_TILE = 64
+MIN_DOT = 16  # tl.dot needs every dimension to be at least 16
+
+
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr,
+                   stride_qt, stride_qh, stride_qd,
+                   stride_kb, stride_kt, stride_kh, stride_kd,
+                   stride_vb, stride_vt, stride_vh, stride_vd,
+                   stride_ot, stride_oh, stride_od,
+                   stride_tb, stride_tw,
+                   scale, window, block_size,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   TILE: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table_row = table_ptr + seq.to(tl.int64) * stride_tb
+    for tile_start in range((start // TILE) * TILE, seq_len, TILE):
+        pos = tile_start + tl.arange(0, TILE)
+        valid = (pos >= start) & (pos < seq_len)
+        block = tl.load(table_row + (pos // block_size) * stride_tw, mask=valid, other=0).to(tl.int64)
+        row = (pos % block_size).to(tl.int64)
+        k = tl.load(k_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
+                    + dims[None, :] * stride_kd, mask=valid[:, None] & dim_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
+        s = s * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh
+                    + dims[None, :] * stride_vd, mask=valid[:, None] & dim_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+
+def check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(num_kv_heads, GQA group) after checking q (T, Hq, D) against the caches (N, block_size, Hkv, D)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q (T, Hq, D) and caches (num_blocks, block_size, Hkv, D), got q {tuple(q.shape)}, "
+                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit {num_kv_heads} KV heads of size {head_dim}")
+    if q.device != k_cache.device or q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} on {q.device}, the cache {k_cache.dtype} on {k_cache.device}")
+    return num_kv_heads, q.shape[1] // num_kv_heads
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query per sequence over its pages.
+
+    q: (B, Hq, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) views, any strides;
+    block_table: (B, W) integer block ids; seq_lens: (B,) keys per sequence, the new token
+    included (its K/V must already be in the pages); window: the layer's sliding window or None.
+    Returns (B, Hq, D) in q's dtype (written into `out` when given).
+    """
+    num_kv_heads, group = check_cache_shapes(q, k_cache, v_cache)
+    batch, head_dim = q.shape[0], q.shape[2]
+    if block_table.shape[0] < batch or seq_lens.shape[0] < batch:
+        raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"cover fewer than {batch} sequences")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    kernel = launcher(_decode_kernel, q.device)
+    kernel[(batch, num_kv_heads)](
+        q, k_cache, v_cache, out, block_table, seq_lens,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_table.stride(),
+        float(scale), int(window or 0), k_cache.shape[1],
+        GROUP=group, GROUP_PAD=max(MIN_DOT, next_power_of_2(group)), HEAD_DIM=head_dim,
+        DIM_PAD=max(MIN_DOT, next_power_of_2(head_dim)), TILE=KEY_TILE, PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.dtype, q.device))
+    return out
