@@ -18,8 +18,9 @@ SMALL = ServedPlan(concurrencies=(1, 3), prompts_per_slot=1, input_len=40, outpu
 
 
 def test_served_run_end_to_end_on_the_cpu():
+    """As on the GPU: the loads at bfloat16, the greedy comparison on a float32 pair of its own."""
     base = load_deploy_config(REPO / "deploy" / "local.yaml").replace(
-        topology__cpus_per_worker=0.1, transfer__timeout_s=10.0)
+        topology__cpus_per_worker=0.1, transfer__timeout_s=10.0, model__dtype="bfloat16")
     section = measure_served(base, SMALL)
     for name in ("colocated", "pd_one_gpu"):
         part = section[name]
@@ -35,10 +36,15 @@ def test_served_run_end_to_end_on_the_cpu():
     for row in section["pd_one_gpu"]["runs"]:  # every P/D request's KV crossed from P to D, and was timed
         assert row["kv_loads"] >= row["completed"] and row["kv_transfer_p50_ms"] > 0 and row["kv_load_mean_ms"] > 0
     assert all("kv_transfer_p50_ms" not in r for r in section["colocated"]["runs"])
-    assert section["greedy"] == {"identical": SMALL.greedy_prompts, "prompts": SMALL.greedy_prompts}
+    assert section["greedy"] == {"dtype": "float32", "identical": SMALL.greedy_prompts,
+                                 "prompts": SMALL.greedy_prompts}
+    for name, part in section["greedy_runs"].items():  # the float32 pair: started, answered, all free
+        assert "error" not in part and part["pools_all_free"] is True and "runs" not in part, (name, part)
+    assert section["greedy_served_dtype"]["prompts"] == SMALL.greedy_prompts  # reported, not judged
     assert served_ok(section)
     text = "\n".join(render_served(section))
-    assert "greedy tokens, 1P1D vs colocated: **identical** (3/3 prompts" in text
+    assert "greedy tokens (float32), 1P1D vs colocated: **identical** (3/3 prompts" in text
+    assert "for information, at the served bfloat16:" in text
     assert text.count("| colocated | ") == 2 and text.count("| 1P1D | ") == 2  # cpu: no GPU share to name
 
 
@@ -59,7 +65,9 @@ def _section() -> dict:
             "plan": {"input_len": 256, "output_len": 64, "greedy_tokens": 32},
             "colocated": {"gpus_per_worker": 0.5, "runs": [row], "pools_all_free": True},
             "pd_one_gpu": {"gpus_per_worker": 0.5, "runs": [pd_row], "pools_all_free": True},
-            "greedy": {"identical": 8, "prompts": 8}}
+            "greedy": {"dtype": "float32", "identical": 8, "prompts": 8},
+            "greedy_served_dtype": {"identical": 7, "prompts": 8},
+            "greedy_runs": {"colocated": {"pools_all_free": True}, "pd_one_gpu": {"pools_all_free": True}}}
 
 
 def test_render_shows_each_row_the_transfer_and_the_greedy_verdict():
@@ -67,12 +75,13 @@ def test_render_shows_each_row_the_transfer_and_the_greedy_verdict():
     lines = render_served(section)
     assert "| colocated (0.5 GPU each) | 8 | 41.5 | 3.9 | 2100.4 | - | 16 ok, 0 failed |" in lines
     assert "| 1P1D (0.5 GPU each) | 8 | 41.5 | 3.9 | 2100.4 | 2.25 | 16 ok, 0 failed |" in lines
-    assert any("**identical** (8/8 prompts, 32 tokens each)" in line for line in lines)
+    assert "- greedy tokens (float32), 1P1D vs colocated: **identical** (8/8 prompts, 32 tokens each)" in lines
+    assert any(line.startswith("- for information, at the served bfloat16: 7/8 prompts identical") for line in lines)
     assert "- pd_one_gpu: decode worker's mean KV load per request: c=8 2.5 ms" in lines
     assert served_ok(section)
 
 
-@pytest.mark.parametrize("breakage", ["greedy", "failed", "leak", "error", "no_runs"])
+@pytest.mark.parametrize("breakage", ["greedy", "failed", "leak", "error", "no_runs", "greedy_pair_leak"])
 def test_the_verdict_fails_on_differing_tokens_failed_requests_leaks_and_errors(breakage):
     section = copy.deepcopy(_section())
     if breakage == "greedy":
@@ -88,8 +97,12 @@ def test_the_verdict_fails_on_differing_tokens_failed_requests_leaks_and_errors(
     elif breakage == "error":
         section["pd_one_gpu"] = {"gpus_per_worker": 0.5, "error": "RuntimeError: no GPU"}
         assert any("error: RuntimeError: no GPU" in line for line in render_served(section))
-    else:
+    elif breakage == "no_runs":
         section["colocated"]["runs"] = []
+    else:
+        section["greedy_runs"]["pd_one_gpu"] = {"pools_all_free": False, "pool_audits": {"decode-0": "1 held"}}
+        assert "- pd_one_gpu (float32): KV pools NOT all free after the run: {'decode-0': '1 held'}" \
+            in render_served(section)
     assert not served_ok(section)
 
 

@@ -1,13 +1,18 @@
 """gpu_check, served: the check model served through Ray and the router, colocated and as 1P1D on one GPU.
 
-Two deployments, one after the other, on one embedded Ray instance (`pd.deploy.launch.Deployment`):
+Deployments one after the other, on one embedded Ray instance (`pd.deploy.launch.Deployment`):
 1. colocated, one worker: a load at each concurrency (1, 8, 32): TTFT and TPOT p50, output tokens/s;
 2. 1P1D on one GPU (`deploy/gpu-1p1d-one-gpu.yaml`: each worker 0.5 of the GPU, its KV pool sized from
    that share): the same loads, plus the KV transfer time per request (the router's `kv_transfer_s`
    stage, p50, and the decode worker's mean load time from its /metrics).
-Each deployment also answers the same greedy prompts (`return_token_ids`); 1P1D's tokens must equal
-colocated's. The loads are `python -m pd.loadgen` in a process of its own (as `pd.launch --run-load`
-runs it: the router's event loop then has this process's GIL to itself), random prompts, greedy,
+Both answer the same greedy prompts (`return_token_ids`), and 1P1D's tokens must equal colocated's. That
+comparison runs in float32 (`ServedPlan.greedy_dtype`) on its own colocated / 1P1D pair: in bfloat16, D's
+one-token recompute of the last prompt token and a different batch shape round differently from
+colocated's prefill, which flips near-tied argmaxes of random weights without anything being wrong (the
+served dtype's agreement is reported beside it, for information).
+
+The loads are `python -m pd.loadgen` in a process of its own (as `pd.launch --run-load` runs it: the
+router's event loop then has this process's GIL to itself), random prompts, greedy,
 ignore_eos, a different seed per concurrency so that no run hits an earlier run's prefix cache.
 
 The model is the one-GPU config's: gpu_check's CHECK_MODEL shape (Qwen2.5-0.5B-like, 24 layers,
@@ -54,6 +59,7 @@ class ServedPlan:
     output_len: int = 64
     greedy_prompts: int = 8
     greedy_tokens: int = 32
+    greedy_dtype: str | None = "float32"  # None: the served dtype (no extra deployments)
     warmups: int = 2
 
     def num_prompts(self, concurrency: int) -> int:
@@ -136,8 +142,8 @@ def load_figures(concurrency: int, result: dict) -> dict:
     return row
 
 
-def serve_one(name: str, config: DeployConfig, plan: ServedPlan, prompts: list[str]) -> dict:
-    """Starts one deployment, runs the greedy prompts and the loads, audits the pools, stops it."""
+def serve_one(name: str, config: DeployConfig, plan: ServedPlan, prompts: list[str], loads: bool = True) -> dict:
+    """Starts one deployment, runs the greedy prompts (and the loads), audits the pools, stops it."""
     from pd.deploy.launch import Deployment
 
     t0 = time.perf_counter()
@@ -149,7 +155,8 @@ def serve_one(name: str, config: DeployConfig, plan: ServedPlan, prompts: list[s
         out["start_s"] = round(time.perf_counter() - t0, 1)
         api_key = next(iter(config.router.tenant_keys().values()), None)
         out["greedy_token_ids"] = greedy_token_ids(url, prompts, plan.greedy_tokens, api_key)
-        out["runs"] = [run_load(url, c, plan, config) for c in plan.concurrencies]
+        if loads:
+            out["runs"] = [run_load(url, c, plan, config) for c in plan.concurrencies]
         audits = deployment.pool_audits()
         out["pools_all_free"] = bool(audits) and all(a.get("all_free") for a in audits.values())
         if not out["pools_all_free"]:
@@ -199,17 +206,30 @@ def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = N
     section: dict = {"device": base.topology.device, "model": base.model.name,
                      "model_shape": dict(base.model.architecture), "dtype": base.model.dtype,
                      "plan": dataclasses.asdict(plan), "ray_gpus": ray.cluster_resources().get("GPU", 0.0)}
+    prompts = greedy_prompts(plan)
+    greedy_dtype = plan.greedy_dtype or base.model.dtype
     try:
-        prompts = greedy_prompts(plan)
         for name, config in served_configs(base).items():
             section[name] = serve_one(name, config, plan, prompts)
+        pair = {name: section[name] for name in ("colocated", "pd_one_gpu")}
+        if greedy_dtype != base.model.dtype:
+            section["greedy_served_dtype"] = _compare_pair(pair)  # for information: rounding may flip ties
+            greedy_base = base.replace(model__dtype=greedy_dtype,
+                                       scheduler__max_num_seqs=max(8, plan.greedy_prompts))
+            pair = {name: serve_one(f"{name} {greedy_dtype}", config, plan, prompts, loads=False)
+                    for name, config in served_configs(greedy_base).items()}
+            section["greedy_runs"] = {name: {k: v for k, v in part.items() if k != "greedy_token_ids"}
+                                      for name, part in pair.items()}
     finally:
         if started_ray:
             ray.shutdown()
-    section["greedy"] = compare_greedy(section["colocated"].get("greedy_token_ids"),
-                                       section["pd_one_gpu"].get("greedy_token_ids"))
+    section["greedy"] = {"dtype": greedy_dtype, **_compare_pair(pair)}
     section["seconds"] = round(time.perf_counter() - t0, 1)
     return section
+
+
+def _compare_pair(pair: dict[str, dict]) -> dict:
+    return compare_greedy(pair["colocated"].get("greedy_token_ids"), pair["pd_one_gpu"].get("greedy_token_ids"))
 
 
 def _release_this_process_gpu_memory() -> None:
@@ -230,6 +250,9 @@ def served_ok(section: dict) -> bool:
         if "error" in part or not part.get("pools_all_free") or not part.get("runs"):
             return False
         if any(r["failed"] or not r["completed"] for r in part["runs"]):
+            return False
+    for part in (section.get("greedy_runs") or {}).values():
+        if "error" in part or not part.get("pools_all_free"):
             return False
     greedy = section.get("greedy") or {}
     return greedy.get("prompts", 0) > 0 and greedy.get("identical") == greedy.get("prompts")
@@ -256,13 +279,33 @@ def render_served(section: dict) -> list[str]:
             transfer = r.get("kv_transfer_p50_ms", "-")
             lines.append(f"| {label} | {r['concurrency']} | {r['ttft_p50_ms']} | {r['tpot_p50_ms']} | "
                          f"{r['output_tokens_per_s']} | {transfer} | {r['completed']} ok, {r['failed']} failed |")
-    greedy = section.get("greedy") or {}
+    lines += ["", *_greedy_lines(section)]
+    return lines + _pool_and_transfer_lines(section)
+
+
+def _greedy_lines(section: dict) -> list[str]:
+    greedy, plan = section.get("greedy") or {}, section.get("plan", {})
     verdict = "identical" if greedy.get("prompts") and greedy.get("identical") == greedy.get("prompts") else "DIFFER"
-    lines += ["", f"- greedy tokens, 1P1D vs colocated: **{verdict}** ({greedy.get('identical', 0)}/"
-                  f"{greedy.get('prompts', 0)} prompts, {plan.get('greedy_tokens')} tokens each)"
-              + (f"; first mismatch {greedy['first_mismatch']}" if "first_mismatch" in greedy else "")]
-    for name in ("colocated", "pd_one_gpu"):
-        part = section.get(name) or {}
+    mismatch = f"; first mismatch {greedy['first_mismatch']}" if "first_mismatch" in greedy else ""
+    lines = [f"- greedy tokens ({greedy.get('dtype')}), 1P1D vs colocated: **{verdict}** ({greedy.get('identical', 0)}"
+             f"/{greedy.get('prompts', 0)} prompts, {plan.get('greedy_tokens')} tokens each){mismatch}"]
+    served = section.get("greedy_served_dtype")
+    if served:
+        lines.append(f"- for information, at the served {section.get('dtype')}: {served.get('identical', 0)}/"
+                     f"{served.get('prompts', 0)} prompts identical (rounding differs between D's one-token "
+                     "recompute and colocated's prefill)")
+    for name, part in (section.get("greedy_runs") or {}).items():
+        if "error" in part:
+            lines.append(f"- greedy {greedy.get('dtype')} {name}: error: {part['error'][:300]}")
+    return lines
+
+
+def _pool_and_transfer_lines(section: dict) -> list[str]:
+    lines: list[str] = []
+    dtype = (section.get("greedy") or {}).get("dtype")
+    parts = [(n, section.get(n) or {}) for n in ("colocated", "pd_one_gpu")]
+    parts += [(f"{n} ({dtype})", p) for n, p in (section.get("greedy_runs") or {}).items()]
+    for name, part in parts:
         if part and not part.get("pools_all_free", False) and "error" not in part:
             lines.append(f"- {name}: KV pools NOT all free after the run: {part.get('pool_audits')}")
         loads = [r["kv_load_mean_ms"] for r in part.get("runs", []) if "kv_load_mean_ms" in r]
