@@ -114,7 +114,8 @@ def test_second_tenant_cannot_confirm_the_first_tenants_secret(fault_record):
                  where="router / P cache / metrics",
                  user_saw=f"B: cached_tokens {[_cached(s) for s, _ in after]} (same without A's secret), "
                           f"prefill right {after[right][1] * 1e3:.1f} ms vs wrong median {bob_wrong * 1e3:.1f} ms, "
-                          f"/metrics 401/403; A's colleague: cached {col_cached}",
+                          f"/metrics 401/403; A's colleague: cached {col_cached}, prefill right "
+                          f"{colleague[right][1] * 1e3:.1f} ms vs wrong median {col_wrong * 1e3:.1f} ms",
                  pdkv_did="per_api_key by default with two keys; metrics_auth on with keys; pdkv_route opt-in",
                  pools="all free")
 
