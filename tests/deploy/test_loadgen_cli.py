@@ -13,7 +13,7 @@ from pd.tools.loadgen.data import ByteLengths, HFLengths, load_tokenizer, make_d
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The documented command (README, "Load generator"): only the program name differs from vLLM's.
+# The documented command (docs/serving.md, "Load generator"): only the program name differs from vLLM's.
 DOCUMENTED = """--backend openai --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model pdkv-tiny
   --dataset-name random --random-input-len 512 --random-output-len 64 --random-range-ratio 0.25
   --num-prompts 200 --request-rate 8 --burstiness 1 --max-concurrency 32 --goodput ttft:500 tpot:50
@@ -31,9 +31,9 @@ def test_documented_vllm_command_line_parses():
     assert args.goodput == {"ttft": 500.0, "tpot": 50.0}  # vLLM's form: separate KEY:MS words
     assert args.percentile_metrics == ("ttft", "tpot", "itl", "e2el") and args.metric_percentiles == (50.0, 90.0, 99.0)
     assert args.num_warmups == 2 and args.save_result and args.result_filename == "run.json"
-    readme = (REPO / "README.md").read_text()
-    assert "python -m pd.loadgen " + " ".join(DOCUMENTED.split()[:4]) in " ".join(readme.split()), \
-        "the README's load generator command differs from the one tested here"
+    page = (REPO / "docs" / "serving.md").read_text().replace("\\\n", " ")  # shell line continuations
+    assert "python -m pd.loadgen " + " ".join(DOCUMENTED.split()) in " ".join(page.split()), \
+        "the load generator command in docs/serving.md differs from the one tested here"
 
 
 def test_prefix_repetition_and_sharegpt_flags(tmp_path):
