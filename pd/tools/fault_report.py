@@ -1,4 +1,4 @@
-"""Turns the reliability tests' recorded outcomes into the README's markdown table.
+"""Turns the reliability tests' recorded outcomes into the markdown table of docs/reliability-and-security.md.
 
     PDKV_FAULT_REPORT=/tmp/faults.json python -m pytest tests/reliability -q [-m slow]
     python -m pd.tools.fault_report /tmp/faults.json [--out table.md]

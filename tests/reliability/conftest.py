@@ -1,4 +1,4 @@
-"""Reliability tests: fault outcomes are recorded for the README table.
+"""Reliability tests: fault outcomes are recorded for the fault table of docs/reliability-and-security.md.
 
 With `PDKV_FAULT_REPORT=<path.json>` set, every test that uses the
 `fault_record` fixture adds rows (fault, where, what the user saw, what pdkv

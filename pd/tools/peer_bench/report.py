@@ -36,7 +36,7 @@ def format_table(results: dict[str, dict[int, dict]]) -> str:
 
 
 def format_markdown(results: dict[str, dict[int, dict]]) -> str:
-    """The README's table: tokens/s (TTFT p50) per server and c."""
+    """The table of docs/cpu-performance.md: tokens/s (TTFT p50) per server and c."""
     cs = sorted({c for per_c in results.values() for c in per_c})
     lines = ["| server | " + " | ".join(f"c={c} tok/s (TTFT p50)" for c in cs) + " |",
              "|---|" + "---|" * len(cs)]
