@@ -4,17 +4,19 @@ through a real handshake on real sockets when the producer's pool cannot be mapp
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import pytest
 import torch
 
-from connectors.zmq import device_path
+from connectors.zmq import device_path, framing, wire
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig, DataPath
 from connectors.zmq.consumer_session import data_mode
 from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.transfer_settings import TransferSettings
+from connectors.zmq.wire import MsgType
 from connectors.links.link_shape import LinkShape
 from pd.engine.kv.page_pool import PagePool
 
@@ -119,4 +121,21 @@ def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog
         assert released == {"r"}
     finally:
         cons.shutdown()
+        prod.shutdown()
+
+
+def test_a_connection_without_a_session_never_gets_an_attached_answer():
+    """The export rides only the ATTACHED answer, and a forged ATTACH gets none: it is dropped."""
+    prod = Producer(ProducerConfig(engine_id="P", secret=SECRET, compat_hash="c", handshake_timeout_s=1.0),
+                    PagePool(8, 256))
+    prod.start()
+    try:
+        with socket.create_connection(("127.0.0.1", prod.data_port), timeout=5) as sock:
+            msg_type, msg = framing.recv_frame(sock)
+            assert msg_type is MsgType.NONCE
+            framing.send_frame(sock, wire.encode(MsgType.ATTACH, session=b"s" * 16, mode="cuda_ipc", mac=b"m" * 32))
+            sock.settimeout(5)
+            with pytest.raises((ConnectionError, OSError, wire.MalformedMessage)):
+                framing.recv_frame(sock)  # closed: no ATTACHED, no export
+    finally:
         prod.shutdown()

@@ -76,3 +76,21 @@ def test_the_pinned_shm_segment_and_staging_ring_are_byte_exact_in_one_process()
                 cons.shutdown()
     finally:
         prod.shutdown()
+
+
+def test_a_cuda_streams_shm_segment_is_page_locked_until_closed():
+    """Unlocked, every copy between a GPU and the segment went through the driver's bounce buffer,
+    synchronously: shm ran at 2.04 GB/s against tcp's 4.98 on an H200. Both sides now lock it."""
+    from connectors.zmq.shm import ShmSegment
+
+    seg = ShmSegment.create(4, 64 * 1024)
+    try:
+        assert not seg.tensor.is_pinned()
+        seg.pin()
+        assert seg.tensor.is_pinned()
+        dev = torch.randint(0, 256, (4, 64 * 1024), dtype=torch.uint8, device="cuda")
+        seg.half(0).copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(seg.half(0).cuda(), dev)
+    finally:
+        seg.close()
