@@ -49,3 +49,23 @@ def test_device_fault_is_a_503_with_retry_after_and_the_worker_leaves_the_rotati
                  "an error event and [DONE]", pdkv_did="failed the step's request, freed its blocks, worker "
                  "answered 503 on health, router took it out at once and sent the next request to the other D",
                  pools=f"all free ({freed:.1f}s)")
+
+
+def test_prefill_device_fault_fails_its_request_and_decode_workers_prefill_meanwhile(fault_record):
+    # the prefill worker's first request runs out of device memory in its step
+    config = local_config(faults={"prefill": "engine.device_oom:kill"})
+    with LocalDeployment(config) as dep:
+        resp = requests.post(f"{dep.url}/v1/completions", json=BODY, timeout=60)
+        assert resp.status_code == 503 and resp.headers.get("Retry-After") == "1", resp.text
+        assert resp.json()["error"]["code"] == "worker_device_fault" and "OutOfMemoryError" in resp.text
+        assert _faulted(dep) == {"prefill-0"} and not dep.router.pool.get("prefill-0").healthy
+        health = requests.get(f"{dep.url}/health", timeout=10).json()
+        assert health["status"] == "degraded" and health["missing_roles"] == ["prefill"], health
+        again = [requests.post(f"{dep.url}/v1/completions", json=dict(BODY, prompt=f"{i} {BODY['prompt']}"),
+                               timeout=60) for i in range(2)]
+        assert [r.status_code for r in again] == [200, 200], [r.text for r in again]  # D prefills them itself
+        freed = dep.wait_all_free()
+    fault_record(fault="CUDA out of memory in a prefill step (fault plan engine.device_oom), 1P1D", where="P engine "
+                 "step", user_saw="HTTP 503 worker_device_fault with Retry-After: 1; 2/2 requests after it "
+                 "answered 200", pdkv_did="failed the step's request, P unhealthy and out of the rotation at once; "
+                 "D prefilled locally meanwhile", pools=f"all free ({freed:.1f}s)")
