@@ -6,9 +6,9 @@ ever sees those, never an object of ours; the data plane (requests, tokens,
 KV blocks) does not touch Ray at all: it goes over the worker's HTTP API and
 the ZMQ connector.
 
-Restarts: a worker process that dies (SIGKILL, OOM, or its engine's step loop
-dying, which ends the process after `DEATH_GRACE_S` so that callers get their
-error events first) is restarted by Ray up to `MAX_RESTARTS` times, with the
+Restarts: a worker process that dies (SIGKILL, OOM, its engine's step loop
+dying or a device fault in a step, either of which ends the process after
+`DEATH_GRACE_S` so that callers get their error events first) is restarted by Ray up to `MAX_RESTARTS` times, with the
 same worker id, role and config. The new incarnation builds a fresh engine
 (a fresh engine id, empty cache) and listens on a new port once `start()` is
 called again; `pd.deploy.restarts` does that and tells the router.
