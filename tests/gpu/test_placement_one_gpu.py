@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import ray
