@@ -1,12 +1,14 @@
 """Transfer benchmark: the ZMQ connector's data paths beside a raw loopback socket.
 
-Two processes: this one is the consumer, a spawned child is the producer. The
-child also serves a raw TCP socket (plain `sendall` of the same page bytes,
+Two processes: this one is the consumer, a child process is the producer
+(started as `--serve-producer`, its ports reported as one JSON line, nothing
+pickled). The child also serves a raw TCP socket (plain `sendall` of the same page bytes,
 received with `recv_into` into preallocated memory), so both are measured in
 the same run, alternating, on the same noisy machine.
 
     python -m pd.tools.transfer_bench                      # 64 x 256 KiB, tcp and shm
     python -m pd.tools.transfer_bench --blocks 64 --page-kib 256 --reps 30 --json
+    python -m pd.tools.transfer_bench --staged --paths tcp,shm,shm_staged   # through the staging ring
 
 Reported per data path: GB/s of a bulk pull (median), raw socket GB/s, their
 ratio, one-block latency (`load()` called -> page landed and verified by the
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import select
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 SECRET = b"bench-secret-not-for-production!"
@@ -33,7 +37,15 @@ def _fill(pool, seed: int) -> None:
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=g))
 
 
-def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn, stop) -> None:
+def _staging(staged: bool):
+    from connectors.zmq.page_access import DEFAULT_STAGING
+    from connectors.zmq.staging_ring import StagingShape
+
+    return StagingShape(stage_host_pools=True) if staged else DEFAULT_STAGING
+
+
+def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, staged: bool) -> None:
+    """The child: serves until stdin closes or says anything."""
     import threading
 
     import torch
@@ -45,13 +57,13 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, conn,
     pool = PagePool(num_blocks + 1, page_bytes)
     _fill(pool, 1)
     prod = Producer(ProducerConfig(engine_id="bench-P", secret=SECRET, compat_hash=COMPAT, lease_s=3600,
-                                   shm_chunk_bytes=shm_chunk_bytes), pool)
+                                   shm_chunk_bytes=shm_chunk_bytes, staging=_staging(staged)), pool)
     prod.start()
     prod.add_lease("bench", list(range(1, num_blocks + 1)), lease_s=3600)
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(raw, pool), daemon=True).start()
-    conn.send((prod.port, raw.getsockname()[1]))
-    stop.wait()
+    print(json.dumps({"port": prod.port, "raw_port": raw.getsockname()[1]}), flush=True)
+    sys.stdin.readline()
     prod.shutdown()
 
 
@@ -100,6 +112,7 @@ def _measure(path: str, args, ports, pool) -> dict:
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,
                                    data_path=DataPath(path), num_tcp_streams=args.streams, notify_done=False,
+                                   staging=_staging(args.staged),
                                    **({} if args.spin_us is None else {"spin_us": args.spin_us})), pool)
     cons.start()
     remote = RemoteAddr("bench-P", "127.0.0.1", ports[0])
@@ -172,24 +185,33 @@ def main(argv=None) -> None:
     ap.add_argument("--shm-chunk-kib", type=int, default=8192, help="shared-memory staging half size")
     ap.add_argument("--runs", type=int, default=3, help="measurements per path; the median run is reported")
     ap.add_argument("--json", action="store_true", help="one JSON line per data path")
+    ap.add_argument("--staged", action="store_true",
+                    help="both sides stage their CPU pools through the staging ring, as CUDA pools do: "
+                         "checks the pipeline runs end to end without a GPU; its copies are then CPU memcpys, "
+                         "so its GB/s say nothing about a GPU")
+    ap.add_argument("--serve-producer", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args(argv)
+    if args.serve_producer:
+        _producer_main(args.blocks, args.page_kib * 1024, args.shm_chunk_kib * 1024, args.staged)
+        return
 
     import torch
 
     torch.set_num_threads(1)
     from pd.engine.kv.page_pool import PagePool
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    stop = ctx.Event()
-    proc = ctx.Process(target=_producer_main,
-                       args=(args.blocks, args.page_kib * 1024, args.shm_chunk_kib * 1024, child, stop),
-                       daemon=True)
-    proc.start()
+    cmd = [sys.executable, "-m", "pd.tools.transfer_bench", "--serve-producer", "--blocks", str(args.blocks),
+           "--page-kib", str(args.page_kib), "--shm-chunk-kib", str(args.shm_chunk_kib)]
+    proc = subprocess.Popen(cmd + (["--staged"] if args.staged else []), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        if not parent.poll(60):
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
             raise RuntimeError("producer process did not start")
-        ports = parent.recv()
+        info = json.loads(line)
+        ports = (info["port"], info["raw_port"])
         pool = PagePool(args.blocks + 1, args.page_kib * 1024)
         runs: dict[str, list[dict]] = {path: [] for path in args.paths.split(",")}
         for _ in range(args.runs):  # alternate the paths so both see the same machine
@@ -205,8 +227,12 @@ def main(argv=None) -> None:
                       f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us "
                       f"(x{r['latency_ratio']:.2f}, median of {r['runs']} runs)", flush=True)
     finally:
-        stop.set()
-        proc.join(10)
+        proc.stdin.close()  # the child's readline returns: it shuts down
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":
