@@ -51,6 +51,7 @@ from pd.worker.request_trace import WorkerTrace, start_trace
 if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
     from pd.engine.engine import Engine
+    from pd.engine.step_isolation import DeviceFault
     from pd.worker.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -149,8 +150,8 @@ class Worker:
             if self._on_engine_death is not None:
                 self._on_engine_death(exc)
 
-    def _device_fault(self):
-        """The engine's latched device fault (pd.engine.step_isolation.DeviceFault), reported once; or None."""
+    def _device_fault(self) -> DeviceFault | None:
+        """The engine's latched device fault, reported once (`on_engine_death`); None while there is none."""
         fault = self._engine.fault_marks.device_fault if self._engine is not None else None
         if fault is not None and not self._death_reported:
             logger.error("worker %s: %s; reporting unhealthy, restarting", self.spec.worker_id, fault)
