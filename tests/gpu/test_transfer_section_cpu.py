@@ -50,7 +50,8 @@ def test_rendering_names_every_path_baseline_stage_and_verdict():
                    "shm vs tcp: **0.75** (target >= 1.0: MISSED)",
                    "device vs plain d2d: **0.8** (target >= 0.7: met)", "256 pages of 2 MiB"):
         assert needle in text, needle
-    failed = "\n".join(transfer.render_transfer(_section(cuda_ipc={"error": "DeviceUnavailable: x", "byte_exact": False})))
+    broken = _section(cuda_ipc={"error": "DeviceUnavailable: x", "byte_exact": False})
+    failed = "\n".join(transfer.render_transfer(broken))
     assert "| cuda_ipc | error: DeviceUnavailable: x | | False | |" in failed
     assert "device vs plain d2d: **None** (target >= 0.7: unmeasured)" in failed
     assert transfer.render_transfer({"error": "boom"})[-1] == "- error: boom"
@@ -59,3 +60,17 @@ def test_rendering_names_every_path_baseline_stage_and_verdict():
 def test_the_producer_fill_is_the_same_bytes_in_every_process():
     a, b = fill(4, 64, 7, device="cpu"), fill(4, 64, 7, device="cpu")
     assert a.dtype == torch.uint8 and torch.equal(a, b) and not torch.equal(a, fill(4, 64, 8, device="cpu"))
+
+
+def test_a_cpu_dry_run_moves_every_path_exact_through_a_producer_process():
+    """The section's own machinery without a GPU: the producer process, leases, every path's loads
+    checked byte for byte; the device path, unavailable here, falls back to the host path."""
+    section = transfer.measure_transfer(transfer.TransferRun(device="cpu", pages=8, page_bytes=16 * 1024, reps=1))
+    paths = section["paths"]
+    assert set(paths) == {"tcp", "shm", "cuda_ipc", "cuda_ipc_checked", "cuda_ipc_scattered"}
+    assert all(r.get("byte_exact") is True and r["loads"] == 1 for r in paths.values()), paths
+    assert set(paths["tcp"]["streams"]) == {"tcp"} and paths["shm"]["streams"] == ["map"]
+    assert paths["cuda_ipc"]["streams"] == ["map"]  # fell back: a CPU pool has nothing to export
+    assert transfer.transfer_ok(section) and "baseline" not in section
+    assert section["ratios"]["host_tcp_vs_pinned_serial"] is None  # no GPU: no baseline, said so
+    assert any("(target >= 0.7: unmeasured)" in line for line in transfer.render_transfer(section))

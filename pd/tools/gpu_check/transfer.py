@@ -15,6 +15,7 @@ byte was exact (and, asked to, whether the targets of `TARGETS` were met).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -30,12 +31,35 @@ import torch
 
 PAGE_BYTES = 2 * 1024 * 1024  # one block of a Llama-3-8B-sized KV page (32 layers x K,V x 8 heads x 128 x 16 x bf16)
 PAGES_PER_LOAD = 256  # 512 MiB per load
-NUM_BLOCKS = 2 * PAGES_PER_LOAD + 1
 SEED = 1234
 # the acceptance ratios: host tcp vs the pinned serial copy, shm vs tcp, device path vs a plain D2D copy
 TARGETS = {"host_tcp_vs_pinned_serial": 0.7, "shm_vs_tcp": 1.0, "device_vs_plain_d2d": 0.7}
 PATHS = (("tcp", "tcp", False), ("shm", "shm", False), ("cuda_ipc", "cuda_ipc", False),
          ("cuda_ipc_checked", "cuda_ipc", True))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRun:
+    """What the section moves: `pages` of `page_bytes` per load, pools on `device` ("cpu" dry-runs the
+    paths, the producer process and the checks without a GPU: no baselines, no stages)."""
+
+    device: str = "cuda"
+    pages: int = PAGES_PER_LOAD
+    page_bytes: int = PAGE_BYTES
+    reps: int = 3
+
+    @property
+    def num_blocks(self) -> int:
+        return 2 * self.pages + 1  # the load's pages twice (source and destination ranges) and the null block
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_bytes
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -97,7 +121,7 @@ def _stage_times(pool, ids: list[int], raw_port: int, reps: int = 3) -> dict:
     from connectors.zmq.staging_ring import StagingRing, StagingShape
 
     ring = StagingRing(pool, StagingShape())
-    nbytes = len(ids) * PAGE_BYTES
+    nbytes = len(ids) * pool.page_size_bytes
     d2h = _timed(lambda: [None for _ in ring.gather_chunks(ids)], reps)
 
     def land() -> None:
@@ -155,8 +179,8 @@ class _Peer:
             self.proc.wait()
 
 
-def _measure_path(peer: _Peer, pool, ref: torch.Tensor, path: str, checksums: bool, secret: bytes,
-                  ids: list[int], dst_ids: list[int], reps: int) -> dict:
+def _measure_path(run: TransferRun, peer: _Peer, pool, ref: torch.Tensor, path: str, checksums: bool, secret: bytes,
+                  ids: list[int], dst_ids: list[int]) -> dict:
     from connectors.zmq.consumer import Consumer
     from connectors.zmq.consumer_config import ConsumerConfig, DataPath
     from connectors.zmq.loads import RemoteAddr
@@ -168,58 +192,61 @@ def _measure_path(peer: _Peer, pool, ref: torch.Tensor, path: str, checksums: bo
     remote = RemoteAddr("check-P", "127.0.0.1", peer.info["port"])
     seconds, exact = [], True
     try:
-        for rep in range(reps + 1):  # the first load also pays the handshake: not counted
+        for rep in range(run.reps + 1):  # the first load also pays the handshake: not counted
             rid = f"{path}-{int(checksums)}-{rep}"
             peer.call({"cmd": "lease", "rid": rid, "ids": ids})
             pool.buffer[dst_ids] = 0  # nothing left from the previous path or load
-            torch.cuda.synchronize()
+            _sync(run.device)
             job = cons.load(rid, remote, rid, ids, dst_ids)
             if not job.done.wait(120) or job.result is None or not job.result.ok:
                 return {"error": f"load failed: {job.result}", "byte_exact": False}
             if rep:
                 seconds.append(job.result.seconds)
-            torch.cuda.synchronize()
+            _sync(run.device)
             exact = exact and torch.equal(pool.buffer[dst_ids], ref[ids])
         used = cons.data_paths().get("check-P", [])
     finally:
         cons.shutdown()
-    nbytes = len(ids) * PAGE_BYTES
+    nbytes = len(ids) * run.page_bytes
     return {"gbps": _gbps(nbytes, statistics.median(seconds)), "ms": round(statistics.median(seconds) * 1e3, 2),
             "byte_exact": exact, "streams": used, "loads": len(seconds)}
 
 
 @contextlib.contextmanager
-def _producer_session() -> Iterator[tuple[_Peer, object, torch.Tensor, bytes]]:
+def _producer_session(run: TransferRun) -> Iterator[tuple[_Peer, object, torch.Tensor, bytes]]:
     """The producer process, this side's pool, and the producer's bytes (made the same way)."""
     from pd.engine.kv.page_pool import PagePool
     from pd.tools.gpu_check.transfer_peer import fill
 
     secret = os.urandom(24)
-    peer = _Peer({"num_blocks": NUM_BLOCKS, "page_bytes": PAGE_BYTES, "seed": SEED, "secret": secret.hex(),
-                  "raw_bytes": PAGES_PER_LOAD * PAGE_BYTES})
+    peer = _Peer({"num_blocks": run.num_blocks, "page_bytes": run.page_bytes, "seed": SEED, "secret": secret.hex(),
+                  "raw_bytes": run.nbytes, "device": run.device})
     try:
-        yield peer, PagePool(NUM_BLOCKS, PAGE_BYTES, device="cuda"), fill(NUM_BLOCKS, PAGE_BYTES, SEED), secret
+        yield (peer, PagePool(run.num_blocks, run.page_bytes, device=run.device),
+               fill(run.num_blocks, run.page_bytes, SEED, run.device), secret)
     finally:
         peer.close()
 
 
-def measure_transfer(reps: int = 3) -> dict:
+def measure_transfer(run: TransferRun | None = None) -> dict:
     """The transfer section: every path, the baselines, the stages and the ratios."""
-    ids = list(range(1, PAGES_PER_LOAD + 1))
-    dst_ids = list(range(PAGES_PER_LOAD + 1, NUM_BLOCKS))  # consecutive: the copies are whole runs
-    scattered = random.Random(1).sample(range(1, NUM_BLOCKS), PAGES_PER_LOAD)
-    nbytes = PAGES_PER_LOAD * PAGE_BYTES
-    section: dict = {"pages": PAGES_PER_LOAD, "page_bytes": PAGE_BYTES, "bytes_per_load": nbytes}
-    with _producer_session() as (peer, pool, ref, secret):
-        section["baseline"] = measure_pinned_baseline(nbytes)
-        section["d2d"] = measure_plain_d2d(ref, ids, dst_ids)
-        section["stages"] = _stage_times(pool, ids, peer.info["raw_port"])
+    run = run or TransferRun()
+    ids = list(range(1, run.pages + 1))
+    dst_ids = list(range(run.pages + 1, run.num_blocks))  # consecutive: the copies are whole runs
+    scattered = random.Random(1).sample(range(1, run.num_blocks), run.pages)
+    section: dict = {"pages": run.pages, "page_bytes": run.page_bytes, "bytes_per_load": run.nbytes,
+                     "device": run.device}
+    with _producer_session(run) as (peer, pool, ref, secret):
+        if run.device == "cuda":
+            section["baseline"] = measure_pinned_baseline(run.nbytes)
+            section["d2d"] = measure_plain_d2d(ref, ids, dst_ids)
+            section["stages"] = _stage_times(pool, ids, peer.info["raw_port"])
         section["paths"] = {}
         runs = [(name, path, checksums, dst_ids) for name, path, checksums in PATHS]
         runs.append(("cuda_ipc_scattered", "cuda_ipc", False, scattered))
         for name, path, checksums, dst in runs:
             try:
-                section["paths"][name] = _measure_path(peer, pool, ref, path, checksums, secret, ids, dst, reps)
+                section["paths"][name] = _measure_path(run, peer, pool, ref, path, checksums, secret, ids, dst)
             except Exception as e:  # noqa: BLE001 -- one path failing is reported; the others still run
                 section["paths"][name] = {"error": f"{type(e).__name__}: {e}"[:300], "byte_exact": False}
     section["ratios"] = transfer_ratios(section)
@@ -257,8 +284,10 @@ def render_transfer(section: dict) -> list[str]:
     """The section as markdown lines."""
     if "error" in section:
         return ["## KV transfer", "", f"- error: {section['error']}"]
-    mib = section.get("page_bytes", PAGE_BYTES) // (1024 * 1024)
-    lines = [f"## KV transfer, CUDA pool -> CUDA pool ({section.get('pages')} pages of {mib} MiB per load, "
+    kib = section.get("page_bytes", PAGE_BYTES) // 1024
+    size = f"{kib // 1024} MiB" if kib % 1024 == 0 else f"{kib} KiB"
+    lines = [f"## KV transfer, {section.get('device', 'cuda')} pool -> pool ({section.get('pages')} pages of {size} "
+             "per load, "
              "P in another process)", "",
              "| path | GB/s | ms per load | byte-exact | streams |", "|---|---|---|---|---|"]
     for name, r in section.get("paths", {}).items():
@@ -287,7 +316,7 @@ def render_transfer(section: dict) -> list[str]:
 
 def measure_connector(path: str, reps: int = 3) -> dict:
     """One data path's GB/s and byte-exactness, P in another process (the older, per-path entry)."""
-    ids = list(range(1, PAGES_PER_LOAD + 1))
-    with _producer_session() as (peer, pool, ref, secret):
-        return _measure_path(peer, pool, ref, path, False, secret, ids, list(range(PAGES_PER_LOAD + 1, NUM_BLOCKS)),
-                             reps)
+    run = TransferRun(reps=reps)
+    with _producer_session(run) as (peer, pool, ref, secret):
+        return _measure_path(run, peer, pool, ref, path, False, secret, list(range(1, run.pages + 1)),
+                             list(range(run.pages + 1, run.num_blocks)))

@@ -6,7 +6,9 @@ talks JSON lines on stdin/stdout (nothing pickled):
   `seed` (the CUDA generator: the parent regenerates the same bytes to check what
   landed), a Producer (every data path offered) and a raw TCP server start; answers
   {"port", "raw_port"};
-- {"cmd": "lease", "rid", "ids"}: a lease on those blocks; answers {"ok": true};
+- {"cmd": "lease", "rid", "ids"}: a lease on those blocks; answers {"ok": true, "sealed": bool} once
+  its digests are sealed (bounded by SEAL_WAIT_S): the figures are those of a pull that finds its
+  lease sealed, as one does when D pulls a little after P's prefill ended;
 - {"cmd": "quit"}: answers {"ok": true} and exits.
 The raw server answers a 4-byte length n with n bytes from pinned host memory (one
 `sendall`): the wire stage of the host path alone, process to process.
@@ -18,10 +20,11 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import torch
 
-IDLE_TIMEOUT_S = 300.0
+SEAL_WAIT_S = 10.0
 
 
 def fill(num_blocks: int, page_bytes: int, seed: int, device: str = "cuda") -> torch.Tensor:
@@ -54,13 +57,14 @@ def main() -> None:
     from pd.engine.kv.page_pool import PagePool
 
     first = json.loads(sys.stdin.readline())
-    pool = PagePool(first["num_blocks"], first["page_bytes"], device="cuda")
-    pool.buffer.copy_(fill(first["num_blocks"], first["page_bytes"], first["seed"]))
+    device = first.get("device", "cuda")  # "cpu": a dry run of the check's own logic
+    pool = PagePool(first["num_blocks"], first["page_bytes"], device=device)
+    pool.buffer.copy_(fill(first["num_blocks"], first["page_bytes"], first["seed"], device))
     fences_for(pool).mark_written()  # as the engine does after a forward
     prod = Producer(ProducerConfig(engine_id="check-P", secret=bytes.fromhex(first["secret"]),
                                    compat_hash="gpu-check", lease_s=600.0), pool)
     prod.start()
-    host = torch.empty(first["raw_bytes"], dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(first["raw_bytes"], dtype=torch.uint8, pin_memory=device == "cuda")
     srv = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(srv, memoryview(host.numpy()).cast("B")), daemon=True).start()
     _reply({"port": prod.port, "raw_port": srv.getsockname()[1], "pid": os.getpid()})
@@ -69,7 +73,10 @@ def main() -> None:
             cmd = json.loads(line)
             if cmd.get("cmd") == "lease":
                 prod.add_lease(cmd["rid"], cmd["ids"])
-                _reply({"ok": True})
+                deadline = time.monotonic() + SEAL_WAIT_S
+                while not prod.leases.is_sealed(cmd["rid"]) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                _reply({"ok": True, "sealed": prod.leases.is_sealed(cmd["rid"])})
             else:
                 break
     finally:
