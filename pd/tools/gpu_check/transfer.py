@@ -320,3 +320,27 @@ def measure_connector(path: str, reps: int = 3) -> dict:
     with _producer_session(run) as (peer, pool, ref, secret):
         return _measure_path(run, peer, pool, ref, path, False, secret, list(range(1, run.pages + 1)),
                              list(range(run.pages + 1, run.num_blocks)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pd.tools.gpu_check.transfer [--json PATH] [--cpu]`: the transfer section alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pd.tools.gpu_check.transfer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the section as JSON here")
+    parser.add_argument("--cpu", action="store_true", help="dry-run the paths on CPU pools (no GPU figures)")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("error: the transfer section needs CUDA (or --cpu for a dry run)", file=sys.stderr)
+        return 2
+    run = TransferRun(device="cpu", pages=16, page_bytes=64 * 1024) if args.cpu else TransferRun()
+    section = measure_transfer(run)
+    print("\n".join(render_transfer(section)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(section, f, indent=2, sort_keys=True)
+    return 0 if transfer_ok(section) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
