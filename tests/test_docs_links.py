@@ -7,7 +7,8 @@
   every `python -m pd...` names a runnable module, every `from pd... import` an importable one;
 - the README keeps the two quick-start commands byte for byte (CI copies them; `.ci/run` runs the
   second), links every page of docs/, and stays under 320 lines;
-- the Python examples that need no server (the KV cache's, the engine's) run as written.
+- the Python examples that need no server (the KV cache's, the engine's) run as written, and the
+  defaults in the README's table of knobs are the deploy config's.
 """
 from __future__ import annotations
 
@@ -175,6 +176,43 @@ def test_the_manual_has_library_examples():
     assert {w.split("#")[0] for w, _ in library_examples()} >= {"docs/kv-cache.md", "docs/engine.md"}
 
 
+def knob_rows(text: str) -> list[tuple[list[str], list[str]]]:
+    """The README's knob table: per row, the dotted keys (a later key of a cell shares the first one's
+    section) and the default cell's literals, where the cell is literals only (one per key)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`") or "." not in cells[0]:
+            continue
+        names = re.findall(r"`([\w.]+)`", cells[0])
+        section = names[0].rsplit(".", 1)[0]
+        keys = [names[0]] + [f"{section}.{n}" for n in names[1:]]
+        values = [v.strip().strip("`") for v in cells[1].split(",")]
+        if len(values) == len(keys) and all(re.fullmatch(r"[\w.]+", v) for v in values):
+            rows.append((keys, values))
+    return rows
+
+
+def test_readme_knob_defaults_are_the_configs():
+    from pd.cluster.config import DeployConfig
+
+    config = DeployConfig()
+    rows = knob_rows(README.read_text())
+    assert len(rows) >= 10, rows  # the table is still there and still read
+    wrong = []
+    for keys, values in rows:
+        for key, written in zip(keys, values, strict=True):
+            actual = config
+            for part in key.split("."):
+                actual = getattr(actual, part)
+            actual = getattr(actual, "value", actual)
+            same = (float(written) == float(actual) if isinstance(actual, (int, float)) and not isinstance(actual, bool)
+                    else written == str(actual))
+            if not same:
+                wrong.append(f"{key}: README says {written}, the config's default is {actual!r}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_checks_see_what_they_guard(tmp_path):
     """Each check on a page written with the faults it must find, in a repository of its own."""
     (tmp_path / "pd" / "engine").mkdir(parents=True)
@@ -197,3 +235,7 @@ def test_the_checks_see_what_they_guard(tmp_path):
     assert [w.split(":")[0] for w in outside_paths(page, tmp_path)] == ["line 5", "line 7"]
     assert missing_modules(page, tmp_path) == ["python -m pd.tools.loadgen_report", "from pd.engine.sampling import"]
     assert "a-shell-comment-not-a-heading" not in heading_ids(page_text)
+    table = ("| key | default | what |\n|---|---|---|\n| `cache.kv_memory_mb`, `block_size` | 64, 16 | pool |\n"
+             "| `model.path` | empty: random weights | checkpoint |\n| `topology.device` | `cpu` | device |\n")
+    assert knob_rows(table) == [(["cache.kv_memory_mb", "cache.block_size"], ["64", "16"]),
+                                (["topology.device"], ["cpu"])]
