@@ -239,11 +239,15 @@ class Worker:
                                  error=out.error, num_cached_tokens=out.num_cached_tokens, error_cause=cause,
                                  timing=_wire_timing(out.timing, engine.page_pool.page_size_bytes))
         except RuntimeError as exc:
+            from pd.engine.step_isolation import is_device_fault
+
             fault = self._device_fault()
-            if fault is None:
-                raise
+            cause = exc.__cause__ or exc  # (the engine's "engine stopped" names the loop's end as its cause)
+            if fault is None and not is_device_fault(cause):  # a CUDA error outside a step (KV copies) ends
+                raise                                          # the loop too: the same for its requests
             # not in the failing step: this request is lost with the worker, never failed by it
-            raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed ({fault.cause_text}); "
+            why = fault.cause_text if fault is not None else f"{type(cause).__name__}: {cause}"
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed ({why}); "
                                     f"request {job.request_id} goes elsewhere") from exc
 
     def abort(self, request_id: str) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import requests
+import torch
 from rel_deploy import LocalDeployment, local_config
 
 BODY = {"prompt": "A GPU fault costs one request, never the worker's silence.", "max_tokens": 8,
@@ -69,3 +71,33 @@ def test_prefill_device_fault_fails_its_request_and_decode_workers_prefill_meanw
                  "step", user_saw="HTTP 503 worker_device_fault with Retry-After: 1; 2/2 requests after it "
                  "answered 200", pdkv_did="failed the step's request, P unhealthy and out of the rotation at once; "
                  "D prefilled locally meanwhile", pools=f"all free ({freed:.1f}s)")
+
+
+@pytest.mark.skipif(not hasattr(torch, "AcceleratorError"), reason="torch.AcceleratorError is new in torch 2.8")
+def test_a_device_error_outside_a_step_loses_the_requests_with_the_worker_never_fails_them():
+    # a CUDA error where no step isolation runs (KV copies, scheduling) ends the engine's loop: the worker's
+    # streams then end unfinished, with no error event, as a lost worker's do, so the router serves them elsewhere
+    from rel_deploy import SECRET
+
+    from pd.worker.worker import Worker
+
+    config = local_config("colocated")
+    with LocalDeployment(config) as dep:
+        worker: Worker = dep.workers["both-0"]
+        engine = worker._engine
+        real_schedule = engine.scheduler.schedule
+
+        def schedule():
+            if engine.scheduler.has_runnable_work():  # the first step with work fails on the "device"
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+            return real_schedule()
+
+        engine.scheduler.schedule = schedule
+        body = {"request_id": "r1", "prompt_token_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 4}}
+        with requests.post(f"{worker.url}/internal/generate", json=body, stream=True, timeout=30,
+                           headers={"Authorization": f"Bearer {SECRET}"}) as resp:
+            assert resp.status_code == 200
+            events = [json.loads(line) for line in resp.iter_lines() if line]
+        assert events == [], events  # no error event, no finish: the router retries it elsewhere
+        assert worker.health()["status"] == "error" and "AcceleratorError" in worker.health()["engine_error"]
+        dep.wait_all_free()  # (it failed before any block was allocated)
