@@ -2,7 +2,8 @@
 (no Ray: the process restart is test_engine_survival.py's): a step that raises what torch raises
 for an illegal memory access fails its request with a 503 and Retry-After (streamed: an error event
 and [DONE], never a 500), the worker reports itself unhealthy and the router takes it out at once,
-and every pool ends all free."""
+and every pool ends all free. A CUDA error outside a step (where no isolation runs) ends the loop; the
+worker's in-flight streams then end unfinished, as a lost worker's do, never as a failure of theirs."""
 from __future__ import annotations
 
 import json
