@@ -2,11 +2,13 @@
 
 With `--address` or `RAY_ADDRESS` it joins that Ray cluster; with neither it
 starts an embedded local Ray instance. It starts the worker actors, then the
-router (in this process, on its own event-loop thread), prints the router's
-URL and serves until SIGINT/SIGTERM, to it, to its process group or to each of its
+router (in this process, on its own event-loop thread), waits until a worker of each
+needed role has answered the router's health probe (else it exits 1 and says which did
+not), prints the router's URL and serves until SIGINT/SIGTERM, to it, to its process group or to each of its
 processes: it then exits within 10 s and leaves no process behind (`pd.deploy.teardown`).
 `--run-load` instead runs a short load (`pd.tools.loadgen`) against the fresh deployment,
-prints the report and exits.
+prints the report and the KV pool audit of every worker ("N of M workers audited": a worker
+that gives no audit fails the run, as does a pool not all free) and exits.
 
 `Deployment` is the same thing as a library object (tests, benchmarks):
 `start()` returns the URL, `stop()` tears everything down and is idempotent.
@@ -30,15 +32,19 @@ import ray
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
+from pd.deploy.pool_audit import PoolAuditReport, audit_once, settled
 from pd.deploy.restarts import WorkerRestarts
 from pd.deploy.samples import print_sample_answers
 from pd.deploy.teardown import ShutdownGuard
 from pd.engine.model.gguf import resolve_checkpoint
+from pd.router.readiness import NotReady
 from pd.router.server import Router
 
 logger = logging.getLogger(__name__)
 
 ROUTER_START_TIMEOUT_S = 60.0
+# how long the workers, started and listening, get to answer the router's first health probes
+READY_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 1800.0
 # a signalled stop: requests in progress get DRAIN_S, everything (workers, Ray) ends within STOP_DEADLINE_S,
 # and the process exits within 10 s of the signal whatever was signalled (see pd.deploy.teardown)
@@ -49,6 +55,8 @@ STOP_DEADLINE_S = 5.5
 class Deployment:
     """Workers as Ray actors plus a router on a private event-loop thread.
 
+    `start()` returns only once a worker of each needed role has answered the router's health
+    probe (else it raises `pd.router.readiness.NotReady`, naming them, after `READY_TIMEOUT_S`).
     Invariant: after `stop()` no actor of this deployment is alive and the
     router's port is closed, whatever state `start()` reached.
     """
@@ -75,6 +83,7 @@ class Deployment:
             self._thread.start()
             self.router = Router(self.config, [w.endpoint for w in self.workers], self.secret)
             self.url = self.run_coro(self.router.start(), ROUTER_START_TIMEOUT_S)
+            self.run_coro(self.router.wait_ready(READY_TIMEOUT_S), READY_TIMEOUT_S + 10.0)
             # workers Ray restarts (max_restarts) come back into the rotation at their new URL
             self.restarts = WorkerRestarts(self.router, self.workers, self.config.router.health_interval_s)
             self.run_coro(self.restarts.start(), 10.0)
@@ -88,18 +97,23 @@ class Deployment:
         assert self._loop is not None, "the router is not started"
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def pool_audits(self, timeout_s: float = 15.0) -> dict[str, dict]:
-        """Each live worker's pool audit, polled until every pool is all free or `timeout_s`
-        passes (P workers free their blocks a moment after D reports its pull done)."""
+    def audit_pools(self, timeout_s: float = 15.0) -> PoolAuditReport:
+        """Every worker's pool audit (`pd.deploy.pool_audit`), asked again until every pool is all
+        free and every worker answered (or the ones that did not are out of the rotation), or
+        `timeout_s` passes (P workers free their blocks a moment after D reports its pull done)."""
         deadline = time.monotonic() + timeout_s
         router = self.router
         assert router is not None, "the router is not started"
         while True:
-            self.run_coro(router.poll_workers(audit=True), timeout_s + 10.0)
-            audits = {w.endpoint.worker_id: w.stats.get("audit", {}) for w in router.pool.all() if w.healthy}
-            if all(a.get("all_free") for a in audits.values()) or time.monotonic() > deadline:
-                return audits
+            report = self.run_coro(audit_once(router), router.recovery.stats_timeout_s + 10.0)
+            in_rotation = {w.endpoint.worker_id for w in router.pool.all() if w.healthy}
+            if settled(report, in_rotation) or time.monotonic() > deadline:
+                return report
             time.sleep(0.2)
+
+    def pool_audits(self, timeout_s: float = 15.0) -> dict[str, dict]:
+        """The audits of the workers that answered (`audit_pools` says which did not)."""
+        return self.audit_pools(timeout_s).audits
 
     def stop(self, drain_s: float = 2.0) -> None:
         """`drain_s`: how long requests in progress get to finish (see `Router.stop`)."""
@@ -201,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     deployment = Deployment(config)
     try:
-        url = _start_or_stop_request(deployment, shutdown)
+        try:
+            url = _start_or_stop_request(deployment, shutdown)
+        except NotReady as exc:  # the workers started but never answered the router
+            print(f"error: the router cannot serve: {exc}", file=sys.stderr)
+            return 1
         if url is None:
             return 0
         topo = config.topology
@@ -212,13 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = _run_load(url, args, config)
             if config.model.path:
                 print_sample_answers(url, config)
-            audits = deployment.pool_audits()
-            leaks = {wid: a.get("detail") or a for wid, a in audits.items() if not a.get("all_free")}
-            print(f"KV pools after the run: {'all free' if not leaks else 'NOT all free'} "
-                  f"({len(audits)} workers audited)", flush=True)
-            for wid, detail in leaks.items():
-                print(f"  {wid}: {detail}", flush=True)
-            return rc if not leaks else 1
+            report = deployment.audit_pools()  # every worker of the deployment: an audit of fewer is a failure
+            for line in report.lines():
+                print(line, flush=True)
+            return rc if report.clean else 1
         print("press Ctrl-C to stop", flush=True)
         while not shutdown.requested.wait(0.5):
             shutdown.track()  # Ray's processes, remembered while they are still our descendants

@@ -61,6 +61,8 @@ class PdkvService:
         router = self._deployment.router
         if router is None:
             raise RuntimeError("pdkv router is not running")
+        if not router.readiness.ready:  # (start() waited for it; a replica never serves before)
+            raise RuntimeError(f"pdkv router not ready: {router.readiness.report()}")
         self._deployment.run_coro(router.poll_workers(), 30.0)
         roles = {w.endpoint.role for w in router.pool.all() if w.healthy}
         needed = {w.endpoint.role for w in router.pool.all()}

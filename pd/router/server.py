@@ -26,6 +26,9 @@ Guarantees:
   `num_readmit_probes` good probes in a row (settings:
   pd.router.recovery.RecoverySettings); an on-demand refresh counts toward
   neither (how often a client asks must not decide a worker's liveness);
+- `/health` answers 503 `starting`, with the reason, until a worker of each needed role has
+  answered a health probe (pd.router.readiness; `wait_ready` waits for that), and from then
+  on `ok`, `degraded` or `unavailable` (pd.router.recovery.health_report);
 - a `/metrics` scrape serves the figures of the last poll: it never calls a
   worker, so scrapers cost the workers nothing;
 - a client costs bounded connections and time: header, body and idle timeouts and
@@ -57,6 +60,7 @@ from kvcache.hashing import BlockHasher
 from pd.cluster.kv_wire import deployment_hash_seed
 from pd.router.kv_feed import KVFeed
 from pd.router.kv_index import KVIndex
+from pd.router.readiness import Readiness
 from pd.router.refresh import RefreshBusy, RefreshLimiter
 from pd.router.tenancy import Tenancy
 from pd.router.planner.route import RoutePlanner
@@ -105,6 +109,9 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery,
                                      self.planner)
         self._failed_polls: dict[str, int] = {}
+        # "serving" only once a worker of each needed role answered a health probe (pd.router.readiness)
+        self.readiness = Readiness((Role.BOTH,) if self._colocated else (Role.PREFILL, Role.DECODE),
+                                   lambda: [w.endpoint for w in self.pool.all()])
         serving = (Role.BOTH,) if self._colocated else (Role.DECODE,)
         self.gate = AdmissionGate(
             lambda: rc.max_in_flight_per_worker * max(1, sum(len(self.pool.healthy(r)) for r in serving)),
@@ -251,13 +258,21 @@ class Router:
         if self.kv_feed is not None:
             self.kv_feed.drop(endpoint.worker_id)
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Returns once a worker of each needed role has answered a health probe; raises
+        `pd.router.readiness.NotReady`, naming the roles and workers that did not, after `timeout_s`."""
+        await self.readiness.wait(timeout_s)
+
     async def _probe(self, load) -> str | None:
         """None when the worker's health probe answered; else why not."""
+        endpoint = load.endpoint
         try:
-            await self.client.get_json(load.endpoint.url, "/internal/health")
-            return None
+            await self.client.get_json(endpoint.url, "/internal/health")
         except WorkerCallError as exc:
+            self.readiness.failed(endpoint, str(exc))
             return str(exc)
+        self.readiness.answered(endpoint)
+        return None
 
     async def _poll_one(self, load, audit: bool) -> str | None:
         """The health probe (None when it answered, else why not), with the stats fetched beside it."""
@@ -308,6 +323,11 @@ class Router:
         return web.json_response(model_card(model_id, self.config.scheduler.max_model_len))
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self.readiness.ready:  # starting: some needed role has no worker that ever answered
+            body = {"status": "starting", "reason": self.readiness.report(),
+                    "missing_roles": [r.value for r in self.readiness.missing_roles()],
+                    "workers": {w.endpoint.worker_id: w.healthy for w in self.pool.all()}}
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
         body, status = health_report(self.pool, self._colocated)  # ok, degraded (serving) or unavailable
         return web.json_response(body, status=status)
 

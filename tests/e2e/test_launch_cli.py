@@ -29,7 +29,7 @@ def test_run_load_prints_report_and_writes_files(tmp_path):
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "serving at http://" in out.stdout and "Serving Benchmark Result (pdkv)" in out.stdout
-    assert "KV pools after the run: all free (2 workers audited)" in out.stdout
+    assert "KV pools after the run: all free (2 of 2 workers audited)" in out.stdout
     result = json.loads(result_json.read_text())
     assert result["completed"] == 6 and result["failed"] == 0 and "p99_itl_ms" in result and len(result["itls"]) == 6
     assert plot.stat().st_size > 1000
