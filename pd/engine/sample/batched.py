@@ -1,0 +1,145 @@
+"""Sampling a whole batch on the logits' device, with one device-to-host copy a step.
+
+`BatchedSampler.sample(logits, params, rngs)` picks one token per row of a
+(B, vocab) logits tensor wherever it lives, with the semantics of
+`sample/sampler.py`: greedy rows take the argmax (nan counts as the lowest
+score, ties the lowest id); the others are temperature-scaled from the row's
+maximum, then top-k, then top-p filtered exactly as `filter_logits` does
+(float64, stable sort, the top token always kept), and drawn. A row whose
+logits are not all finite is sampled greedily and logged. Ids at or above
+`num_ids` (the tokenizer's vocabulary) are never returned. The only host
+synchronisation is the single copy of the chosen tokens (with their fallback
+flags) at the end.
+
+Draws use the Gumbel-max trick with counter-based noise: the noise of row r
+for token t is a hash of (the request's seed, how many tokens it has drawn,
+t), turned into a uniform in (0, 1). So a request's draws depend only on its
+seed and its logits, never on its batch neighbours, its row, or the device;
+`RowRng` keeps a request's seed and draw count. (The draws differ from
+`sampler.py`'s torch.Generator streams for the same seed: the guarantee is
+reproducibility, not the same numbers.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+
+import torch
+
+from pd.engine.sample.params import MIN_TEMPERATURE, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27: a 32-bit value times it stays inside int64
+_GOLDEN = 0x9E3779B9
+
+
+@dataclasses.dataclass
+class RowRng:
+    """One request's random stream: its seed and the number of draws made so far."""
+
+    seed: int
+    draws: int = 0
+
+
+def make_row_rng(params: SamplingParams) -> RowRng | None:
+    """The request's stream (None for greedy): its seed, or a fresh random one."""
+    if params.greedy:
+        return None
+    return RowRng(params.seed if params.seed is not None else secrets.randbits(64))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2**32) (xor-shift-multiply, three rounds)."""
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * _MIX) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(R, vocab) float64 uniforms in (0, 1), a function of each row's (seed, draws) and the token id only."""
+    key = _mix32(_mix32(_mix32(seed_lo ^ _GOLDEN) ^ seed_hi) ^ (draws & _M32))[:, None]
+    token = torch.arange(vocab, device=key.device, dtype=torch.int64)[None, :]
+    high = _mix32(key ^ token)
+    low = _mix32(high ^ _GOLDEN) >> 11  # 21 more bits
+    return ((high * (1 << 21) + low).double() + 0.5) / float(1 << 53)
+
+
+def filter_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """Batched `sampler.filter_logits`: finite float64 rows (R, V) -> scaled rows with top-k / top-p outside
+    set to -inf. temperature, top_p: (R,) float64; top_k: (R,) int64, 0 = off."""
+    vocab = scores.shape[1]
+    scaled = (scores - scores.max(dim=1, keepdim=True).values) / temperature.clamp(min=MIN_TEMPERATURE)[:, None]
+    ordered, order = torch.sort(scaled, dim=1, descending=True, stable=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = torch.softmax(ordered, dim=1)
+    drop = (probs.cumsum(dim=1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # the top token always stays
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+
+
+class BatchedSampler:
+    """One token per logits row on the logits' device (see the module docstring).
+
+    Guarantees: never raises for parameters `SamplingParams` accepts and any logits (nan and inf
+    included); every token is below `num_ids` (or the row's width); each non-greedy row's `RowRng`
+    advances by one draw per call; one device-to-host copy per call.
+    """
+
+    def __init__(self, num_ids: int | None = None):
+        if num_ids is not None and num_ids <= 0:
+            raise ValueError(f"num_ids must be positive, got {num_ids}")
+        self.num_ids = num_ids
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[RowRng | None]) -> list[int]:
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(rngs):
+            raise ValueError(f"logits {tuple(logits.shape)} need one SamplingParams and one RowRng slot per row "
+                             f"(got {len(params)} and {len(rngs)})")
+        if logits.shape[0] == 0:
+            return []
+        width = logits.shape[1] if self.num_ids is None else min(self.num_ids, logits.shape[1])
+        rows = logits[:, :width]
+        greedy = torch.argmax(torch.nan_to_num(rows.float(), nan=float("-inf")), dim=1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if not drawn:
+            return greedy.tolist()  # the step's one copy
+        for i in drawn:
+            if rngs[i] is None:
+                raise ValueError(f"row {i} samples ({params[i]}) but has no RowRng")
+        chosen, finite = self._draw(rows, drawn, params, rngs)
+        tokens = greedy.clone()
+        tokens[torch.tensor(drawn, device=rows.device)] = chosen
+        host = torch.cat([tokens, finite.long()]).tolist()  # the step's one copy: tokens and fallback flags
+        out, ok = host[:len(params)], host[len(params):]
+        for i, fine in zip(drawn, ok, strict=True):
+            rngs[i].draws += 1  # type: ignore[union-attr]  (checked above)
+            if not fine:
+                logger.warning("non-finite logits: sampled greedily (%s)", params[i])
+        return out
+
+    def _draw(self, rows: torch.Tensor, drawn: list[int], params: list[SamplingParams],
+              rngs: list[RowRng | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled token and a finite flag for each row in `drawn` (on the device, no sync)."""
+        device = rows.device
+        settings = torch.tensor(
+            [[params[i].temperature, params[i].top_k, params[i].top_p, rngs[i].seed & _M32,  # type: ignore[union-attr]
+              (rngs[i].seed >> 32) & _M32, rngs[i].draws] for i in drawn],  # type: ignore[union-attr]
+            dtype=torch.float64).to(device, non_blocking=True)
+        index = torch.tensor(drawn, device=device)
+        scores = rows.index_select(0, index).double()
+        finite = torch.isfinite(scores).all(dim=1)
+        scores = torch.where(finite[:, None], scores, torch.zeros((), dtype=scores.dtype, device=device))
+        as_int = settings[:, 3:].long()
+        filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2])
+        noise = uniform_noise(as_int[:, 0], as_int[:, 1], as_int[:, 2], scores.shape[1])
+        gumbel = -torch.log(-torch.log(noise))
+        chosen = torch.argmax(filtered + gumbel, dim=1)
+        fallback = torch.argmax(torch.nan_to_num(rows.index_select(0, index).float(), nan=float("-inf")), dim=1)
+        return torch.where(finite, chosen, fallback), finite

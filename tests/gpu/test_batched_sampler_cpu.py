@@ -1,0 +1,129 @@
+"""The batched device sampler against the semantics of pd/engine/sample/sampler.py, on the CPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd.engine.sample.batched import BatchedSampler, RowRng, filter_rows, make_row_rng, uniform_noise
+from pd.engine.sample.params import SamplingParams
+from pd.engine.sample.sampler import filter_logits, sample
+
+params_st = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+                      top_k=st.sampled_from([0, 1, 2, 5, 50]), top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05, 1e-9]),
+                      seed=st.integers(0, 2**40))
+
+
+def _logits(seed: int, rows: int, vocab: int, ties: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    return x.round() if ties else x  # rounding makes many exact ties
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(1, 6), vocab=st.integers(2, 40), ties=st.booleans(),
+       poison=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
+def test_greedy_rows_match_the_sampler(seed, rows, vocab, ties, poison):
+    logits = _logits(seed, rows, vocab, ties)
+    if poison is not None:
+        logits[0, seed % vocab] = poison
+    params = [SamplingParams()] * rows
+    assert BatchedSampler().sample(logits, params, [None] * rows) == sample(logits, params, [None] * rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.integers(2, 60), ties=st.booleans(),
+       params=st.lists(params_st, min_size=1, max_size=5))
+def test_filtering_matches_filter_logits_row_by_row(seed, vocab, ties, params):
+    logits = _logits(seed, len(params), vocab, ties).double()
+    got = filter_rows(logits, torch.tensor([p.temperature for p in params], dtype=torch.float64),
+                      torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params],
+                                                                            dtype=torch.float64))
+    for i, p in enumerate(params):
+        want = filter_logits(logits[i], p)
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), f"different tokens kept for {p}"
+        torch.testing.assert_close(got[i], want, atol=1e-12, rtol=1e-12)
+
+
+def test_seeded_draws_depend_only_on_seed_and_logits_not_on_neighbours():
+    logits = _logits(1, 6, 30)
+    mine = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    others = [SamplingParams(temperature=0.7, top_k=5, seed=s) for s in (1, 2, 3)] + [SamplingParams()]
+    sampler = BatchedSampler()
+    alone = RowRng(1234)
+    alone_tokens = [sampler.sample(logits[:1], [mine], [alone])[0] for _ in range(12)]
+    crowded = RowRng(1234)
+    crowded_tokens = []
+    for step in range(12):  # the request moves between rows, among different neighbours each step
+        row = step % 5
+        batch = others[:row] + [mine] + others[row:]
+        rngs = [make_row_rng(p) for p in batch]
+        rngs[row] = crowded
+        rows = torch.cat([logits[1:1 + row], logits[:1], logits[1 + row:5]])
+        crowded_tokens.append(sampler.sample(rows, batch, rngs)[row])
+    assert crowded_tokens == alone_tokens
+    assert alone.draws == crowded.draws == 12
+    assert len(set(alone_tokens)) > 1  # the draws advance (not one fixed token)
+    again = RowRng(1234)
+    assert [sampler.sample(logits[:1], [mine], [again])[0] for _ in range(12)] == alone_tokens
+
+
+def test_draws_follow_the_filtered_distribution():
+    """4,000 seeded rows of the same logits: token frequencies match softmax of the filtered scores."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]]).repeat(4000, 1)
+    p = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=0)
+    tokens = BatchedSampler().sample(logits, [p] * 4000, [RowRng(seed) for seed in range(4000)])
+    probs = torch.softmax(filter_logits(logits[0], p), dim=-1)
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).double()
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was drawn"
+    expected = probs * 4000
+    kept = probs > 0
+    chi2 = float((((counts - expected) ** 2)[kept] / expected[kept]).sum())
+    assert chi2 < 25.0, f"chi-square {chi2:.1f} over {int(kept.sum())} tokens"  # p < 1e-4 for <= 6 dof
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_draw():
+    lo, hi = torch.tensor([5, 5, 6]), torch.tensor([0, 0, 0])
+    u = uniform_noise(lo, hi, torch.tensor([0, 1, 0]), 50000)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    torch.testing.assert_close(uniform_noise(lo[:1], hi[:1], torch.tensor([0]), 50000)[0], u[0], atol=0, rtol=0)
+
+
+def test_ids_at_or_above_the_vocabulary_bound_are_never_sampled():
+    logits = _logits(4, 64, 40)
+    logits[:, 30:] += 100.0  # the padded ids would win every draw
+    params = [SamplingParams()] * 32 + [SamplingParams(temperature=1.5, seed=i) for i in range(32)]
+    rngs = [make_row_rng(p) for p in params]
+    tokens = BatchedSampler(num_ids=30).sample(logits, params, rngs)
+    assert max(tokens) < 30
+    assert tokens[:32] == sample(logits[:32, :30], params[:32], [None] * 32)
+
+
+def test_non_finite_rows_fall_back_to_greedy(caplog):
+    logits = _logits(2, 2, 10)
+    logits[0, 3] = float("nan")
+    logits[0, 7] = 50.0
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    with caplog.at_level("WARNING"):
+        tokens = BatchedSampler().sample(logits, params, [RowRng(1), RowRng(2)])
+    assert tokens[0] == 7 and "non-finite" in caplog.text
+    assert 0 <= tokens[1] < 10
+
+
+def test_bad_calls_are_refused():
+    sampler = BatchedSampler()
+    with pytest.raises(ValueError, match="one SamplingParams"):
+        sampler.sample(torch.zeros(2, 4), [SamplingParams()], [None])
+    with pytest.raises(ValueError, match="no RowRng"):
+        sampler.sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0)], [None])
+    with pytest.raises(ValueError):
+        BatchedSampler(num_ids=0)
+    assert make_row_rng(SamplingParams()) is None
+    assert make_row_rng(SamplingParams(temperature=1.0, seed=9)) == RowRng(9)
+    assert not math.isnan(sampler.sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0, seed=1)],
+                                         [RowRng(1)])[0])
