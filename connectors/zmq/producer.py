@@ -364,6 +364,8 @@ class Producer:
         for views in access.send_views(block_ids):
             framing.sendmsg_all(conn, bufs + views)
             bufs = []
+        if bufs:  # no pages at all: the header alone
+            framing.sendmsg_all(conn, bufs)
 
     def _send_chunks(self, conn, reader: framing.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,
                      block_ids: list[int], digests: list[int]) -> None:
