@@ -24,6 +24,7 @@ chunk lengths and starts as Python ints, for backends that plan on the host.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -80,13 +81,19 @@ class StepMetadata:
         return self.logits_indices.shape[0]
 
     @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
     def decode_only(self) -> bool:
         """One token per chunk (every chunk a decode step)."""
         return self.num_tokens == self.num_seqs
 
 
 class _Buffers:
-    """The persistent tensors on one device, each with room for a step of `capacity`."""
+    """The persistent tensors on one device, each with room for a step of `capacity`. The per-token
+    rows share one matrix and the per-sequence rows another, so a step fills (and, on a GPU, copies)
+    each in one call."""
 
     def __init__(self, capacity: StepCapacity, num_groups: int, device: torch.device, pin: bool = False):
         t, s, b = capacity.max_num_tokens, capacity.max_num_seqs, capacity.max_blocks_per_seq
@@ -94,26 +101,32 @@ class _Buffers:
         def alloc(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device, pin_memory=pin)
 
-        self.input_ids, self.positions, self.token_seq, self.slot_offsets = alloc(t), alloc(t), alloc(t), alloc(t)
-        self.slot_mapping, self.slot_blocks = alloc(num_groups, t), alloc(num_groups, t)
+        # rows: input ids, positions, token -> chunk, slot offsets, then per group slot blocks, slot mapping
+        self.per_token = alloc(4 + 2 * num_groups, t)
+        self.input_ids, self.positions, self.token_seq, self.slot_offsets = self.per_token[:4]
+        self.slot_blocks = self.per_token[4:4 + num_groups]
+        self.slot_mapping = self.per_token[4 + num_groups:]
+        # rows: sequence lengths, query start offsets (one more), logits indices
+        self.per_seq = alloc(3, s + 1)
+        self.seq_lens, self.query_start_loc, self.logits_indices = self.per_seq
         self.block_tables = [alloc(s * b) for _ in range(num_groups)]  # flat: an (S, W) view is contiguous
-        self.seq_lens, self.query_start_loc, self.logits_indices = alloc(s), alloc(s + 1), alloc(s)
 
     def views(self, t: int, s: int, r: int, width: int, query_lens: tuple[int, ...], starts: tuple[int, ...],
               host_copy: StepMetadata | None) -> StepMetadata:
-        g = self.slot_mapping.shape[0]
         return StepMetadata(
             num_tokens=t, num_seqs=s, query_lens=query_lens, starts=starts, input_ids=self.input_ids[:t],
             positions=self.positions[:t], slot_mapping=self.slot_mapping[:, :t], slot_blocks=self.slot_blocks[:, :t],
             slot_offsets=self.slot_offsets[:t], token_seq=self.token_seq[:t],
-            block_tables=tuple(self.block_tables[i][:s * width].view(s, width) for i in range(g)),
+            block_tables=tuple(table[:s * width].view(s, width) for table in self.block_tables),
             seq_lens=self.seq_lens[:s], query_start_loc=self.query_start_loc[:s + 1],
             logits_indices=self.logits_indices[:r], host_copy=host_copy)
 
 
-def _fill(dst: torch.Tensor, values: Sequence[int] | list[list[int]]) -> None:
-    if len(values):
-        dst.copy_(torch.tensor(values, dtype=torch.long).view(dst.shape))
+def _as_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of `values` (through a C array: far faster than torch.tensor on a list)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
 class StepInputBuilder:
@@ -137,14 +150,17 @@ class StepInputBuilder:
         on_host = self.device.type == "cpu"
         self._host = _Buffers(capacity, groups, torch.device("cpu"), pin=not on_host and torch.cuda.is_available())
         self._device = self._host if on_host else _Buffers(capacity, groups, self.device)
+        self._copied: torch.cuda.Event | None = None  # the previous step's host-to-device copies
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
+        if self._copied is not None:  # the host mirror is rewritten below: the last copies must be done
+            self._copied.synchronize()
         bs = self.layout.block_size
         num_groups = len(self.layout.groups)
         query_lens = tuple(len(c.token_ids) for c in chunks)
         starts = tuple(c.start for c in chunks)
         t, s = sum(query_lens), len(chunks)
-        widest = max((len(c.block_ids[g]) for c in chunks for g in range(num_groups)), default=0)
+        widest = max((len(ids) for c in chunks for ids in c.block_ids), default=0)
         if not self.capacity.covers(t, s, widest):
             grown = StepCapacity(max(t, self.capacity.max_num_tokens), max(s, self.capacity.max_num_seqs),
                                  max(widest, self.capacity.max_blocks_per_seq))
@@ -152,45 +168,54 @@ class StepInputBuilder:
                            "reallocated to %s", t, s, widest, self.capacity, grown)
             self._allocate(grown)
         width = self.capacity.max_blocks_per_seq if self.fixed_table_width else max(widest, 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        token_seq: list[int] = []
-        loc = [0]
-        logits: list[int] = []
-        for i, c in enumerate(chunks):
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + query_lens[i]))
-            token_seq.extend([i] * query_lens[i])
-            loc.append(len(ids))
-            if c.needs_logits:
-                logits.append(len(ids) - 1)
-        h = self._host
-        _fill(h.input_ids[:t], ids)
-        _fill(h.positions[:t], positions)
-        _fill(h.token_seq[:t], token_seq)
-        _fill(h.slot_offsets[:t], [p % bs for p in positions])
+        if t == s:  # decode tokens only: one row per chunk
+            ids = [c.token_ids[0] for c in chunks]
+            positions = list(starts)
+            token_seq = list(range(s))
+            loc = list(range(s + 1))
+            logits = [i for i, c in enumerate(chunks) if c.needs_logits]
+        else:
+            ids, positions, token_seq, loc, logits = [], [], [], [0], []
+            for i, c in enumerate(chunks):
+                ids += c.token_ids
+                positions += range(c.start, c.start + query_lens[i])
+                token_seq += [i] * query_lens[i]
+                loc.append(len(ids))
+                if c.needs_logits:
+                    logits.append(len(ids) - 1)
+        rows = [ids, positions, token_seq, [p % bs for p in positions]]
+        seq_of = token_seq if t != s else None
         for g in range(num_groups):
-            rows = [c.block_ids[g] for c in chunks]
-            blocks = [r[p // bs] if p // bs < len(r) else 0
-                      for r, n, start in zip(rows, query_lens, starts, strict=True) for p in range(start, start + n)]
+            tables = [c.block_ids[g] for c in chunks]
+            try:
+                if seq_of is None:
+                    blocks = [table[p // bs] for table, p in zip(tables, positions, strict=True)]
+                else:
+                    blocks = [tables[i][p // bs] for i, p in zip(seq_of, positions, strict=True)]
+            except IndexError:
+                blocks = [0]
             if 0 in blocks:
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-            _fill(h.slot_blocks[g, :t], blocks)
-            _fill(h.block_tables[g][:s * width], [r + [0] * (width - len(r)) for r in rows])
-        if num_groups:
-            torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
-        _fill(h.seq_lens[:s], [start + n for start, n in zip(starts, query_lens, strict=True)])
-        _fill(h.query_start_loc[:s + 1], loc)
-        _fill(h.logits_indices[:len(logits)], logits)
+            rows.append(blocks)
+            padded: list[int] = []
+            for table in tables:
+                padded += table
+                padded += [0] * (width - len(table))
+            self._host.block_tables[g][:s * width].copy_(_as_tensor(padded))
+        h = self._host
+        h.per_token[:len(rows), :t].copy_(_as_tensor([v for row in rows for v in row]).view(len(rows), t))
+        torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
+        seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
+        per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits))
+        h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(3, s + 1))
         host = h.views(t, s, len(logits), width, query_lens, starts, None)
         if self._device is h:
             return host
         d = self._device
-        for name in ("input_ids", "positions", "token_seq", "slot_offsets", "seq_lens", "logits_indices"):
-            getattr(d, name).copy_(getattr(h, name), non_blocking=True)
-        d.slot_mapping.copy_(h.slot_mapping, non_blocking=True)
-        d.slot_blocks.copy_(h.slot_blocks, non_blocking=True)
-        d.query_start_loc.copy_(h.query_start_loc, non_blocking=True)
+        d.per_token.copy_(h.per_token, non_blocking=True)
+        d.per_seq.copy_(h.per_seq, non_blocking=True)
         for dst, src in zip(d.block_tables, h.block_tables, strict=True):
             dst[:s * width].copy_(src[:s * width], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         return d.views(t, s, len(logits), width, query_lens, starts, host)
