@@ -18,8 +18,18 @@ TINY = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_la
                    num_kv_heads=2, bos_token_id=1, eos_token_id=2)
 
 
+def save_tiny_checkpoint(path):
+    """The tiny model with a tokenizer of its own: a worker serves a checkpoint with its tokenizer only.
+    The prompts here are token ids, so a word-level vocabulary of the model's size is enough."""
+    from tokenizers import Tokenizer, models
+
+    save_checkpoint(build_model(TINY, seed=3), path)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY.vocab_size)}, unk_token="w0")).save(
+        str(path / "tokenizer.json"))
+
+
 def test_side_by_side_matches_hf_on_a_tiny_checkpoint(tmp_path):
-    save_checkpoint(build_model(TINY, seed=3), tmp_path)
+    save_tiny_checkpoint(tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     eng = serving_engine(str(tmp_path), num_requests=3)
     try:
