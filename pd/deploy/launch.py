@@ -31,6 +31,7 @@ import ray
 
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
+from pd.cluster.admin_key import generate_admin_key
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
 from pd.deploy.pool_audit import PoolAuditReport, audit_once, settled
 from pd.deploy.restarts import WorkerRestarts
@@ -170,6 +171,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="deployment YAML (see deploy/)")
     parser.add_argument("--print-config-schema", action="store_true",
                         help="print the deployment YAML's JSON Schema and exit")
+    parser.add_argument("--generate-admin-key", action="store_true",
+                        help="print a new random admin key (256 bits) for router.admin_key and exit")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else local)")
     parser.add_argument("--port", type=int, default=None, help="override router.port")
     parser.add_argument("--host", default=None, help="override router.host")
@@ -182,7 +185,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="with --run-load")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    if not args.config and not args.print_config_schema:
+    if not args.config and not args.print_config_schema and not args.generate_admin_key:
         parser.error("--config is required")
     return args
 
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.print_config_schema:
         print(json.dumps(DeployConfig.json_schema(), indent=2))
+        return 0
+    if args.generate_admin_key:
+        print(generate_admin_key())
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

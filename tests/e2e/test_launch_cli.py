@@ -56,3 +56,15 @@ def test_bad_config_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "topology: unknown key(s) ['num_prefil']" in out.stderr
+
+
+def test_generate_admin_key_prints_a_key_the_config_accepts():
+    """`--generate-admin-key` needs no config and prints a fresh key each time that passes the router's
+    strength rule (the keys a user pastes into router.admin_key)."""
+    from pd.cluster.config import DeployConfig
+
+    keys = [subprocess.run([sys.executable, "-m", "pd.launch", "--generate-admin-key"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=60).stdout.strip() for _ in range(2)]
+    assert keys[0] != keys[1] and all(len(k) >= 32 for k in keys)
+    for key in keys:
+        assert DeployConfig.from_dict({"router": {"admin_key": key}}).router.admin_key == key
