@@ -218,10 +218,11 @@ ENGINE_RANKS = {
 TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
 # What the rooms above the engine (cluster, router, worker, deploy, pd's entry points) may import of it:
 # the engine, its config and outputs, tokenizers, sampling params, and the model's config and files (a
-# worker sizes its KV pool from the model's shape before it builds an engine). pd.tools may reach
-# further (benchmarks of the kernels).
+# worker sizes its KV pool from the model's shape before it builds an engine), and step isolation (a
+# worker reads its device-fault latch and tells device errors apart). pd.tools may reach further
+# (benchmarks of the kernels).
 ENGINE_PUBLIC = frozenset({
-    "pd.engine.engine", "pd.engine.config", "pd.engine.outputs", "pd.engine.sample.params",
+    "pd.engine.engine", "pd.engine.config", "pd.engine.outputs", "pd.engine.sample.params", "pd.engine.step_isolation",
     "pd.engine.model.config", "pd.engine.model.checkpoint", "pd.engine.model.gguf", "pd.engine.kv.layout",
 })
 
