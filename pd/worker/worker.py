@@ -242,11 +242,12 @@ class Worker:
             from pd.engine.step_isolation import is_device_fault
 
             fault = self._device_fault()
-            cause = exc.__cause__ or exc  # (the engine's "engine stopped" names the loop's end as its cause)
-            if fault is None and not is_device_fault(cause):  # a CUDA error outside a step (KV copies) ends
-                raise                                          # the loop too: the same for its requests
-            # not in the failing step: this request is lost with the worker, never failed by it
-            why = fault.cause_text if fault is not None else f"{type(cause).__name__}: {cause}"
+            origin = exc.__cause__ or exc  # the engine's "engine stopped" carries why its loop ended
+            # A device fault latched in a step, or a CUDA error that ended the loop outside one (a KV copy):
+            # this request was not in a failing step; it is lost with the worker, never failed by it
+            if fault is None and not is_device_fault(origin):
+                raise
+            why = fault.cause_text if fault is not None else f"{type(origin).__name__}: {origin}"
             raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed ({why}); "
                                     f"request {job.request_id} goes elsewhere") from exc
 
