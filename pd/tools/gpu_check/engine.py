@@ -1,8 +1,10 @@
-"""gpu_check, engine: prefill and decode tokens/s of the check model on the GPU."""
+"""gpu_check, engine: prefill and decode tokens/s of the check model on the GPU, and one batch of
+given prompts timed the way the transformers comparison (engine_compare.py) needs it."""
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
 from pd.engine.config import EngineConfig
 from pd.engine.model.config import ModelConfig
@@ -48,3 +50,62 @@ def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, pro
             "prefill_tokens_per_s": round(num_requests * prompt_len / (t1 - t0), 1),
             "decode_tokens_per_s": round((sum(generated.values()) - first) / (t2 - t1), 1),
             "build_s": round(build_s, 1)}
+
+
+def check_engine(model: ModelConfig = CHECK_MODEL, device: str = "cuda", max_model_len: int = 1024,
+                 max_num_seqs: int = 256, kv_cache_bytes: int = 8 << 30):
+    """The engine gpu_check compares: prefix caching off (every prompt is prefilled), block size 16."""
+    from pd.engine.engine import Engine
+
+    return Engine(EngineConfig(model=model, device=device, block_size=16, kv_cache_bytes=kv_cache_bytes,
+                               max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                               max_model_len=max_model_len))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_engine_batch(eng, prompts: Sequence[Sequence[int]], new_tokens: int, profile_steps: int = 0,
+                         device: str = "cuda") -> dict:
+    """Greedy generation of `new_tokens` for every prompt at once: prefill time (until every request has
+    its first token), decode tokens/s over the steps after it, and, with `profile_steps`, the GPU-busy
+    share of that many decode steps (profiled apart from the timed ones). Returns the tokens too."""
+    from pd.engine.sample.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    rids = [f"b{len(prompts)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+
+    def step() -> None:
+        for out in eng.step():
+            if out.request_id in tokens:
+                tokens[out.request_id].extend(out.new_token_ids)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    for rid, ids in zip(rids, prompts, strict=True):
+        eng.add_request(rid, list(ids), params)
+    while any(not t for t in tokens.values()):
+        step()
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    busy: dict = {}
+    if profile_steps and device.startswith("cuda"):
+        from pd.tools.gpu_check.gpu_busy import profile_busy
+
+        busy = profile_busy(step, profile_steps)
+    before = sum(len(t) for t in tokens.values())
+    _sync(device)
+    t1 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        step()
+    _sync(device)
+    decode_s = time.perf_counter() - t1
+    decoded = sum(len(t) for t in tokens.values()) - before
+    return {"prefill_s": round(prefill_s, 4), "decode_tokens_per_s": round(decoded / max(decode_s, 1e-9), 1),
+            "decode_step_ms": round(1000 * decode_s / max(1, decoded // len(prompts)), 3), **busy,
+            "tokens": [tokens[rid] for rid in rids]}

@@ -1,0 +1,205 @@
+"""gpu_check section: the engine beside transformers (static cache + torch.compile), same weights, same prompts.
+
+In one run, per batch size (1, 32, 128 by default): the engine's decode
+tokens/s, prefill time and GPU-busy share of a decode step, and transformers'
+decode tokens/s and time to the first token for the same prompts; then greedy
+agreement in float32 (engine and transformers on one float32 copy of the
+weights, each prompt alone). Batches run in the order given, the ones the
+targets name first, and a batch that would start after `time_budget_s` is
+reported as skipped, so the section stays inside its share of gpu_check's five
+minutes whatever the compile costs.
+
+`engine_compare_ok` is true when every measured part ran and the float32
+tokens are identical; the speed targets of the GPU issue (decode ratio >= 1.0 at
+32 and 128, GPU busy >= 70% at 32, prefill no slower than transformers' first
+token, all from this run) are reported beside it, met or not, in `targets`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from pd.engine.model.config import ModelConfig
+from pd.tools.gpu_check.engine import CHECK_MODEL, CHECK_MODEL_DOC, check_engine, measure_engine_batch
+
+DECODE_TARGET_BATCHES = (32, 128)
+BUSY_TARGET_BATCH, BUSY_TARGET = 32, 0.70
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareSettings:
+    model: ModelConfig = CHECK_MODEL
+    device: str = "cuda"
+    batches: tuple[int, ...] = (32, 128, 1)
+    prompt_len: int = 128
+    new_tokens: int = 64
+    profile_steps: int = 5
+    agreement_prompts: int = 8
+    agreement_tokens: int = 8
+    time_budget_s: float = 200.0
+    compile_hf: bool = True  # transformers compiles its decode step (CUDA only)
+    kv_cache_bytes: int = 8 << 30
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def ratios(engine: dict, hf: dict) -> dict:
+    """Engine over transformers: decode rate (>= 1 is as fast), prefill time (<= 1 is as fast)."""
+    out = {}
+    if engine.get("decode_tokens_per_s") and hf.get("decode_tokens_per_s"):
+        out["decode_ratio"] = round(engine["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 3)
+    if engine.get("prefill_s") and hf.get("first_token_s"):
+        out["prefill_ratio"] = round(engine["prefill_s"] / hf["first_token_s"], 3)
+    return out
+
+
+def targets(section: dict) -> dict[str, bool | None]:
+    """Each GPU target: met, missed, or None when this run did not measure it."""
+    rows = section.get("batches", {})
+
+    def row(b: int) -> dict:
+        return rows.get(str(b), {})
+
+    out: dict[str, bool | None] = {}
+    for b in DECODE_TARGET_BATCHES:
+        ratio = row(b).get("decode_ratio")
+        out[f"decode >= 1.0x transformers (torch.compile) at batch {b}"] = None if ratio is None else ratio >= 1.0
+    busy = row(BUSY_TARGET_BATCH).get("engine", {}).get("busy_share")
+    out[f"GPU busy >= {BUSY_TARGET:.0%} of a decode step at batch {BUSY_TARGET_BATCH}"] = (
+        None if busy is None else busy >= BUSY_TARGET)
+    prefill = [r["prefill_ratio"] for r in rows.values() if "prefill_ratio" in r]
+    out["prefill <= transformers' first-token time (every batch)"] = (
+        None if not prefill else all(p <= 1.0 for p in prefill))
+    agree = section.get("agreement", {})
+    out["float32 greedy tokens identical to transformers"] = (
+        None if "identical" not in agree else agree["identical"] == agree.get("prompts"))
+    return out
+
+
+def _batch_row(eng, hf_model, settings: CompareSettings, batch: int) -> dict:
+    from pd.tools.gpu_check.hf_compare import measure_hf
+
+    prompts = prompts_for(batch, settings.prompt_len, settings.model.vocab_size, seed=batch)
+    measure_engine_batch(eng, prompts, 3, device=settings.device)  # warm-up at this batch's shapes
+    engine = measure_engine_batch(eng, prompts, settings.new_tokens, settings.profile_steps, settings.device)
+    engine_tokens = engine.pop("tokens")
+    timing = measure_hf(hf_model, prompts, settings.new_tokens, compile_decode=settings.compile_hf, warmups=1)
+    hf = {"first_token_s": round(timing.first_token_s, 4),
+          "decode_tokens_per_s": round(timing.decode_tokens_per_s, 1)}
+    same = sum(a == b for a, b in zip(engine_tokens, timing.tokens, strict=True))
+    return {"engine": engine, "hf": hf, **ratios(engine, hf), "same_tokens_bf16": f"{same}/{batch}"}
+
+
+def _agreement(settings: CompareSettings) -> dict:
+    import torch
+
+    from pd.tools.gpu_check.hf_compare import hf_greedy_tokens, to_hf_model
+
+    fp32 = dataclasses.replace(settings.model, dtype="float32")
+    eng = check_engine(fp32, settings.device, settings.prompt_len + settings.agreement_tokens + 8, 16,
+                       min(settings.kv_cache_bytes, 2 << 30))
+    prompts = prompts_for(settings.agreement_prompts, settings.prompt_len, fp32.vocab_size, seed=7)
+    engine_tokens = measure_engine_batch(eng, prompts, settings.agreement_tokens, device=settings.device)["tokens"]
+    hf_model = to_hf_model(eng.runner.model, settings.device, torch.float32)
+    hf_tokens = hf_greedy_tokens(hf_model, prompts, settings.agreement_tokens)
+    mismatched = [i for i, (a, b) in enumerate(zip(engine_tokens, hf_tokens, strict=True)) if a != b]
+    out: dict = {"prompts": len(prompts), "identical": len(prompts) - len(mismatched),
+                 "tokens_each": settings.agreement_tokens}
+    if mismatched:
+        i = mismatched[0]
+        out["first_mismatch"] = {"prompt": i, "engine": engine_tokens[i], "transformers": hf_tokens[i]}
+    return out
+
+
+def _guarded(fn, *args) -> dict:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a failed part is reported, the others still run
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def measure_engine_compare(settings: CompareSettings = CompareSettings()) -> dict:
+    """The comparison section (see the module docstring); never raises: failures are in the dict."""
+    t0 = time.perf_counter()
+    model_doc = CHECK_MODEL_DOC if settings.model == CHECK_MODEL else repr(settings.model)
+    section: dict = {"model": model_doc, "prompt_len": settings.prompt_len, "new_tokens": settings.new_tokens,
+                     "hf_compiled": settings.compile_hf, "batches": {}}
+    try:
+        import torch
+
+        from pd.tools.gpu_check.hf_compare import to_hf_model
+
+        top = max(settings.batches)
+        eng = check_engine(settings.model, settings.device, settings.prompt_len + settings.new_tokens + 8,
+                           max(top, 16), settings.kv_cache_bytes)
+        hf_model = to_hf_model(eng.runner.model, settings.device, settings.model.torch_dtype)
+    except Exception as exc:  # noqa: BLE001 - reported, the section ends here
+        section["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        return section
+    for batch in settings.batches:
+        if time.perf_counter() - t0 > settings.time_budget_s:
+            section["batches"][str(batch)] = {"skipped": f"time budget of {settings.time_budget_s:.0f} s spent"}
+            continue
+        section["batches"][str(batch)] = _guarded(_batch_row, eng, hf_model, settings, batch)
+    del eng, hf_model
+    if settings.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if time.perf_counter() - t0 > settings.time_budget_s:
+        section["agreement"] = {"skipped": f"time budget of {settings.time_budget_s:.0f} s spent"}
+    else:
+        section["agreement"] = _guarded(_agreement, settings)
+    section["targets"] = targets(section)
+    section["seconds"] = round(time.perf_counter() - t0, 1)
+    return section
+
+
+def engine_compare_ok(section: dict) -> bool:
+    """Every part ran (nothing errored) and the float32 greedy tokens are identical."""
+    parts = [section, *section.get("batches", {}).values(), section.get("agreement", {})]
+    if any("error" in p for p in parts):
+        return False
+    agree = section.get("agreement", {})
+    return "identical" in agree and agree["identical"] == agree["prompts"]
+
+
+def _fmt(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_engine_compare(section: dict) -> list[str]:
+    """Markdown lines: the side-by-side table, float32 agreement, the targets."""
+    lines = ["## Engine beside transformers (static cache + torch.compile), same weights and prompts", "",
+             f"- model: {section.get('model', '?')}; {section.get('prompt_len')} prompt tokens, "
+             f"{section.get('new_tokens')} new tokens per request, greedy; transformers decode compiled: "
+             f"{section.get('hf_compiled')}; section took {section.get('seconds', '?')} s"]
+    if "error" in section:
+        return [*lines, f"- error: {section['error']}"]
+    lines += ["", "| batch | engine decode tok/s | transformers + torch.compile decode tok/s | decode ratio | "
+                  "engine prefill s | transformers first token s | prefill ratio | engine GPU busy | "
+                  "engine step ms | kernels/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for batch, row in section.get("batches", {}).items():
+        if "engine" not in row:
+            lines.append(f"| {batch} | {row.get('skipped') or 'error: ' + str(row.get('error'))} |||||||||")
+            continue
+        e, h = row["engine"], row["hf"]
+        lines.append(f"| {batch} | {_fmt(e.get('decode_tokens_per_s'))} | {_fmt(h.get('decode_tokens_per_s'))} | "
+                     f"{_fmt(row.get('decode_ratio'), '.2f')}x | {_fmt(e.get('prefill_s'))} | "
+                     f"{_fmt(h.get('first_token_s'))} | {_fmt(row.get('prefill_ratio'), '.2f')} | "
+                     f"{_fmt(e.get('busy_share'), '.0%')} | {_fmt(e.get('step_ms'))} | "
+                     f"{_fmt(e.get('kernels_per_step'))} |")
+    agree = section.get("agreement", {})
+    if "identical" in agree:
+        lines += ["", f"- float32 greedy agreement: {agree['identical']}/{agree['prompts']} prompts identical "
+                      f"({agree['tokens_each']} tokens each)"]
+        if "first_mismatch" in agree:
+            lines.append(f"  - first mismatch: {agree['first_mismatch']}")
+    else:
+        lines += ["", f"- float32 greedy agreement: {agree.get('skipped') or 'error: ' + str(agree.get('error'))}"]
+    lines += ["", "| target | met |", "|---|---|"]
+    for name, met in section.get("targets", {}).items():
+        lines.append(f"| {name} | {'unmeasured' if met is None else 'yes' if met else 'NO'} |")
+    return lines
