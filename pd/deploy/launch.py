@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import ray
 
@@ -32,6 +33,8 @@ import ray
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.admin_key import generate_admin_key
+from pd.engine.text.vocab import VocabularyMismatch
+from pd.worker.wiring import check_model_vocabulary
 from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
 from pd.deploy.pool_audit import PoolAuditReport, audit_once, settled
 from pd.deploy.restarts import WorkerRestarts
@@ -204,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: v for k, v in (("router__port", args.port), ("router__host", args.host)) if v is not None}
         if overrides:
             config = config.replace(**overrides)
-    except ConfigError as exc:
+        if config.model.path and Path(config.model.path).is_dir():
+            check_model_vocabulary(config)  # the workers check again where they run; refuse before Ray starts
+    except (ConfigError, VocabularyMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers

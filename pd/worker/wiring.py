@@ -96,6 +96,12 @@ def _tokenizer_vocab_size(cfg, model: ModelConfig) -> int:
     return tokenizer.vocab_size
 
 
+def check_model_vocabulary(cfg) -> int:
+    """The tokenizer's id count once it fits the model (VocabularyMismatch otherwise): what every worker
+    checks at start, callable before any worker starts where the checkpoint is readable."""
+    return _tokenizer_vocab_size(cfg, _model_config(cfg))
+
+
 def build_engine(spec) -> tuple[Engine, KVConnector | None]:
     """(engine, connector or None) for a worker spec; the engine is not started."""
     from pd.engine.engine import Engine

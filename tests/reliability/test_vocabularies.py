@@ -100,6 +100,14 @@ def test_tokenizer_larger_than_the_model_is_refused_at_worker_start(tmp_path):
         asyncio.run(worker.start())
     assert f"has {num_ids} ids" in str(info.value) and f"vocab_size {small}" in str(info.value)
     assert worker.url is None  # nothing listens
+    # and the launcher, where the checkpoint is readable, refuses it before Ray or any worker starts
+    yaml_path = tmp_path / "deploy.yaml"
+    yaml_path.write_text(f"model:\n  path: {tmp_path}\ntopology: {{mode: colocated}}\nrouter: {{port: 0}}\n")
+    run = subprocess.run([sys.executable, "-m", "pd.launch", "--config", str(yaml_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"has {num_ids} ids" in run.stderr and f"vocab_size {small}" in run.stderr
+    assert "Traceback" not in run.stderr and "serving at" not in run.stdout
 
 
 def _completion(url: str, body: dict) -> list[int]:
