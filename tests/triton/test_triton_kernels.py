@@ -1,8 +1,9 @@
 """The Triton paged-attention kernels against their torch reference, on the real page pool.
 
-On this CPU they run through Triton's interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1 before Triton is imported); `test_triton_runs_interpreted`
-proves it. Every case writes the step's K/V with the Triton KV write and
+Without CUDA they run through Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports Triton); `test_triton_runs_interpreted`
+proves it. With CUDA (and the variable unset) the same cases run the compiled
+kernels on the GPU. Every case writes the step's K/V with the Triton KV write and
 compares both the attention output and every byte of the pool with the
 reference's.
 """

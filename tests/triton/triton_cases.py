@@ -27,7 +27,7 @@ from pd.engine.kv.layout import KVLayout
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.config import ModelConfig
 
-# Interpreted on the CPU (the default suite); compiled where CUDA is there and the interpreter is off.
+# Interpreted on the CPU (the default suite, no CUDA); compiled on the GPU where CUDA is there.
 DEVICE = torch.device("cpu" if knobs.runtime.interpret or not torch.cuda.is_available() else "cuda")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 

@@ -110,36 +110,40 @@ class BatchedSampler:
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if not drawn:
             return greedy.tolist()  # the step's one copy
+        streams: list[RowRng] = []
         for i in drawn:
-            if rngs[i] is None:
+            rng = rngs[i]
+            if rng is None:
                 raise ValueError(f"row {i} samples ({params[i]}) but has no RowRng")
-        chosen, finite = self._draw(rows, drawn, params, rngs)
+            streams.append(rng)
+        index, chosen, finite = self._draw(rows, drawn, params, streams)
         tokens = greedy.clone()
-        tokens[torch.tensor(drawn, device=rows.device)] = chosen
+        tokens[index] = chosen
         host = torch.cat([tokens, finite.long()]).tolist()  # the step's one copy: tokens and fallback flags
         out, ok = host[:len(params)], host[len(params):]
-        for i, fine in zip(drawn, ok, strict=True):
-            rngs[i].draws += 1  # type: ignore[union-attr]  (checked above)
+        for i, rng, fine in zip(drawn, streams, ok, strict=True):
+            rng.draws += 1
             if not fine:
                 logger.warning("non-finite logits: sampled greedily (%s)", params[i])
         return out
 
     def _draw(self, rows: torch.Tensor, drawn: list[int], params: list[SamplingParams],
-              rngs: list[RowRng | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled token and a finite flag for each row in `drawn` (on the device, no sync)."""
+              streams: list[RowRng]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows in `drawn` (as a device tensor), their sampled tokens and finite flags (no sync: the
+        rows' settings travel in one host-to-device copy). `streams`: the RowRng of each drawn row."""
         device = rows.device
         settings = torch.tensor(
-            [[params[i].temperature, params[i].top_k, params[i].top_p, rngs[i].seed & _M32,  # type: ignore[union-attr]
-              (rngs[i].seed >> 32) & _M32, rngs[i].draws] for i in drawn],  # type: ignore[union-attr]
+            [[params[i].temperature, params[i].top_k, params[i].top_p, i, rng.seed & _M32, (rng.seed >> 32) & _M32,
+              rng.draws] for i, rng in zip(drawn, streams, strict=True)],
             dtype=torch.float64).to(device, non_blocking=True)
-        index = torch.tensor(drawn, device=device)
+        index = settings[:, 3].long()
         scores = rows.index_select(0, index).double()
         finite = torch.isfinite(scores).all(dim=1)
         scores = torch.where(finite[:, None], scores, torch.zeros((), dtype=scores.dtype, device=device))
-        as_int = settings[:, 3:].long()
+        as_int = settings[:, 4:].long()
         filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2])
         noise = uniform_noise(as_int[:, 0], as_int[:, 1], as_int[:, 2], scores.shape[1])
         gumbel = -torch.log(-torch.log(noise))
         chosen = torch.argmax(filtered + gumbel, dim=1)
         fallback = torch.argmax(torch.nan_to_num(rows.index_select(0, index).float(), nan=float("-inf")), dim=1)
-        return torch.where(finite, chosen, fallback), finite
+        return index, torch.where(finite, chosen, fallback), finite

@@ -16,9 +16,13 @@ token, all from this run) are reported beside it, met or not, in `targets`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import random
+import sys
 import time
+from pathlib import Path
 
 from pd.engine.model.config import ModelConfig
 from pd.tools.gpu_check.engine import CHECK_MODEL, CHECK_MODEL_DOC, check_engine, measure_engine_batch
@@ -203,3 +207,30 @@ def render_engine_compare(section: dict) -> list[str]:
     for name, met in section.get("targets", {}).items():
         lines.append(f"| {name} | {'unmeasured' if met is None else 'yes' if met else 'NO'} |")
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pd.tools.gpu_check.engine_compare [--out engine_compare.md]`: this section alone."""
+    parser = argparse.ArgumentParser(prog="python -m pd.tools.gpu_check.engine_compare",
+                                     description="the engine beside transformers on one GPU")
+    parser.add_argument("--out", default="engine_compare.md", help="markdown report (JSON goes beside it)")
+    parser.add_argument("--batches", default="32,128,1", help="comma-separated batch sizes, in run order")
+    parser.add_argument("--budget-s", type=float, default=CompareSettings.time_budget_s)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    settings = CompareSettings(batches=tuple(int(b) for b in args.batches.split(",")), time_budget_s=args.budget_s)
+    section = measure_engine_compare(settings)
+    text = "\n".join(render_engine_compare(section)) + "\n"
+    out = Path(args.out)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
+    print(text, flush=True)
+    return 0 if engine_compare_ok(section) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
