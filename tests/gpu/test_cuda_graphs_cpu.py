@@ -1,7 +1,7 @@
 """The decode CUDA-graph runner's logic on the CPU: buckets, padding, the eager fallback, and a decode
 forward over the persistent buffers that compiles with torch.compile(fullgraph=True).
 
-Capture and replay themselves need CUDA: tests/gpu/test_triton_engine_gpu.py runs them."""
+Capture and replay themselves need CUDA: tests/gpu/test_gpu_engine_parts.py runs them."""
 from __future__ import annotations
 
 import pytest
