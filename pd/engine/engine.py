@@ -33,6 +33,7 @@ from kvcache.audit import assert_all_free, check_invariants
 from kvcache.specs import cdiv
 
 from connectors.base import ConnectorOutput, KVConnector
+from pd.engine.kv.capacity import check_fits
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
@@ -139,23 +140,10 @@ class Engine:
         self._wake.set()
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, request_id: str = "") -> None:
-        """The engine's one capacity check. Raises ValueError for a request that could never run
-        here: its prompt leaves no room for a token under max_model_len, or its whole sequence
-        (capped at max_model_len) needs more KV blocks than this pool has (it would wait forever)."""
-        max_model_len = self.config.resolved_max_model_len
-        who = f"request {request_id}: " if request_id else "request "
-        if num_prompt_tokens >= max_model_len:
-            raise ValueError(f"{who}prompt of {num_prompt_tokens} tokens leaves no room under "
-                             f"max_model_len={max_model_len}")
-        num_tokens = min(num_prompt_tokens + max_tokens, max_model_len)
-        need = 0
-        for spec in self._kv_specs:
-            blocks = cdiv(num_tokens, spec.block_size)
-            window = spec.sliding_window_size
-            need += min(blocks, cdiv(window, spec.block_size) + 1) if window else blocks
-        have = self.page_pool.num_blocks - 1  # block 0 is the null block
-        if need > have:
-            raise ValueError(f"{who}needs {need} KV blocks for {num_tokens} tokens; the pool has {have}")
+        """The engine's one capacity check (`pd.engine.kv.capacity.check_fits`): ValueError for a request
+        that could never run here. Block 0 is the null block: the pool holds one block fewer."""
+        check_fits(self._kv_specs, self.page_pool.num_blocks - 1, self.config.resolved_max_model_len,
+                   num_prompt_tokens, max_tokens, request_id)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -187,8 +175,8 @@ class Engine:
                 connector.wait_for_save()
                 sending, recving = connector.get_finished()
                 invalid = set(connector.get_block_ids_with_load_errors())
-                if invalid:
-                    self._scrub_pages(invalid)
+                if invalid:  # a failed load may leave NaN bytes: attention's 0 weights would still see them
+                    self.page_pool.zero_blocks(invalid)
                 connector_output = ConnectorOutput(set(sending), set(recving), invalid,
                                                    dict(connector.get_load_failures()))
             t2 = time.perf_counter()
@@ -217,12 +205,6 @@ class Engine:
             pool = self.kv_cache_manager.block_pool
             groups = range(len(self._kv_specs))
             return snapshot_fn({g: list(pool.cached_map(g)) for g in groups})
-
-    def _scrub_pages(self, block_ids: set[int]) -> None:
-        # A failed load may leave arbitrary bytes (NaN/Inf as floats) in its pages. Attention masks
-        # unused slots of a block by weight 0, but 0 * NaN is NaN: zero them before anyone reuses them.
-        index = torch.tensor(sorted(block_ids), dtype=torch.long, device=self.page_pool.buffer.device)
-        self.page_pool.buffer.index_fill_(0, index, 0)
 
     def _apply_pending(self) -> list[RequestOutput]:
         with self._lock:
@@ -264,18 +246,9 @@ class Engine:
         return dict(zip(ids, tokens, strict=True))
 
     def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:
-        bad: set[int] = set()
-        for chunk in sched.chunks:
-            if chunk.request_id in failed:
-                written = uncomputed_block_ids(chunk, self.config.block_size)
-                bad |= written
-                self.scheduler.fail_request(chunk.request_id, failed[chunk.request_id], written)
-        # A request outside this step can hold those pages too: a prefix hit taken on them right after
-        # their allocation (an async load admitted in the same pass). Their bytes are garbage for it too.
-        sharers = [rid for rid in self.scheduler.requests if rid not in failed
-                   and any(bad.intersection(ids) for ids in self.kv_cache_manager.get_block_ids(rid))] if bad else []
-        for rid in sharers:
-            self.scheduler.fail_request(rid, "engine step failed for a request whose KV blocks this one shares", set())
+        written = {c.request_id: uncomputed_block_ids(c, self.config.block_size) for c in sched.chunks
+                   if c.request_id in failed}
+        self.scheduler.fail_step(written, failed)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # One hand-off per event loop per step, not one per request: each call_soon_threadsafe

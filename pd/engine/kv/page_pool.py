@@ -67,6 +67,12 @@ class PagePool:
         """A path a same-host process may open read-only to map this pool, or None."""
         return f"/proc/{os.getpid()}/fd/{self._fd}" if self._fd is not None else None
 
+    def zero_blocks(self, block_ids: set[int]) -> None:
+        """Zeroes these pages. A failed load may leave arbitrary bytes (NaN/Inf as floats) in its
+        pages; attention masks a block's unused slots by weight 0, but 0 * NaN is NaN."""
+        index = torch.tensor(sorted(block_ids), dtype=torch.long, device=self.buffer.device)
+        self.buffer.index_fill_(0, index, 0)
+
     def page(self, block_id: int) -> torch.Tensor:
         """Row `block_id` as a uint8 view (no copy)."""
         return self.buffer[block_id]

@@ -103,6 +103,18 @@ class Scheduler(ConnectorOutcomes):
             self.mgr.evict_blocks(sorted(written_block_ids))
         self._finish(state, RequestStatus.FINISHED_ERROR, error)
 
+    def fail_step(self, written: dict[str, set[int]], errors: dict[str, str]) -> None:
+        """Finishes the requests whose chunk of the step failed (`written`: the blocks each was writing,
+        in chunk order), and every other request holding one of those blocks: a prefix hit taken on them
+        right after their allocation (an async load admitted in the same pass) would read garbage too."""
+        for rid, blocks in written.items():
+            self.fail_request(rid, errors[rid], blocks)
+        bad = set().union(*written.values())
+        sharers = [rid for rid in self.requests if rid not in errors
+                   and any(bad.intersection(ids) for ids in self.mgr.get_block_ids(rid))] if bad else []
+        for rid in sharers:
+            self.fail_request(rid, "engine step failed for a request whose KV blocks this one shares", set())
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.remote_waiting or self.held)
 
