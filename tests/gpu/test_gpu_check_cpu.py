@@ -1,6 +1,7 @@
 """pd.tools.gpu_check on a machine without CUDA, and its report rendering (no GPU needed)."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -9,6 +10,9 @@ import torch
 
 from pd.tools.gpu_check import check as gpu_check
 from pd.tools.gpu_check import engine as gpu_engine
+from test_engine_compare_cpu import _section as engine_section
+from test_served_cpu import _section as served_section
+from test_transfer_section_cpu import _section as transfer_section
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit; this machine has CUDA")
@@ -26,32 +30,39 @@ def _report(**over) -> dict:
         "when": "2026-01-01 00:00:00 UTC", "seconds": 123.4,
         "device": {"name": "NVIDIA H200", "memory_gib": 139.8, "torch": "2.x", "cuda": "12.8", "count": 1},
         "tests": {"ok": True, "summary": "6 passed, 25 deselected in 80.0s", "failed": []},
-        "baseline": {"d2h_gbps": 50.1, "h2d_gbps": 48.2, "d2h_then_h2d_gbps": 24.6, "bytes": 1},
-        "staging": {"pages_per_copy": 16, "contiguous_d2h_gbps": 40.0, "scattered_d2h_gbps": 30.0},
-        "transfer": {"tcp": {"gbps": 3.2, "byte_exact": True}, "shm": {"gbps": 9.9, "byte_exact": True}},
-        "engine": {"model": gpu_check.CHECK_MODEL_DOC, "params": 420_000_000, "num_requests": 32, "prompt_len": 512,
-                   "decode_steps": 64, "prefill_tokens_per_s": 12345.6, "decode_tokens_per_s": 2345.6},
+        "transfer": transfer_section(), "engine": engine_section(), "served": served_section(),
     }
     report.update(over)
     return report
 
 
-def test_report_shows_every_figure_beside_the_baseline():
+def test_report_shows_every_section_beside_its_anchor():
     text = gpu_check.render_markdown(_report())
-    for needle in ("NVIDIA H200", "PASSED", "| connector tcp | 3.2 | True |", "| connector shm | 9.9 | True |",
-                   "pinned D2H copy (baseline) | 50.1", "scattered ids | 30.0", "12345.6 tokens/s", "2345.6 tokens/s",
-                   "Qwen2.5-0.5B-like"):
+    for needle in ("NVIDIA H200", "PASSED", "## KV transfer", "torch.compile", "| 32 | 10000.0 | 8000.0 | 1.25x |",
+                   "| colocated (0.5 GPU each) | 8 |", "**identical** (8/8 prompts"):
         assert needle in text, needle
     assert gpu_check.report_ok(_report())
 
 
-def test_a_failed_test_run_an_error_or_wrong_bytes_make_the_check_fail():
+def test_a_failed_test_run_an_error_wrong_bytes_or_differing_tokens_make_the_check_fail():
     assert not gpu_check.report_ok(_report(tests={"ok": False, "summary": "1 failed", "failed": ["FAILED x"]}))
     assert not gpu_check.report_ok(_report(engine={"error": "RuntimeError: boom"}))
-    assert not gpu_check.report_ok(_report(transfer={"tcp": {"gbps": 1.0, "byte_exact": False}}))
+    assert not gpu_check.report_ok(_report(transfer=transfer_section(tcp={"gbps": 1.0, "byte_exact": False})))
+    differing = served_section()
+    differing["greedy"] = {"dtype": "float32", "identical": 7, "prompts": 8}
+    assert not gpu_check.report_ok(_report(served=differing))
     text = gpu_check.render_markdown(_report(engine={"error": "RuntimeError: boom"},
                                              tests={"ok": False, "summary": "1 failed", "failed": ["FAILED t::x"]}))
-    assert "FAILED** - 1 failed" in text and "  - FAILED t::x" in text and "error: RuntimeError: boom" in text
+    assert "FAILED** - 1 failed" in text and "  - FAILED t::x" in text and "RuntimeError: boom" in text
+
+
+def test_sections_run_in_order_and_a_section_left_out_is_not_judged():
+    assert gpu_check.parse_sections("served,tests") == ("tests", "served")
+    with pytest.raises(argparse.ArgumentTypeError):
+        gpu_check.parse_sections("engine,warp")
+    report = _report()
+    del report["served"], report["engine"]
+    assert gpu_check.report_ok(report) and "## KV transfer" in gpu_check.render_markdown(report)
 
 
 def test_documented_model_is_about_half_a_billion_parameters():

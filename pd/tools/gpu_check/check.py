@@ -1,21 +1,22 @@
-"""One-shot GPU check: `python -m pd.tools.gpu_check [--out gpu_check_report.md]`.
+"""One-shot GPU check: `python -m pd.tools.gpu_check [--out gpu_check_report.md] [--sections ...]`.
 
-In one run of under 5 minutes on one GPU it
-1. runs the `gpu` tests (`pytest -m gpu tests/gpu tests/connectors/test_cuda.py`):
-   two-process GPU->GPU byte-exact transfers and 1P1D-vs-colocated greedy tokens;
-2. measures the connector's GB/s, CUDA pool -> CUDA pool through the ZMQ
-   connector (tcp and same-host shared memory), beside a plain pinned-memory
-   copy baseline (one device-to-host and one host-to-device copy of the same
-   bytes), plus the staging gather of scattered pages;
-3. measures the engine's prefill and decode tokens/s on the GPU at the
-   documented model size `CHECK_MODEL` (Qwen2.5-0.5B-like shape, ~0.42B
-   parameters: 24 layers, hidden 896, 14 query / 2 KV heads of 64, SwiGLU
-   4864, vocab 32000, bfloat16, random weights, block size 16).
+On one GPU, in one run, each section side by side with its anchor:
+- tests: the `gpu` tests (`pytest -m gpu tests/gpu tests/connectors/test_cuda.py`);
+- transfer (transfer.py): the connector's GB/s CUDA pool -> CUDA pool on each path (host-staged tcp,
+  shm, the CUDA IPC device path), beside the pinned serial copy and a plain device-to-device copy of
+  the same pages, each stage's time, byte-exactness;
+- engine (engine_compare.py): the engine beside transformers with a static cache and torch.compile on
+  the same random weights and prompts (the check model, `engine.CHECK_MODEL`): decode tokens/s and the
+  ratio at batch 1, 32 and 128, prefill against transformers' first token, the GPU-busy share of a
+  decode step, float32 greedy agreement;
+- served (served.py): through Ray and the router, colocated at c = 1, 8, 32, then 1P1D on one GPU
+  (greedy tokens equal to colocated's, TTFT, TPOT, transfer time per request).
 
-It writes a short markdown report to --out and the same figures as JSON
-beside it (`.json`), and prints the markdown. Exit status: 0 when the tests
-pass and every measurement ran, 1 otherwise, 2 when CUDA is not available
-(nothing is measured; the message says why).
+About 8 minutes in all on an H200 (the transformers compile is most of it); `--sections` runs a part.
+It writes a markdown report to --out and the same figures as JSON beside it (`.json`), and prints the
+markdown. Exit status: 0 when the tests pass and every section ran (byte-exact, tokens equal), 1
+otherwise, 2 when CUDA is not available (nothing is measured; the message says why). Speed targets
+are reported as met or not; they do not decide the exit status.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from pathlib import Path
 import torch
 
 from pd.tools.gpu_check.engine import CHECK_MODEL_DOC  # noqa: F401  (the report names the model)
-from pd.tools.gpu_check.engine import measure_engine
-from pd.tools.gpu_check.transfer import (PAGE_BYTES, PAGES_PER_LOAD, measure_connector, measure_pinned_baseline,
-                                        measure_staging_gather)
+from pd.tools.gpu_check.engine_compare import engine_compare_ok, measure_engine_compare, render_engine_compare
+from pd.tools.gpu_check.served import measure_served, render_served, served_ok
+from pd.tools.gpu_check.transfer import measure_transfer, render_transfer, transfer_ok
+
+SECTIONS = ("tests", "transfer", "engine", "served")
 
 TEST_TIMEOUT_S = 200
 REPO = Path(__file__).resolve().parents[3]
@@ -74,31 +77,9 @@ def render_markdown(report: dict) -> str:
              f"CUDA {dev.get('cuda', '?')}; total run {report.get('seconds', '?')} s",
              f"- gpu tests: **{'PASSED' if tests.get('ok') else 'FAILED'}** - {tests.get('summary', 'not run')}"]
     lines += [f"  - {f}" for f in tests.get("failed", [])]
-    tr, base, gather = report.get("transfer", {}), report.get("baseline", {}), report.get("staging", {})
-    lines += ["",
-              f"## KV transfer, CUDA pool -> CUDA pool ({PAGES_PER_LOAD} pages of {PAGE_BYTES // 1024} KiB per load)",
-              "",
-              "| path | GB/s | byte-exact |", "|---|---|---|"]
-    for path, r in tr.items():
-        lines.append(f"| connector {path} | {r.get('gbps')} | {r.get('byte_exact')} |" if "error" not in r
-                     else f"| connector {path} | error: {r['error']} | |")
-    lines += [f"| pinned D2H copy (baseline) | {base.get('d2h_gbps')} | |",
-              f"| pinned H2D copy (baseline) | {base.get('h2d_gbps')} | |",
-              f"| pinned D2H then H2D (baseline for one hop through host) | {base.get('d2h_then_h2d_gbps')} | |",
-              f"| staging gather D2H, contiguous ids | {gather.get('contiguous_d2h_gbps')} | |",
-              f"| staging gather D2H, scattered ids | {gather.get('scattered_d2h_gbps')} | |"]
-    eng = report.get("engine", {})
-    lines += ["", "## Engine throughput on the GPU", "",
-              f"- model: {eng.get('model', '?')} ({eng.get('params', '?')} parameters)",
-              f"- {eng.get('num_requests')} requests x {eng.get('prompt_len')} prompt tokens, "
-              f"{eng.get('decode_steps')} decode steps",
-              f"- prefill: **{eng.get('prefill_tokens_per_s')} tokens/s**, "
-              f"decode: **{eng.get('decode_tokens_per_s')} tokens/s**"]
-    if "error" in eng:
-        lines.append(f"- error: {eng['error']}")
-    for key in ("baseline", "staging"):
-        if "error" in report.get(key, {}):
-            lines.append(f"- {key} error: {report[key]['error']}")
+    for key, render in (("transfer", render_transfer), ("engine", render_engine_compare), ("served", render_served)):
+        if key in report:
+            lines += ["", *render(report[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -109,37 +90,50 @@ def _guarded(fn, *args) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def run_check(skip_tests: bool = False) -> dict:
+def run_check(sections: tuple[str, ...] = SECTIONS) -> dict:
+    """The report of the sections asked for, in the order of SECTIONS (the served run last: it starts Ray)."""
     t0 = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
     report: dict[str, object] = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "device": {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                          "torch": torch.__version__, "cuda": torch.version.cuda, "count": torch.cuda.device_count()}}
-    report["tests"] = {"ok": True, "summary": "skipped (--skip-tests)"} if skip_tests else run_gpu_tests()
-    report["baseline"] = _guarded(measure_pinned_baseline, PAGES_PER_LOAD * PAGE_BYTES)
-    report["staging"] = _guarded(measure_staging_gather, 2 * PAGES_PER_LOAD)
-    report["transfer"] = {path: _guarded(measure_connector, path) for path in ("tcp", "shm")}
-    report["engine"] = _guarded(measure_engine)
+    report["tests"] = run_gpu_tests() if "tests" in sections else {"ok": True, "summary": "not asked for"}
+    for key, measure in (("transfer", measure_transfer), ("engine", measure_engine_compare),
+                         ("served", measure_served)):
+        if key in sections:
+            report[key] = _guarded(measure)
+            torch.cuda.empty_cache()  # the next section (the served workers above all) sizes pools from what is free
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 
 
 def report_ok(report: dict) -> bool:
-    parts = [report["tests"], report["baseline"], report["staging"], report["engine"], *report["transfer"].values()]
-    exact = all(r.get("byte_exact", True) for r in report["transfer"].values())
-    return report["tests"].get("ok", False) and exact and not any("error" in p for p in parts)
+    checks = (("transfer", transfer_ok), ("engine", engine_compare_ok), ("served", served_ok))
+    return report["tests"].get("ok", False) and all(ok(report[key]) for key, ok in checks if key in report)
+
+
+def parse_sections(text: str) -> tuple[str, ...]:
+    asked = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(set(asked) - set(SECTIONS))
+    if unknown or not asked:
+        raise argparse.ArgumentTypeError(f"sections are a comma-separated subset of {','.join(SECTIONS)}; "
+                                         f"got {text!r}")
+    return tuple(name for name in SECTIONS if name in asked)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pd.tools.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check_report.md", help="markdown report path (JSON goes beside it)")
-    parser.add_argument("--skip-tests", action="store_true", help="measure only (do not run the gpu tests)")
+    parser.add_argument("--sections", type=parse_sections, default=SECTIONS,
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--skip-tests", action="store_true", help="measure only (the same as leaving out tests)")
     args = parser.parse_args(argv)
     reason = cuda_missing_reason()
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    report = run_check(args.skip_tests)
+    sections = tuple(name for name in args.sections if not (args.skip_tests and name == "tests"))
+    report = run_check(sections)
     text = render_markdown(report)
     out = Path(args.out)
     out.write_text(text)
