@@ -93,6 +93,31 @@ def test_a_step_larger_than_the_buffers_grows_them():
     assert m.positions.tolist() == list(range(9)) and builder.capacity == StepCapacity(9, 2, 3)
 
 
+def test_a_decode_step_pads_to_a_bucket_with_harmless_rows():
+    """Padding rows (a graph's bucket) write to the null block's slot 0 and attend to nothing; the
+    real rows and their logits indices are as without padding, and the addresses stay put."""
+    layout = KVLayout(HYBRID, BS)
+    builder = StepInputBuilder(layout, "cpu", StepCapacity(16, 8, 8), fixed_table_width=True)
+    chunks = [ScheduledChunk("a", [7], 9, ([1, 2, 3], [4, 5, 6]), True), ScheduledChunk("b", [8], 2, ([9], [10]), True)]
+    plain = builder.build(chunks)
+    want = {name: getattr(plain, name).clone() for name in ("input_ids", "positions", "slot_mapping", "seq_lens")}
+    tables = [t.clone() for t in plain.block_tables]
+    pointer = plain.positions.data_ptr()
+    m = builder.build(chunks, pad_to=5)
+    assert (m.num_tokens, m.num_seqs, m.num_padded) == (5, 5, 3) and m.positions.data_ptr() == pointer
+    assert m.logits_indices.tolist() == [0, 1] and m.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+    for name, value in want.items():
+        assert torch.equal(getattr(m, name)[..., :2], value), name
+    assert m.input_ids[2:].tolist() == [0] * 3 and m.positions[2:].tolist() == [0] * 3
+    assert m.slot_mapping[:, 2:].tolist() == [[0] * 3] * 2 and m.seq_lens[2:].tolist() == [0] * 3
+    for table, before in zip(m.block_tables, tables, strict=True):
+        assert torch.equal(table[:2], before) and not table[2:].any()
+    with pytest.raises(ValueError, match="only a step of decode tokens pads"):
+        builder.build([ScheduledChunk("c", [1, 2], 0, ([1], [2]), True)], pad_to=4)
+    with pytest.raises(ValueError, match="only a step of decode tokens pads"):
+        builder.build(chunks, pad_to=1)
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_device_buffers_mirror_the_host_and_stay_put():
     if not torch.cuda.is_available():

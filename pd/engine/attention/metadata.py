@@ -71,6 +71,7 @@ class StepMetadata:
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor
     host_copy: StepMetadata | None = None  # None: these tensors are on the CPU already
+    num_padded: int = 0  # padding rows at the end (`StepInputBuilder.build(pad_to=)`), counted in num_tokens/num_seqs
 
     @property
     def host(self) -> StepMetadata:
@@ -112,14 +113,14 @@ class _Buffers:
         self.block_tables = [alloc(s * b) for _ in range(num_groups)]  # flat: an (S, W) view is contiguous
 
     def views(self, t: int, s: int, r: int, width: int, query_lens: tuple[int, ...], starts: tuple[int, ...],
-              host_copy: StepMetadata | None) -> StepMetadata:
+              host_copy: StepMetadata | None, num_padded: int = 0) -> StepMetadata:
         return StepMetadata(
             num_tokens=t, num_seqs=s, query_lens=query_lens, starts=starts, input_ids=self.input_ids[:t],
             positions=self.positions[:t], slot_mapping=self.slot_mapping[:, :t], slot_blocks=self.slot_blocks[:, :t],
             slot_offsets=self.slot_offsets[:t], token_seq=self.token_seq[:t],
             block_tables=tuple(table[:s * width].view(s, width) for table in self.block_tables),
             seq_lens=self.seq_lens[:s], query_start_loc=self.query_start_loc[:s + 1],
-            logits_indices=self.logits_indices[:r], host_copy=host_copy)
+            logits_indices=self.logits_indices[:r], host_copy=host_copy, num_padded=num_padded)
 
 
 def _as_tensor(values: list[int]) -> torch.Tensor:
@@ -152,7 +153,11 @@ class StepInputBuilder:
         self._device = self._host if on_host else _Buffers(capacity, groups, self.device)
         self._copied: torch.cuda.Event | None = None  # the previous step's host-to-device copies
 
-    def build(self, chunks: Sequence[ScheduledChunk]) -> StepMetadata:
+    def build(self, chunks: Sequence[ScheduledChunk], pad_to: int | None = None) -> StepMetadata:
+        """The step's metadata. `pad_to`: a step of decode tokens only is padded to this many rows (a
+        captured graph's bucket): each padding row is a sequence of its own with token 0 at position 0,
+        its K/V going to slot 0 of the null block (which no attention reads), sequence length 0 and a
+        block table of null blocks; no logits index points at it (`num_padded` counts them)."""
         if self._copied is not None:  # the host mirror is rewritten below: the last copies must be done
             self._copied.synchronize()
         bs = self.layout.block_size
@@ -160,6 +165,10 @@ class StepInputBuilder:
         query_lens = tuple(len(c.token_ids) for c in chunks)
         starts = tuple(c.start for c in chunks)
         t, s = sum(query_lens), len(chunks)
+        pad = 0 if pad_to is None else pad_to - s
+        if pad < 0 or (pad and t != s):
+            raise ValueError(f"only a step of decode tokens pads, to at least its {s} rows (pad_to={pad_to})")
+        t, s = t + pad, s + pad
         widest = max((len(ids) for c in chunks for ids in c.block_ids), default=0)
         if not self.capacity.covers(t, s, widest):
             grown = StepCapacity(max(t, self.capacity.max_num_tokens), max(s, self.capacity.max_num_seqs),
@@ -168,9 +177,9 @@ class StepInputBuilder:
                            "reallocated to %s", t, s, widest, self.capacity, grown)
             self._allocate(grown)
         width = self.capacity.max_blocks_per_seq if self.fixed_table_width else max(widest, 1)
-        if t == s:  # decode tokens only: one row per chunk
-            ids = [c.token_ids[0] for c in chunks]
-            positions = list(starts)
+        if t == s:  # decode tokens only: one row per chunk (and the padding rows)
+            ids = [c.token_ids[0] for c in chunks] + [0] * pad
+            positions = list(starts) + [0] * pad
             token_seq = list(range(s))
             loc = list(range(s + 1))
             logits = [i for i, c in enumerate(chunks) if c.needs_logits]
@@ -189,14 +198,15 @@ class StepInputBuilder:
             tables = [c.block_ids[g] for c in chunks]
             try:
                 if seq_of is None:
-                    blocks = [table[p // bs] for table, p in zip(tables, positions, strict=True)]
+                    blocks = [table[p // bs] for table, p in zip(tables, positions, strict=False)]
                 else:
                     blocks = [tables[i][p // bs] for i, p in zip(seq_of, positions, strict=True)]
             except IndexError:
                 blocks = [0]
             if 0 in blocks:
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-            rows.append(blocks)
+            rows.append(blocks + [0] * pad)
+            tables += [[]] * pad
             padded: list[int] = []
             for table in tables:
                 padded += table
@@ -205,10 +215,12 @@ class StepInputBuilder:
         h = self._host
         h.per_token[:len(rows), :t].copy_(_as_tensor([v for row in rows for v in row]).view(len(rows), t))
         torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
-        seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
+        seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)] + [0] * pad
         per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits))
         h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(3, s + 1))
-        host = h.views(t, s, len(logits), width, query_lens, starts, None)
+        if pad:
+            query_lens, starts = query_lens + (1,) * pad, starts + (0,) * pad
+        host = h.views(t, s, len(logits), width, query_lens, starts, None, pad)
         if self._device is h:
             return host
         d = self._device
@@ -219,4 +231,4 @@ class StepInputBuilder:
             dst[:s * width].copy_(src[:s * width], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        return d.views(t, s, len(logits), width, query_lens, starts, host)
+        return d.views(t, s, len(logits), width, query_lens, starts, host, pad)
