@@ -74,3 +74,18 @@ def test_documented_model_is_about_half_a_billion_parameters():
     total = layers * per_layer + 2 * cfg.vocab_size * h
     assert 0.35e9 < total < 0.5e9
     assert KVLayout(cfg, 16).page_size_bytes > 0
+
+
+def test_the_prepared_device_session_parses_and_names_every_step(tmp_path):
+    """tests/gpu/device_session.sh is what a session lent a GPU runs as it is: it must parse, and every
+    step it documents must exist (a typo there costs a whole device session)."""
+    script = gpu_check.REPO / "tests" / "gpu" / "device_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    text = script.read_text()
+    for name in ("tests", "engine", "transfer", "served", "one_gpu"):
+        assert f"\nstep {name} " in text, name
+    for section in gpu_check.SECTIONS[1:]:
+        assert f"--sections {section} " in text, section
+    dry = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=gpu_check.REPO,
+                         env={"PATH": "/usr/bin:/bin", "STEPS": "none", "OUT": str(tmp_path), "HOME": str(tmp_path)})
+    assert dry.returncode == 0 and "failed steps: none" in dry.stdout
