@@ -27,8 +27,9 @@ def check_device(device: str) -> None:
         if index and int(index) >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
 # auto: "fused" wherever it is valid (float32 on the CPU, the C++ kernel builds), else "torch";
-# fused: the C++ decode kernel, refused at engine start where it is not valid; torch: the reference path.
-ATTENTION_BACKENDS = ("auto", "torch", "fused")
+# fused: the C++ decode kernel, refused at engine start where it is not valid; torch: the reference path;
+# triton: the Triton kernels (CUDA; on the CPU only under TRITON_INTERPRET=1); auto on CUDA: triton.
+ATTENTION_BACKENDS = ("auto", "torch", "fused", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,11 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"  # see ATTENTION_BACKENDS; the C++ kernel is built on first use
     engine_id: str = "engine-0"
+    # decode steps replay CUDA graphs (one per batch-size bucket, captured at start) where the device is CUDA
+    # and the backend allows it (triton); False: every step eager, for debugging. No effect on the CPU.
+    cuda_graphs: bool = True
+    # sample on the device with one host copy a step (sample/batched.py); None: on every device but the CPU
+    device_sampler: bool | None = None
     # ids the tokenizer can decode are [0, tokenizer_vocab_size): a padded embedding (model.vocab_size larger)
     # serves, and ids at or above this bound are never sampled. None: every id of the model.
     tokenizer_vocab_size: int | None = None

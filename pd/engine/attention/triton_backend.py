@@ -1,0 +1,132 @@
+"""The Triton attention backend: K/V written through the slot mapping, attention read through the block
+tables, by the kernels of triton_kv_write.py, triton_decode.py and triton_prefill.py.
+
+Each layer's K and V are strided views of the page pool, sliced per call from one base tensor (the pool
+as token rows, `KVLayout.token_rows`): views of one tensor are what `torch.compile` can trace writes
+through, and a CUDA graph replays them at the same addresses. A step of decode tokens only takes the
+decode kernel (one query per sequence); any other step takes the prompt kernel, whose varlen chunks
+cover decode tokens too (a chunk of one). Nothing here reads a tensor's value on the host, and
+`prepare` has nothing to plan: the kernels read positions, slots and tables straight from the step
+metadata, so a decode step can be captured in a CUDA graph as it is.
+
+`use_reference(True)` swaps the kernels for their plain-torch reference (triton_reference.py), with
+the same arguments: what `torch.compile(fullgraph=True)` traces on the CPU to check that the decode
+forward holds no host synchronisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from pd.engine.attention import triton_reference
+from pd.engine.attention.metadata import StepMetadata
+from pd.engine.kv.layout import KVLayout
+from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.llama import CausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOps:
+    """The three operations of a step, as Triton kernels or their torch reference."""
+
+    write_kv: Callable[..., None]
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, seq_lens, query_start, max_query_len,
+    #                                        scale, window)
+
+
+def triton_ops() -> AttentionOps:
+    from pd.engine.attention.triton_decode import paged_decode
+    from pd.engine.attention.triton_kv_write import write_kv
+    from pd.engine.attention.triton_prefill import paged_prefill
+
+    return AttentionOps(write_kv, paged_decode, paged_prefill)
+
+
+def _prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, scale: float,
+                       window: int | None = None) -> torch.Tensor:
+    return triton_reference.paged_prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start, scale,
+                                                    window)
+
+
+REFERENCE_OPS = AttentionOps(triton_reference.write_kv_reference, triton_reference.paged_decode_reference,
+                             _prefill_reference)
+
+
+class TritonBackend:
+    """Paged attention through the Triton kernels (see the module docstring).
+
+    Guarantees: K/V land only in `metadata.slot_mapping`'s slots; `forward` and `write_kv` read no tensor
+    value on the host (a decode step is graph-capturable); the model it runs is the engine's, unchanged.
+    """
+
+    name = "triton"
+    # a decode step's forward may be captured in a CUDA graph and replayed over the same metadata buffers
+    graph_safe = True
+
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
+        self.model = model
+        self.layout = layout
+        # (num_blocks, rows_per_page, Hkv, D): layer slot s of a group holds K at rows [2s*bs, (2s+1)*bs) of a
+        # page and V at the next block size of rows
+        self.pages = layout.token_rows(page_pool).view(page_pool.num_blocks, layout.rows_per_page,
+                                                       layout.num_kv_heads, layout.head_dim)
+        self.scale = layout.head_dim ** -0.5
+        self.ops = triton_ops()
+
+    def use_reference(self, on: bool) -> None:
+        """Run the kernels' torch reference instead of the kernels (`on`), or the kernels again."""
+        self.ops = REFERENCE_OPS if on else triton_ops()
+
+    @property
+    def description(self) -> str:
+        kind = "torch reference of the Triton kernels" if self.ops is REFERENCE_OPS else "Triton kernels"
+        return f"triton ({kind})"
+
+    def prepare(self, metadata: StepMetadata) -> None:
+        """Nothing to plan: the kernels read the metadata's tensors."""
+
+    def run_step(self, metadata: StepMetadata) -> torch.Tensor | None:
+        return None
+
+    def greedy_tokens(self, hidden: torch.Tensor, num_ids: int) -> list[int | None]:
+        return [None] * hidden.shape[0]
+
+    def _layer_cache(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        g, slot = self.layout.layer_to_group[layer]
+        bs = self.layout.block_size
+        return (g, self.pages[:, 2 * slot * bs:(2 * slot + 1) * bs],
+                self.pages[:, (2 * slot + 1) * bs:(2 * slot + 2) * bs])
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: StepMetadata) -> None:
+        g, k_cache, v_cache = self._layer_cache(layer)
+        self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping[g])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                metadata: StepMetadata) -> torch.Tensor:
+        g, k_cache, v_cache = self._layer_cache(layer)
+        self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping[g])
+        window = self.layout.groups[g].window
+        if metadata.decode_only:
+            return self.ops.decode(q, k_cache, v_cache, metadata.block_tables[g], metadata.seq_lens, self.scale,
+                                   window)
+        return self.ops.prefill(q, k_cache, v_cache, metadata.block_tables[g], metadata.seq_lens,
+                                metadata.query_start_loc, metadata.max_query_len, self.scale, window)
+
+
+def why_not_triton(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on `device` here, or None when it can."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton, or the package's gpu extra)"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's interpreter: correct, slow, what the CPU tests run
+    return (f"the model runs on {device}: Triton compiles for CUDA; on the CPU it runs only through its "
+            "interpreter (TRITON_INTERPRET=1 set before triton is imported), which is for tests")
