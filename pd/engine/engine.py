@@ -43,7 +43,7 @@ from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.output import SchedulerOutput
 from pd.engine.attention.metadata import StepCapacity
-from pd.engine.runner.model_runner import ModelRunner
+from pd.engine.runner.model_runner import ModelRunner, RunnerOptions
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sched.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
@@ -89,7 +89,8 @@ class Engine:
         capacity = StepCapacity(config.max_num_batched_tokens, config.max_num_seqs,
                                 cdiv(config.resolved_max_model_len, config.block_size))
         self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend, capacity,
-                                  num_ids=config.tokenizer_vocab_size)
+                                  config.tokenizer_vocab_size, RunnerOptions(config.cuda_graphs, config.device_sampler))
+        del model  # the runner holds the backend's model; a backend's own copy must be the only one alive
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm,
                                         seed=config.hash_seed)
         # called on the step thread with each step's prefix-cache events, under the step lock

@@ -1,5 +1,5 @@
-"""The decode CUDA-graph runner's logic on the CPU: buckets, padding, the eager fallback, and a decode
-forward over the persistent buffers that compiles with torch.compile(fullgraph=True).
+"""The decode CUDA graphs' logic on the CPU: buckets, padding, the eager fallback, and the engine runner's
+own decode forward (Triton backend, its torch reference path) compiling with torch.compile(fullgraph=True).
 
 Capture and replay themselves need CUDA: tests/gpu/test_gpu_engine_parts.py runs them."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_graph_cases import decode_setup, random_batch
-from pd.engine.runner.cuda_graphs import (PAD_SLOT, DecodeBatch, DecodeGraphRunner, bucket_for, capture_sizes,
-                                          plan_step)
+from decode_graph_cases import decode_engine, random_chunks
+from pd.engine.runner.cuda_graphs import PAD_SLOT, bucket_for, capture_sizes, plan_step
+from pd.engine.sched.output import ScheduledChunk
 
 
 def test_capture_sizes_follow_the_documented_steps():
@@ -48,75 +48,80 @@ def test_plan_falls_back_to_eager_and_says_why():
     assert not big.uses_graph and "largest bucket" in big.reason
     off = plan_step(5, 5, sizes, graphs_ready=False)
     assert not off.uses_graph and "off" in off.reason
+    hooked = plan_step(5, 5, sizes, graphs_ready=True, layer_hook=True)
+    assert not hooked.uses_graph and "hook" in hooked.reason
+    assert not plan_step(0, 0, sizes, graphs_ready=True).uses_graph
 
 
 def test_padding_rows_are_harmless_and_stale_tables_cleared():
-    setup = decode_setup("cpu", use_triton=False)
-    b = setup.buffers
-    b.block_tables.fill_(7)  # a previous step's tables
-    batch = random_batch(setup, 3, seed=0)
-    b.load(batch, 8)
-    assert b.token_ids[:3].tolist() == list(batch.token_ids) and b.token_ids[3:8].tolist() == [0] * 5
-    assert b.seq_lens[3:8].tolist() == [0] * 5 and b.positions[3:8].tolist() == [0] * 5
-    assert b.slot_mapping[:, 3:8].eq(PAD_SLOT).all() and PAD_SLOT < setup.layout.block_size  # the null block
-    assert b.block_tables[:, 3:8].eq(0).all()
-    width = len(batch.block_tables[0][0])
-    assert b.block_tables[0, 0, :width].tolist() == batch.block_tables[0][0]
-    assert b.block_tables[0, 0, width:].eq(0).all()
-    with pytest.raises(ValueError, match="does not fit"):
-        b.load(batch, b.max_num_seqs + 1)
-    with pytest.raises(ValueError, match="block table"):
-        b.load(DecodeBatch([1], [0], [1], [[4], [4]], [[list(range(1, 20))], [[1]]]), 1)
+    eng = decode_engine("cpu")
+    runner = eng.runner
+    assert runner.inputs.fixed_table_width  # what a graph replays: tables of one width
+    wide = random_chunks(eng, 6, seed=0)
+    runner.inputs.build(wide, pad_to=8)  # a previous step with more, longer tables
+    chunks = random_chunks(eng, 3, seed=1)
+    md = runner.inputs.build(chunks, pad_to=8)
+    assert md.num_padded == 5 and md.num_seqs == 8 and md.logits_indices.tolist() == [0, 1, 2]
+    assert md.input_ids[3:].tolist() == [0] * 5 and md.positions[3:].tolist() == [0] * 5
+    assert md.seq_lens[3:].tolist() == [0] * 5
+    assert md.slot_mapping[:, 3:].eq(PAD_SLOT).all() and PAD_SLOT < eng.layout.block_size  # the null block
+    for g, table in enumerate(md.block_tables):
+        assert table[3:].eq(0).all()
+        for i, c in enumerate(chunks):
+            n = len(c.block_ids[g])
+            assert table[i, :n].tolist() == c.block_ids[g] and table[i, n:].eq(0).all()  # no stale entries
+    with pytest.raises(ValueError, match="only a step of decode tokens pads"):
+        runner.inputs.build([ScheduledChunk("p", [1, 2], 0, chunks[0].block_ids, True)], pad_to=4)
 
 
 def test_padded_bucket_gives_the_same_rows_and_pages_as_the_exact_batch():
-    """5 real rows run in a bucket of 8: their outputs and every page but the null block match a run of 5."""
-    exact, padded = decode_setup("cpu", use_triton=False), decode_setup("cpu", use_triton=False)
-    batch = random_batch(exact, 5, seed=3)
-    exact.buffers.load(batch, 5)
-    want = exact.forward(5)
-    padded.buffers.load(batch, 8)
-    got = padded.forward(8)[:5]
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # (equal up to the GEMMs' rounding for 8 rows against 5: later layers' K/V come from those GEMMs)
-    for got_view, want_view in zip(padded.layout.group_views(padded.pool), exact.layout.group_views(exact.pool),
-                                   strict=True):
-        torch.testing.assert_close(got_view[1:], want_view[1:], atol=1e-5, rtol=1e-5)
-    assert not torch.equal(padded.pool.buffer[0], exact.pool.buffer[0])  # the padding rows wrote the null block
+    """The engine's runner, Triton backend (interpreted): a batch padded to its bucket computes the same
+    rows and writes the same pages, the null block aside, as the exact batch."""
+    exact, padded = decode_engine("cpu"), decode_engine("cpu")
+    chunks = random_chunks(exact, 5, seed=3)
+    want = exact.runner.forward_hidden(exact.runner.inputs.build(chunks))
+    got = padded.runner.forward_hidden(padded.runner.inputs.build(chunks, pad_to=8))
+    assert got.shape[0] == 8
+    torch.testing.assert_close(got[:5], want, rtol=1e-5, atol=1e-5)
+    rows_a = exact.layout.token_rows(exact.page_pool).view(exact.page_pool.num_blocks, -1)
+    rows_b = padded.layout.token_rows(padded.page_pool).view(padded.page_pool.num_blocks, -1)
+    torch.testing.assert_close(rows_a[1:], rows_b[1:], rtol=1e-5, atol=1e-5)  # (GEMMs of 5 and 8 rows round apart)
 
 
 def test_runner_without_cuda_runs_eager_and_reports_why():
-    setup = decode_setup("cpu", use_triton=False)
-    calls = []
-
-    def forward(n: int) -> torch.Tensor:
-        calls.append(n)
-        return setup.forward(n)
-
-    runner = DecodeGraphRunner(forward, setup.buffers, max_num_seqs=16, enabled=True)
-    report = runner.capture()
-    assert report.skipped is not None and "CUDA" in report.skipped and not runner.graphs_ready
-    assert "cuda_graphs=False" in (DecodeGraphRunner(forward, setup.buffers, 16, enabled=False).why_not() or "")
-    batch = random_batch(setup, 3, seed=5)
-    out = runner.run(batch)
-    assert calls == [3] and out.shape == (3, setup.model.config.hidden_size)
+    on = decode_engine("cpu")
+    assert on.runner.graph_report.skipped is not None and "CUDA" in on.runner.graph_report.skipped
+    assert not on.runner.graphs.graphs_ready
+    off = decode_engine("cpu", cuda_graphs=False)
+    assert "cuda_graphs=False" in (off.runner.graph_report.skipped or "")
+    torch_backend = decode_engine("cpu", backend="torch")  # plans on the host: never graphed
+    assert not torch_backend.runner.graphs.enabled and not torch_backend.runner.inputs.fixed_table_width
+    chunks = random_chunks(on, 3, seed=5)
+    for eng in (on, off):
+        eng.runner.requests.update({c.request_id: _greedy() for c in chunks})
+    assert on.runner.next_tokens(chunks) == off.runner.next_tokens(chunks)
 
 
-def test_decode_forward_over_buffers_compiles_with_fullgraph():
-    """No host sync or data-dependent shape in the decode forward (model layers, KV write, paged decode
-    through the kernels' torch reference): torch.compile(fullgraph=True) traces it in one graph and
-    gives the eager result. (The engine runner's own forward is to be checked the same way once the
-    Triton backend is plugged in; torch.compile cannot trace the model's inference_mode decorator.)"""
-    eager, compiled = decode_setup("cpu", use_triton=False), decode_setup("cpu", use_triton=False)
-    batch = random_batch(eager, 4, seed=9)
-    eager.buffers.load(batch, 4)
-    compiled.buffers.load(batch, 4)
-    want = eager.forward(4)
+def _greedy():
+    from pd.engine.runner.model_runner import RequestSampling
+    from pd.engine.sample.params import SamplingParams
+
+    return RequestSampling(SamplingParams(), None)
+
+
+def test_runner_decode_forward_compiles_with_fullgraph():
+    """The engine runner's own decode forward (its Triton backend on the kernels' torch reference) traces
+    into one graph: no host synchronisation, no data-dependent shape hides in it; and it computes what the
+    eager forward does."""
+    eager, compiled = decode_engine("cpu"), decode_engine("cpu")
+    for eng in (eager, compiled):
+        eng.runner.backend.use_reference(True)
+    chunks = random_chunks(eager, 4, seed=9)
+    want = eager.runner.forward_hidden(eager.runner.inputs.build(chunks, pad_to=8))
     torch._dynamo.reset()
-    step = torch.compile(compiled.forward, fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        got = step(4)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for got_view, want_view in zip(compiled.layout.group_views(compiled.pool), eager.layout.group_views(eager.pool),
-                                   strict=True):  # the same K/V written, up to the fused kernels' rounding
-        torch.testing.assert_close(got_view, want_view, atol=1e-5, rtol=1e-5)
+    forward = torch.compile(compiled.runner.forward_hidden, fullgraph=True, dynamic=False)
+    got = forward(compiled.runner.inputs.build(chunks, pad_to=8))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    rows_a = eager.layout.token_rows(eager.page_pool)
+    rows_b = compiled.layout.token_rows(compiled.page_pool)
+    torch.testing.assert_close(rows_a, rows_b)  # the compiled forward wrote the same K/V

@@ -104,7 +104,6 @@ class CpuFusedBackend(TorchPagedBackend):
 
     def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
         super().__init__(model, layout, page_pool)
-        self.source_model = model
         cfg = model.config
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps = cfg.rms_norm_eps
@@ -134,7 +133,7 @@ class CpuFusedBackend(TorchPagedBackend):
             # Greedy rows read an int8 copy of the packed lm_head, then their few candidates in float32.
             self.greedy_head = greedy_head_for(self.model.lm_head)
         else:
-            self.weights = _pack_on_huge_pages(self._plain_weights())
+            self.weights = _pack_on_huge_pages(self._plain_weights(model))
         logger.info("fused CPU backend: projections through %s", self.gemm_name)
 
     @property
@@ -147,9 +146,10 @@ class CpuFusedBackend(TorchPagedBackend):
     def description(self) -> str:
         return f"fused (C++ CPU kernels, projections through {self.gemm_name})"
 
-    def _plain_weights(self) -> list[torch.Tensor]:
+    @staticmethod
+    def _plain_weights(model: CausalLM) -> list[torch.Tensor]:
         weights = []
-        for layer in self.source_model.model.layers:
+        for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             bias = _EMPTY
             if attn.q_proj.bias is not None:

@@ -10,6 +10,16 @@ the logits and the sampler, under the request's `SamplingParams`.
 The runner keeps each request's sampling params and random generator from the step that first
 schedules it (`SchedulerOutput.new_requests`) until the step after it finishes
 (`SchedulerOutput.finished_request_ids`): nothing flows back from the engine or the scheduler.
+
+On a GPU (`RunnerOptions`): a decode step whose batch fits a bucket replays a CUDA graph captured at
+start over the step metadata's buffers (runner/cuda_graphs.py; only for a backend that plans nothing on
+the host, `graph_safe`: the Triton backend), every other step runs eagerly; and the tokens are sampled
+on the device (sample/batched.py) with one device-to-host copy a step. On the CPU the step runs eagerly
+and the tokens come from sample/sampler.py, as before.
+
+The runner holds one model: the backend's (`self.model` is `backend.model`). A backend that lays out its
+own copy of the weights (the CPU backend's panels) is then the only holder of them once the engine drops
+the model it loaded: no second full copy stays alive.
 """
 from __future__ import annotations
 
@@ -25,11 +35,14 @@ from pd.engine.attention.selector import build_backend
 from pd.engine.kv.layout import KVLayout
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.llama import CausalLM
+from pd.engine.runner.cuda_graphs import DecodeGraphs
+from pd.engine.sample.batched import BatchedSampler, RowRng, make_row_rng
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sample.sampler import make_generator, sample
 from pd.engine.sched.output import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+_FORWARD = CausalLM.forward.__wrapped__  # type: ignore[attr-defined]  # (inference_mode's wrapper undone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +50,16 @@ class RequestSampling:
     """What the runner holds for one request: how to pick its tokens."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the CPU sampler's stream
+    rng: RowRng | None = None  # the device sampler's stream
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """How the runner runs a step on a GPU (`EngineConfig.cuda_graphs`, `device_sampler`)."""
+
+    cuda_graphs: bool = True  # decode steps through captured graphs, where the device and backend allow
+    device_sampler: bool | None = None  # sample/batched.py; None: on every device but the CPU
 
 
 class ModelRunner:
@@ -45,13 +67,14 @@ class ModelRunner:
 
     Guarantees: a step writes K/V only into the slots of the chunks' own positions; `next_tokens`
     returns one token per chunk with `needs_logits`, in chunk order, each below `num_ids` (the ids the
-    tokenizer can decode); `self.model` is the model as given, never changed (a backend that needs its
-    weights laid out otherwise holds its own copy, `self.backend.model`).
+    tokenizer can decode); `self.model` is the backend's model (the model as given, never changed, or
+    the backend's own copy of it over re-laid weights); a graph replays only a pure decode step.
     """
 
     def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool, attention_backend: str = "torch",
-                 capacity: StepCapacity | None = None, num_ids: int | None = None):
-        self.model = model
+                 capacity: StepCapacity | None = None, num_ids: int | None = None,
+                 options: RunnerOptions | None = None):
+        options = options or RunnerOptions()
         self.layout = layout
         self.page_pool = page_pool
         self.device = page_pool.device
@@ -60,9 +83,20 @@ class ModelRunner:
             raise ValueError(f"the tokenizer's vocabulary ({num_ids} ids) must be positive and at most the model's "
                              f"({vocab})")
         self.num_ids = vocab if num_ids is None else num_ids
-        self.inputs = StepInputBuilder(layout, self.device, capacity)
         self.backend: AttentionBackend = build_backend(attention_backend, model, layout, page_pool)
+        del model  # the backend's model is the one the runner keeps (see the module docstring)
+        # (fixed-width tables wherever a graph could replay the step: on the CPU too, so tests see its inputs)
+        graphs = options.cuda_graphs and getattr(self.backend, "graph_safe", False)
+        self.inputs = StepInputBuilder(layout, self.device, capacity, fixed_table_width=graphs)
+        self.graphs = DecodeGraphs(self.inputs, self.forward_hidden, self.inputs.capacity.max_num_seqs, graphs)
+        self.graph_report = self.graphs.capture()  # (after the warm-up of each bucket; says why when it does not)
+        batched = options.device_sampler if options.device_sampler is not None else self.device.type != "cpu"
+        self.batched_sampler = BatchedSampler(self.num_ids) if batched else None
         self.requests: dict[str, RequestSampling] = {}
+
+    @property
+    def model(self) -> CausalLM:
+        return self.backend.model
 
     # ------------------------------------------------------------------ requests
     def update_requests(self, sched: SchedulerOutput) -> None:
@@ -70,7 +104,10 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
         for rid, params in sched.new_requests.items():
-            self.requests[rid] = RequestSampling(params, make_generator(params))
+            if self.batched_sampler is not None:
+                self.requests[rid] = RequestSampling(params, None, make_row_rng(params))
+            else:
+                self.requests[rid] = RequestSampling(params, make_generator(params))
 
     # ------------------------------------------------------------------ step
     def next_tokens(self, chunks: Sequence[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> list[int]:
@@ -78,6 +115,9 @@ class ModelRunner:
         through `update_requests`). `on_layer`: see `final_hidden`."""
         hidden = self.final_hidden(chunks, on_layer)
         rows = [self.requests[c.request_id] for c in chunks if c.needs_logits]
+        if self.batched_sampler is not None:  # on the device: one host copy, of the tokens
+            logits = self.backend.model.compute_logits(hidden)
+            return self.batched_sampler.sample(logits, [r.params for r in rows], [r.rng for r in rows])
         tokens: list[int | None] = [None] * hidden.shape[0]
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if greedy:
@@ -107,8 +147,22 @@ class ModelRunner:
         that runs every layer in one call tells its caller when the step is over)."""
         if not chunks:
             return torch.empty((0, self.model.config.hidden_size))
+        if self.graphs.graphs_ready:
+            plan = self.graphs.plan(len(chunks), sum(len(c.token_ids) for c in chunks), on_layer is not None)
+            if plan.bucket is not None:
+                metadata = self.inputs.build(chunks, pad_to=plan.bucket)
+                return self.graphs.replay(plan.bucket)[metadata.logits_indices]
         metadata = self.inputs.build(chunks)
         return self._run(metadata, on_layer)
+
+    def forward_hidden(self, metadata: StepMetadata) -> torch.Tensor:
+        """The final-norm hidden states of every token of the step (padding rows included), through the
+        backend's per-layer path: what a decode graph captures. It reads its inputs only from the
+        metadata's tensors (no host sync for a `graph_safe` backend), and runs the model's forward without
+        its inference-mode wrapper, which `torch.compile` cannot trace, under no_grad instead."""
+        backend = self.backend
+        with torch.no_grad():
+            return _FORWARD(backend.model, metadata.input_ids, metadata.positions, backend, metadata)
 
     def _run(self, metadata: StepMetadata, on_layer: Callable[[int], None] | None) -> torch.Tensor:
         backend = self.backend
