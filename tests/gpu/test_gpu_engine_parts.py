@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_graph_cases import decode_setup, random_batch
+from decode_graph_cases import decode_engine, random_chunks
 from pd.engine.attention.triton_decode import paged_decode
 from pd.engine.attention.triton_kv_write import write_kv
 from pd.engine.attention.triton_prefill import paged_prefill
 from pd.engine.attention.triton_reference import paged_decode_reference, paged_prefill_reference, write_kv_reference
-from pd.engine.runner.cuda_graphs import DecodeGraphRunner
+from pd.engine.runner.model_runner import RequestSampling
 from pd.engine.sample.batched import BatchedSampler, RowRng
 from pd.engine.sample.params import SamplingParams
 
@@ -60,19 +60,44 @@ def test_compiled_kv_write_matches_the_reference():
 
 
 def test_decode_graphs_replay_what_eager_computes():
-    graphed = decode_setup("cuda", use_triton=True, max_num_seqs=16)
-    eager = decode_setup("cuda", use_triton=True, max_num_seqs=16)
-    with torch.no_grad():
-        runner = DecodeGraphRunner(graphed.forward, graphed.buffers, max_num_seqs=16)
-        report = runner.capture()
-        assert report.skipped is None and report.sizes == (1, 2, 4, 8, 16) and runner.graphs_ready
-        for n, seed in ((3, 1), (8, 2), (13, 3), (1, 4)):
-            batch = random_batch(graphed, n, seed)
-            got = runner.run(batch).clone()
-            eager.buffers.load(batch, n)
-            want = eager.forward(n)
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-            assert runner.plan(n, n).bucket is not None
+    """The engine's runner on CUDA: graphs captured at start for every bucket; a decode step replays its
+    bucket's graph and gives the rows and tokens an engine without graphs computes eagerly."""
+    graphed = decode_engine("cuda", max_num_seqs=16)
+    eager = decode_engine("cuda", cuda_graphs=False, max_num_seqs=16)
+    report = graphed.runner.graph_report
+    assert report.skipped is None and report.sizes == (1, 2, 4, 8, 16) and graphed.runner.graphs.graphs_ready
+    assert eager.runner.graph_report.skipped is not None
+    for n, seed in ((3, 1), (8, 2), (13, 3), (1, 4)):
+        chunks = random_chunks(graphed, n, seed)
+        assert graphed.runner.graphs.plan(n, n).bucket is not None
+        got = graphed.runner.final_hidden(chunks).clone()
+        want = eager.runner.final_hidden(chunks)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for eng in (graphed, eager):
+            eng.runner.requests.update({c.request_id: RequestSampling(SamplingParams(), None, None) for c in chunks})
+        assert graphed.runner.next_tokens(chunks) == eager.runner.next_tokens(chunks)
+
+
+def test_engine_on_cuda_runs_triton_graphs_and_device_sampling():
+    """A whole engine on CUDA (auto: the Triton backend, graphs, the device sampler) gives the tokens of the
+    same engine without graphs, its pool all free at the end."""
+    from kvcache.audit import assert_all_free
+
+    from pd.engine.config import EngineConfig
+    from pd.engine.engine import Engine
+    from decode_graph_cases import SMALL
+
+    prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + 5 * i)] for i in range(6)}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = []
+    for graphs in (True, False):
+        eng = Engine(EngineConfig(model=SMALL, seed=0, block_size=4, num_blocks=200, max_num_seqs=8,
+                                  device="cuda", attention_backend="auto", cuda_graphs=graphs))
+        assert eng.runner.backend.name == "triton" and eng.runner.batched_sampler is not None
+        assert eng.runner.graphs.graphs_ready == graphs
+        outs.append(eng.generate_sync(prompts, params))
+        assert_all_free(eng.kv_cache_manager)
+    assert outs[0] == outs[1]
 
 
 def test_sampler_synchronises_only_for_its_one_copy():
