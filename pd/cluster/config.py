@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -83,9 +84,12 @@ class ModelSection(StrictModel):
         "float32", description="serving dtype, also for a checkpoint stored in another one")
     name: NonEmpty = "pdkv-tiny"
     architecture: dict[str, Any] = Field(default_factory=dict, description="pd.engine.config.ModelConfig fields")
-    attention_backend: Literal["auto", "torch", "fused"] = Field(
-        "auto", description="decode attention: auto = the fused C++ CPU kernel where valid "
-                            "(float32 on the CPU, a C++ compiler on the worker), else torch")
+    attention_backend: Literal["auto", "torch", "fused", "triton"] = Field(
+        "auto", description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
+                            "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
+                            "triton: CUDA only")
+    cuda_graphs: bool = Field(True, description="on CUDA, decode steps replay CUDA graphs captured at start "
+                                                "(one per batch-size bucket); false runs every step eagerly")
 
     @field_validator("path")
     @classmethod
@@ -286,6 +290,11 @@ class DeployConfig(StrictModel):
             raise FieldError("model.attention_backend", "'fused' runs float32 on the CPU only; here "
                              f"model.dtype is {self.model.dtype} and topology.device is {self.topology.device} "
                              "(use 'auto' or 'torch')")
+        # (on the CPU only Triton's interpreter runs it, which the tests set up with TRITON_INTERPRET=1)
+        if (self.model.attention_backend == "triton" and self.topology.device != "cuda"
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise FieldError("model.attention_backend", "'triton' runs on CUDA; here topology.device is "
+                             f"{self.topology.device} (use 'auto', 'torch' or 'fused')")
         return self
 
     def to_dict(self) -> dict[str, Any]:

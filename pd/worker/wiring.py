@@ -48,6 +48,7 @@ def engine_config_for(spec) -> EngineConfig:
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,  # the serving dtype, also for a checkpoint stored in another one
         attention_backend=cfg.model.attention_backend,
+        cuda_graphs=cfg.model.cuda_graphs,
         seed=cfg.model.seed,
         block_size=cfg.cache.block_size,
         kv_cache_bytes=worker_kv_cache_bytes(cfg, dataclasses.asdict(model)),  # cuda: planned on the worker's GPU share

@@ -57,8 +57,25 @@ def test_attention_backend_auto_falls_back_and_fused_is_refused_where_invalid():
         DeployConfig.from_dict({"model": {"attention_backend": "fused", "dtype": "float16"}})
     with pytest.raises(ConfigError, match="model.attention_backend: 'fused' runs float32 on the CPU only"):
         DeployConfig.from_dict({"model": {"attention_backend": "fused"}, "topology": {"device": "cuda"}})
-    with pytest.raises(ConfigError, match=r"model.attention_backend: must be one of 'auto', 'torch' or 'fused'"):
+    with pytest.raises(ConfigError, match=r"model.attention_backend: must be one of 'auto', 'torch', 'fused' or "
+                                          r"'triton'"):
         DeployConfig.from_dict({"model": {"attention_backend": "flash"}})
+
+
+def test_triton_backend_and_cuda_graphs_pass_through_the_deploy_config(monkeypatch):
+    """model.attention_backend 'triton' and model.cuda_graphs reach the engine; on the CPU 'triton' needs
+    Triton's interpreter (the suite sets TRITON_INTERPRET=1 where CUDA is absent)."""
+    assert DeployConfig().model.cuda_graphs is True
+    spec = _colocated(attention_backend="triton", cuda_graphs=False)
+    config = engine_config_for(spec)
+    assert (config.attention_backend, config.cuda_graphs) == ("triton", False)
+    engine, _ = build_engine(spec)
+    assert engine.runner.backend.name == "triton" and not engine.runner.graphs.enabled
+    assert engine.generate_sync({"r": [3, 4, 5]}, SamplingParams(max_tokens=2, ignore_eos=True))["r"]
+    assert_all_free(engine.kv_cache_manager)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="model.attention_backend: 'triton' runs on CUDA"):
+        DeployConfig.from_dict({"model": {"attention_backend": "triton"}})
 
 
 def test_model_dtype_is_honoured_for_a_checkpoint(tmp_path):
