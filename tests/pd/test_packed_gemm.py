@@ -74,7 +74,8 @@ def test_the_cpu_backend_packs_its_own_copy_and_leaves_the_model_as_built(tied):
     layout = KVLayout(cfg, 4)
     runner = ModelRunner(model, layout, PagePool(40, layout.page_size_bytes), attention_backend="fused")
     backend = runner.backend
-    assert backend.packed_gemm and runner.model is model and backend.model is not model
+    # the runner keeps the backend's copy only (the engine holds the weights once)
+    assert backend.packed_gemm and runner.model is backend.model and backend.model is not model
     assert [type(m) for m in model.modules()] == modules
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
     after = model.state_dict()
