@@ -2,6 +2,7 @@
 packed panels) is the only holder of the layer weights after start, not a second copy beside the model
 the engine loaded. Counted as the unique storages of weight tensors reachable from the engine."""
 import gc
+import types
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def weight_storage_bytes(root: object, exclude: set[int]) -> int:
     stack = [root]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+        # (modules' globals are not the engine's: a Python module is where the walk stops)
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, str, bytes, int, float)):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
