@@ -39,6 +39,7 @@ def weight_storage_bytes(root: object, exclude: set[int]) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (the walk meets torch.distributed's deprecated aliases)
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 def test_engine_keeps_one_copy_of_the_weights(backend):
     if backend == "fused" and cpu_kernels.load() is None:
