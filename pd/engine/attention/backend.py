@@ -21,6 +21,13 @@ Rules a backend keeps, so a Triton backend or a graph-captured decode fits witho
 - `forward` and `write_kv` make no host synchronisation (no `.item()`, `.tolist()`, host copies);
 - it writes K/V only into the slots `metadata.slot_mapping` names.
 
+A backend that also plans nothing on the host per step (its `prepare` and `forward` read only the
+metadata's tensors, whatever their values) sets the class attribute `graph_safe = True`: on CUDA the runner
+then captures its decode steps in CUDA graphs (runner/cuda_graphs.py). The Triton backend does; the torch
+and CPU backends plan on the host and always run eagerly.
+
+The runner keeps only `backend.model`: a backend with its own copy of the weights is their only holder.
+
 A backend is chosen once, at start, by `pd.engine.attention.selector.select_backend` from
 (`EngineConfig.attention_backend`, device, dtype).
 """
