@@ -78,6 +78,25 @@ def test_decode_graphs_replay_what_eager_computes():
         assert graphed.runner.next_tokens(chunks) == eager.runner.next_tokens(chunks)
 
 
+def test_graphed_decode_step_makes_no_host_sync_before_the_token_copy():
+    """After the step's inputs are written, a graphed decode step (replay, logits, greedy argmax) runs with
+    CUDA's sync debug mode set to error: the only sync of the step is the token copy that follows."""
+    eng = decode_engine("cuda", max_num_seqs=16)
+    runner = eng.runner
+    chunks = random_chunks(eng, 5, seed=7)
+    bucket = runner.graphs.plan(5, 5).bucket
+    assert bucket == 8
+    metadata = runner.inputs.build(chunks, pad_to=bucket)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = runner.graphs.replay(bucket)[metadata.logits_indices]
+        tokens = torch.argmax(runner.model.compute_logits(hidden)[:, :runner.num_ids], dim=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(tokens.tolist()) == 5
+
+
 def test_engine_on_cuda_runs_triton_graphs_and_device_sampling():
     """A whole engine on CUDA (auto: the Triton backend, graphs, the device sampler) gives the tokens of the
     same engine without graphs, its pool all free at the end."""
