@@ -34,7 +34,8 @@ def test_launch_prints_a_valid_json_schema_that_names_every_section():
     assert set(schema["properties"]) == SECTIONS and schema["additionalProperties"] is False
     assert schema == DeployConfig.json_schema()
     model = schema["$defs"]["ModelSection"]["properties"]
-    assert model["attention_backend"]["enum"] == ["auto", "torch", "fused"]
+    assert model["attention_backend"]["enum"] == ["auto", "torch", "fused", "triton"]
+    assert model["cuda_graphs"]["default"] is True
     assert model["attention_backend"]["default"] == "auto"
 
 
