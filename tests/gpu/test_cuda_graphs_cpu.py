@@ -137,3 +137,17 @@ def test_runner_decode_forward_compiles_with_fullgraph():
     rows_a = eager.layout.token_rows(eager.page_pool)
     rows_b = compiled.layout.token_rows(compiled.page_pool)
     torch.testing.assert_close(rows_a, rows_b)  # the compiled forward wrote the same K/V
+
+
+@interpreted
+def test_graphs_count_as_stale_once_the_step_buffers_are_reallocated():
+    eng = decode_engine("cpu")
+    builder = eng.runner.inputs
+    before = builder.allocations
+    chunks = random_chunks(eng, 3, seed=11)
+    builder.build(chunks)
+    assert builder.allocations == before  # a step inside the capacity keeps the buffers
+    wide = ScheduledChunk("w", [1], 40, tuple([*range(1, 12)] for _ in eng.layout.groups), True)
+    builder.build([wide])  # 11 blocks: past the 8 the engine sized its tables for
+    assert builder.allocations == before + 1
+    assert eng.runner.graphs._captured_over == before  # what a capture recorded no longer matches

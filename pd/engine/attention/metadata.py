@@ -147,6 +147,8 @@ class StepInputBuilder:
 
     def _allocate(self, capacity: StepCapacity) -> None:
         self.capacity = capacity
+        # how many times the buffers were (re)allocated: what was captured over older ones is stale
+        self.allocations = getattr(self, "allocations", 0) + 1
         groups = len(self.layout.groups)
         on_host = self.device.type == "cpu"
         self._host = _Buffers(capacity, groups, torch.device("cpu"), pin=not on_host and torch.cuda.is_available())

@@ -120,10 +120,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(min(max_num_seqs, builder.capacity.max_num_seqs))
         self.enabled = enabled
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._captured_over = builder.allocations
 
     @property
     def graphs_ready(self) -> bool:
-        return bool(self._graphs)
+        """Graphs were captured, over the builder's buffers as they are now (a step larger than the
+        builder's capacity, which an engine sized from its config never schedules, reallocates them)."""
+        return bool(self._graphs) and self.builder.allocations == self._captured_over
 
     def why_not(self) -> str | None:
         """Why nothing can be captured here, or None when it can."""
@@ -142,6 +145,7 @@ class DecodeGraphs:
             logger.info("decode CUDA graphs not captured: %s", reason)
             return CaptureReport((), 0.0, 0, skipped=reason)
         torch.cuda.synchronize()
+        self._captured_over = self.builder.allocations
         free_before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
