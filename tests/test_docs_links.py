@@ -206,8 +206,12 @@ def test_readme_knob_defaults_are_the_configs():
             for part in key.split("."):
                 actual = getattr(actual, part)
             actual = getattr(actual, "value", actual)
-            same = (float(written) == float(actual) if isinstance(actual, (int, float)) and not isinstance(actual, bool)
-                    else written == str(actual))
+            if isinstance(actual, bool):  # written as YAML writes it: true / false
+                same = written == str(actual).lower()
+            elif isinstance(actual, (int, float)):
+                same = float(written) == float(actual)
+            else:
+                same = written == str(actual)
             if not same:
                 wrong.append(f"{key}: README says {written}, the config's default is {actual!r}")
     assert not wrong, "\n".join(wrong)
