@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import time
 
 import pytest
 import ray
+import requests
 import uvloop
 
 from pd.deploy.launch import Deployment
@@ -66,9 +68,21 @@ def test_served_on_uvloop_and_audited_2_of_2(deployment):
     assert all(a["consistent"] for a in report.audits.values()), report.audits
 
 
+def _wait_until_refused(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            requests.get(f"{url}/internal/health", timeout=1.0)
+        except requests.RequestException:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} still answers {timeout_s:.0f} s after ray.kill")
+
+
 def test_audit_of_fewer_workers_than_deployed_is_not_clean(deployment):
     prefill = next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-0")
     ray.kill(prefill.actor, no_restart=True)
+    _wait_until_refused(prefill.endpoint.url)  # ray.kill returns before the process is gone
     report = deployment.audit_pools(timeout_s=30.0)  # returns once the router took P out of the rotation
     assert not report.clean and list(report.audits) == ["decode-0"], report.lines()
     lines = report.lines()
