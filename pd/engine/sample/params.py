@@ -1,19 +1,6 @@
-"""Sampling parameters (no torch: the router builds them too).
-
-Greedy when the temperature is below `MIN_TEMPERATURE` (as vLLM does: dividing
-by a temperature that rounds to 0 in float32 gives inf/nan); otherwise
-temperature, then top-k, then top-p (nucleus) filtering, drawn with a
-per-request torch.Generator. With a seed the draw sequence of a request
-depends only on its seed and its logits, never on which other requests share
-the batch.
-
-Guarantees of `sample`: it never raises for any parameters `SamplingParams`
-accepts and any logits (nan and inf included), and every token it returns is
-a valid index into the row. The filtered distribution always keeps at least
-the most likely token (a top_p smaller than any representable mass keeps
-exactly that one); a row whose distribution is still not finite and positive
-before the draw is sampled greedily instead, and logged.
-"""
+"""Sampling parameters: one frozen, validated `SamplingParams` per request, in the one form it keeps
+from the router to the sampler (no torch: the router builds them too; what they mean when tokens are
+drawn is `pd/engine/sample/sampler.py`'s docstring)."""
 from __future__ import annotations
 
 import dataclasses
