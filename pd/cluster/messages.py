@@ -11,14 +11,14 @@ field's path (`sampling.ignore_eos: expected bool, got int 1`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from pd.cluster.schema import StrictModel
+from pd.engine.sample.params import SamplingParams  # imports no torch: the router uses these models too
 
-if TYPE_CHECKING:  # the router uses these models too, and it never imports torch
-    from pd.engine.sample.params import SamplingParams
+_DEFAULT = SamplingParams()  # the wire form declares no default of its own
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 BlockId = Annotated[int, Field(ge=0, lt=1 << 31)]
@@ -29,19 +29,17 @@ CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class Sampling(StrictModel):
-    """A request's decoding parameters (the engine's `SamplingParams`, on the wire)."""
+    """A request's decoding parameters (the engine's `SamplingParams`, on the wire, with its defaults)."""
 
-    max_tokens: int = Field(16, ge=1, le=1 << 24)
-    temperature: float = Field(0.0, ge=0.0, le=1e4)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1 << 31, description="0 = disabled")
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    ignore_eos: bool = False
+    max_tokens: int = Field(_DEFAULT.max_tokens, ge=1, le=1 << 24)
+    temperature: float = Field(_DEFAULT.temperature, ge=0.0, le=1e4)
+    top_p: float = Field(_DEFAULT.top_p, gt=0.0, le=1.0)
+    top_k: int = Field(_DEFAULT.top_k, ge=0, le=1 << 31, description="0 = disabled")
+    seed: int | None = Field(_DEFAULT.seed, ge=-(1 << 63), lt=1 << 64)
+    stop_token_ids: list[TokenId] = Field(default_factory=lambda: list(_DEFAULT.stop_token_ids))
+    ignore_eos: bool = _DEFAULT.ignore_eos
 
     def to_params(self) -> SamplingParams:
-        from pd.engine.sample.params import SamplingParams
-
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                               ignore_eos=self.ignore_eos)
