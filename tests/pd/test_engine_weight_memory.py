@@ -26,7 +26,8 @@ def weight_storage_bytes(root: object, exclude: set[int]) -> int:
     stack = [root]
     while stack:
         obj = stack.pop()
-        # (modules' globals are not the engine's: a Python module is where the walk stops)
+        # (modules' globals are not the engine's: a Python module, or a function's globals, is where the walk
+        # stops, so what other code left in module state is never counted)
         if id(obj) in seen or isinstance(obj, (type, types.ModuleType, str, bytes, int, float)):
             continue
         seen.add(id(obj))
@@ -34,6 +35,10 @@ def weight_storage_bytes(root: object, exclude: set[int]) -> int:
             storage = obj.untyped_storage()
             if obj.dtype in WEIGHT_DTYPES and storage.data_ptr() not in exclude:
                 storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        if isinstance(obj, types.FunctionType):  # its closure and defaults, never its module's globals
+            stack.extend([*(cell.cell_contents for cell in obj.__closure__ or () if cell.cell_contents is not None),
+                          *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()])
             continue
         stack.extend(gc.get_referents(obj))
     return sum(storages.values())
