@@ -2,7 +2,7 @@
 # The prepared run for a session lent a GPU machine (one H200; see the device tool's notes): every GPU check
 # of pdkv in steps, each under its own timeout, every log under $OUT. Prepared and syntax-checked on the CPU.
 #
-# Here, once:  bash ../shared/tools/device-kit/build_bundle.sh .device && echo /.device/ >> .git/info/exclude
+# Here, once: build the device kit's bundle into .device (its build_bundle.sh), then echo /.device/ >> .git/info/exclude
 # There, from the repository root (carry .device), in two calls that each fit the 600 s command limit:
 #   STEPS="tests engine"               bash tests/gpu/device_session.sh     # about 7-8 minutes
 #   STEPS="transfer served one_gpu"    bash tests/gpu/device_session.sh     # about 6 minutes
@@ -37,7 +37,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   [ $rc -eq 0 ] || failed+=("$name(rc=$rc)")
 }
 step tests 200 python3 -m pytest -q -rs -n 0 -p no:cacheprovider --timeout=150 -m "gpu or not gpu" \
-  tests/triton tests/gpu tests/connectors/test_cuda.py
+  tests/triton tests/gpu tests/connectors/test_cuda.py tests/pd/test_triton_engine.py
 step engine 330 python3 -m pd.tools.gpu_check --sections engine --out "$OUT/engine.md"
 step transfer 150 python3 -m pd.tools.gpu_check --sections transfer --out "$OUT/transfer.md"
 step served 240 python3 -m pd.tools.gpu_check --sections served --out "$OUT/served.md"

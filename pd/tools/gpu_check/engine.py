@@ -24,8 +24,8 @@ def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, pro
 
     t_build = time.perf_counter()
     eng = Engine(EngineConfig(model=model, device="cuda", block_size=16, kv_cache_bytes=8 << 30,
-                              max_num_batched_tokens=8192, max_num_seqs=256, enable_prefix_caching=False,
-                              max_model_len=prompt_len + decode_steps + 8))
+                              attention_backend="auto", max_num_batched_tokens=8192, max_num_seqs=256,
+                              enable_prefix_caching=False, max_model_len=prompt_len + decode_steps + 8))
     build_s = time.perf_counter() - t_build
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, model.vocab_size) for _ in range(prompt_len)] for i in range(num_requests)}
@@ -54,12 +54,13 @@ def measure_engine(model: ModelConfig = CHECK_MODEL, num_requests: int = 32, pro
 
 def check_engine(model: ModelConfig = CHECK_MODEL, device: str = "cuda", max_model_len: int = 1024,
                  max_num_seqs: int = 256, kv_cache_bytes: int = 8 << 30):
-    """The engine gpu_check compares: prefix caching off (every prompt is prefilled), block size 16."""
+    """The engine gpu_check compares, as a deployment gets it (`attention_backend: auto`: Triton with decode CUDA
+    graphs on a GPU): prefix caching off (every prompt is prefilled), block size 16."""
     from pd.engine.engine import Engine
 
     return Engine(EngineConfig(model=model, device=device, block_size=16, kv_cache_bytes=kv_cache_bytes,
-                               max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                               max_model_len=max_model_len))
+                               attention_backend="auto", max_num_batched_tokens=8192, max_num_seqs=max_num_seqs,
+                               enable_prefix_caching=False, max_model_len=max_model_len))
 
 
 def _sync(device: str) -> None:
