@@ -71,3 +71,20 @@ class PeerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def pull_and_check_pages(cons, pool, port: int, src: list[int], dst: list[int], seed: int) -> None:
+    """D pulls the peer's pages `src` into `dst` of `pool`: the load succeeds, the landed bytes are the
+    peer's seeded pages, and no other page was touched."""
+    from connectors.zmq.cuda_staging import fences_for
+    from connectors.zmq.loads import RemoteAddr
+
+    job = cons.load("r", RemoteAddr("P", "127.0.0.1", port), "r", src, dst)
+    assert job.done.wait(60), "load did not finish"
+    assert job.result.ok, job.result
+    fences_for(pool).order_reads_after_landing()  # what the engine does before its next forward
+    num_blocks, page_bytes = pool.buffer.shape[0], pool.buffer[0].numel() * pool.buffer.element_size()
+    expected = seeded_pages(num_blocks, page_bytes, seed)
+    assert torch.equal(pool.buffer[dst].cpu(), expected[src])
+    untouched = sorted(set(range(num_blocks)) - set(dst))
+    assert int(pool.buffer[untouched].sum()) == 0

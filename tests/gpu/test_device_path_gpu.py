@@ -7,13 +7,12 @@ import random
 import pytest
 import torch
 
-from gpu_cases import SECRET, PeerProc, seeded_pages  # noqa: E402
+from gpu_cases import SECRET, PeerProc, pull_and_check_pages, seeded_pages  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 
 from connectors.zmq.consumer import Consumer  # noqa: E402
 from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
-from connectors.zmq.cuda_staging import fences_for  # noqa: E402
 from connectors.zmq.loads import RemoteAddr  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 
@@ -33,15 +32,8 @@ def test_device_path_between_processes_is_byte_exact(data_path, checksums):
     cons.start()
     try:
         port = peer.read()["port"]
-        job = cons.load("r", RemoteAddr("P", "127.0.0.1", port), "r", src, dst)
-        assert job.done.wait(60), "load did not finish"
-        assert job.result.ok, job.result
+        pull_and_check_pages(cons, pool, port, src, dst, seed=13)
         assert cons.data_paths()["P"] == ["cuda_ipc"], "the device path was not taken (see the log for why)"
-        fences_for(pool).order_reads_after_landing()
-        expected = seeded_pages(NUM_BLOCKS, PAGE_BYTES, 13)
-        assert torch.equal(pool.buffer[dst].cpu(), expected[src])
-        untouched = sorted(set(range(NUM_BLOCKS)) - set(dst))
-        assert int(pool.buffer[untouched].sum()) == 0
     finally:
         cons.shutdown()
         assert peer.quit()["audit"] == "ok"

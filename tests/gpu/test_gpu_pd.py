@@ -16,14 +16,13 @@ import time
 import pytest
 import torch
 
-from gpu_cases import DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, model_config, seeded_pages  # noqa: E402
+from gpu_cases import (DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, model_config,  # noqa: E402
+                       pull_and_check_pages)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)]
 
 from connectors.zmq.consumer import Consumer
 from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
-from connectors.zmq.cuda_staging import fences_for  # noqa: E402
-from connectors.zmq.loads import RemoteAddr  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
@@ -41,14 +40,7 @@ def test_gpu_to_gpu_pages_are_byte_exact_between_processes(path):
     cons.start()
     try:
         port = peer.read()["port"]
-        job = cons.load("r", RemoteAddr("P", "127.0.0.1", port), "r", src, dst)
-        assert job.done.wait(60), "load did not finish"
-        assert job.result.ok, job.result
-        fences_for(pool).order_reads_after_landing()  # what the engine does before its next forward
-        expected = seeded_pages(NUM_BLOCKS, PAGE_BYTES, 11)
-        assert torch.equal(pool.buffer[dst].cpu(), expected[src])
-        untouched = sorted(set(range(NUM_BLOCKS)) - set(dst))
-        assert int(pool.buffer[untouched].sum()) == 0
+        pull_and_check_pages(cons, pool, port, src, dst, seed=11)
     finally:
         cons.shutdown()
         assert peer.quit()["audit"] == "ok"
