@@ -1,4 +1,4 @@
-"""The engine: model + page pool + KVCacheManager + scheduler + optional connector.
+"""The engine: model + page pool + KVCacheManager + scheduler + KV connector.
 
 Use it synchronously (`add_request` then `step()` until done) or start the
 background step loop (`start()`) and consume `generate()` from asyncio: the
@@ -9,10 +9,16 @@ Guarantees:
   at the start of the next step (an abort is reported in that step's outputs);
 - only the step (one thread at a time) touches the scheduler, the KV cache
   manager, the page pool and the connector;
+- there is always a connector: an engine built without one holds the no-op
+  connector (`connectors.noop`). A step talks to it through the scheduler
+  (which plans what moves) and the runner's connector seam
+  (`pd.engine.runner.kv_connector`: once before the forward, once after, one
+  `ConnectorOutput` per step);
 - every request ends with exactly one output with `finished=True`;
 - an exception while computing a step fails only the requests that caused it
-  (`pd.engine.step_isolation`): each gets an error output, its blocks are freed
-  and the others go on in the same step. Should the loop thread still die, every
+  (`pd.engine.step_isolation` finds them): each gets an error output, its blocks
+  are freed and the others go on in the same step, except those sharing the
+  blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule). Should the loop thread still die, every
   waiting caller gets the error, `dead` says why, new requests are refused and
   `on_death` is called once.
 """
@@ -32,7 +38,8 @@ from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
 from kvcache.audit import assert_all_free, check_invariants
 from kvcache.specs import cdiv
 
-from connectors.base import ConnectorOutput, KVConnector
+from connectors.base import KVConnector
+from connectors.noop import or_noop
 from pd.engine.kv.capacity import check_fits
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.checkpoint import load_checkpoint
@@ -43,10 +50,11 @@ from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.output import SchedulerOutput
 from pd.engine.attention.metadata import StepCapacity
+from pd.engine.runner.kv_connector import ConnectorSeam
 from pd.engine.runner.model_runner import ModelRunner, RunnerOptions
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sched.scheduler import Scheduler
-from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated, uncomputed_block_ids
+from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated
 from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -67,6 +75,7 @@ class Engine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
                  tokenizer: Tokenizer | None = None):
         self.config = config
+        connector = or_noop(connector)  # (a connector object always: the no-op where none is given)
         if config.model_path:
             model = load_checkpoint(config.model_path, dtype=config.dtype, device=config.device)
         else:
@@ -85,7 +94,7 @@ class Engine:
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_kv_cache_events=config.enable_kv_events)
         self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
-                                  shareable=connector is not None and connector.shares_page_pool)
+                                  shareable=connector.shares_page_pool)
         capacity = StepCapacity(config.max_num_batched_tokens, config.max_num_seqs,
                                 cdiv(config.resolved_max_model_len, config.block_size))
         self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend, capacity,
@@ -95,11 +104,10 @@ class Engine:
                                         seed=config.hash_seed)
         # called on the step thread with each step's prefix-cache events, under the step lock
         self.kv_event_sink: Callable[[list], None] | None = None
-        self.connector = connector
+        self.connector: KVConnector = connector
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector,
                                    eos_token_id=self.model_config.eos_token_id)
-        if connector is not None:
-            connector.register_kv_caches(self.page_pool)
+        self.kv_connector = ConnectorSeam(connector, self.page_pool)  # (registers the page pool)
         self._lock = threading.Lock()  # guards _pending, _active_ids, _listeners
         self._step_lock = threading.Lock()  # one step at a time
         self._pending: list[tuple[str, Any]] = []
@@ -164,25 +172,13 @@ class Engine:
             sched = self.scheduler.schedule()
             outputs.extend(self.scheduler.take_error_outputs())
             t1 = time.perf_counter()
-            connector = self.connector
-            if connector is not None and sched.connector_metadata is not None:
-                connector.bind_connector_metadata(sched.connector_metadata)
-                connector.start_load_kv()
+            self.kv_connector.before_forward(sched)
             self.fault_marks.check(sched.chunks, LOOP)  # a fault plan's stand-in for a bug in the loop
             self.runner.update_requests(sched)
-            sampled, failed = self._execute(sched)
-            connector_output = None
-            if connector is not None:
-                connector.wait_for_save()
-                sending, recving = connector.get_finished()
-                invalid = set(connector.get_block_ids_with_load_errors())
-                if invalid:  # a failed load may leave NaN bytes: attention's 0 weights would still see them
-                    self.page_pool.zero_blocks(invalid)
-                connector_output = ConnectorOutput(set(sending), set(recving), invalid,
-                                                   dict(connector.get_load_failures()))
+            sampled, failed = execute_isolated(self._run_chunks, sched.chunks) if sched.chunks else ({}, {})
+            connector_output = self.kv_connector.after_forward()
             t2 = time.perf_counter()
-            if failed:
-                self._fail_chunks(sched, failed)
+            self._fail(sched, failed)
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
             t3 = time.perf_counter()
@@ -222,34 +218,30 @@ class Engine:
                 out = self.scheduler.abort_request(arg)
                 if out is not None:
                     outputs.append(out)
-                elif self.connector is not None:
+                else:
                     # Finished already, maybe during the step that ran while this abort waited: a lease
                     # kept for it exists only now, so ending it here closes that race.
                     self.connector.abort_lease(arg)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
-        """(sampled token per request, error per request whose chunk failed)."""
-        if not sched.chunks:
-            return {}, {}
-        sampled, failed = execute_isolated(self._run_chunks, sched.chunks, self.config.block_size)
-        # Every chunk failing, step after step (a device error, memory exhausted), is the engine's fault:
-        # the loop dies, so the worker reports it and restarts instead of failing every request sent to it.
-        self._num_failed_steps = self._num_failed_steps + 1 if len(failed) == len(sched.chunks) else 0
-        if self._num_failed_steps >= MAX_FAILED_STEPS:
-            raise RuntimeError(f"{self._num_failed_steps} engine steps in a row failed for every request in them")
-        return sampled, failed
-
     def _run_chunks(self, chunks: list) -> dict[str, int]:
+        """The tokens of a forward of these chunks (the step's, or one retried alone: `execute_isolated`)."""
         self.fault_marks.check(chunks, STEP)
         ids = [c.request_id for c in chunks if c.needs_logits]
-        tokens = self.runner.next_tokens(chunks, on_layer=self.scheduler.layer_hook(chunks))
+        tokens = self.runner.next_tokens(chunks, on_layer=self.kv_connector.layer_hook(chunks))
         return dict(zip(ids, tokens, strict=True))
 
-    def _fail_chunks(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:
-        written = {c.request_id: uncomputed_block_ids(c, self.config.block_size) for c in sched.chunks
-                   if c.request_id in failed}
-        self.scheduler.fail_step(written, failed)
+    def _fail(self, sched: SchedulerOutput, failed: dict[str, str]) -> None:
+        """Fails the failed chunks' requests and those sharing their blocks (the scheduler's rule). Every
+        chunk failing, step after step (a device error, memory exhausted), is the engine's fault: the loop
+        dies, so the worker reports it and restarts instead of failing every request sent to it."""
+        if not sched.chunks:
+            return
+        ended = self.scheduler.fail_chunks(sched.chunks, failed) if failed else set()
+        num_failed = sum(c.request_id in ended for c in sched.chunks)
+        self._num_failed_steps = self._num_failed_steps + 1 if num_failed == len(sched.chunks) else 0
+        if self._num_failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._num_failed_steps} engine steps in a row failed for every request in them")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # One hand-off per event loop per step, not one per request: each call_soon_threadsafe
@@ -326,8 +318,7 @@ class Engine:
         with self._lock:  # callers still awaiting generate() must not hang
             for target in self._listeners.values():
                 self._notify(target, RuntimeError("engine shut down"))
-        if self.connector is not None:
-            self.connector.shutdown()
+        self.connector.shutdown()
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
                        sampling_params: SamplingParams | None = None,

@@ -5,7 +5,10 @@ retried chunk by chunk, in batch order: chunks that succeed alone keep their
 results and go on in the same step; chunks that fail alone are the cause and
 fail with the error. Retrying is safe because a chunk writes K/V only into the
 slots of its own positions, so running it again writes the same values, and
-a failed step advanced nothing.
+a failed step advanced nothing. This module only finds the causes: what their
+failure does to the pool and to other requests (those sharing the blocks a
+failed chunk was writing fail too) is the scheduler's one rule,
+`Scheduler.fail_chunks`.
 
 A device fault is different (`is_device_fault`: CUDA out of memory, an
 illegal memory access, a device-side assert, any CUDA error): on a GPU it
@@ -146,18 +149,12 @@ def _device_fault(exc: BaseException, chunks: list[ScheduledChunk]) -> tuple[dic
     return {}, {rid: describe_device_fault(exc) for rid in ids}
 
 
-def uncomputed_block_ids(chunk: ScheduledChunk, block_size: int) -> set[int]:
-    """The blocks a chunk writes into (from its first position's block on; never the null block 0).
-    Blocks before it hold KV computed earlier, and may be shared prefix hits."""
-    first = chunk.start // block_size
-    return {b for ids in chunk.block_ids for b in ids[first:] if b}
-
-
-def execute_isolated(run: Callable[[list[ScheduledChunk]], dict[str, int]], chunks: list[ScheduledChunk],
-                     block_size: int) -> tuple[dict[str, int], dict[str, str]]:
+def execute_isolated(run: Callable[[list[ScheduledChunk]], dict[str, int]], chunks: list[ScheduledChunk]
+                     ) -> tuple[dict[str, int], dict[str, str]]:
     """`run(chunks)` -> (sampled tokens, {}); if it raises, each chunk alone: (the tokens of those
-    that ran, {request id: error} of those that failed). Only Exception is caught: a
-    KeyboardInterrupt or SystemExit still ends the loop. A device fault fails every chunk at once."""
+    that ran, {request id: error} of those that failed alone, in chunk order). Only Exception is
+    caught: a KeyboardInterrupt or SystemExit still ends the loop. A device fault fails every chunk
+    at once."""
     _running.marks = None
     try:
         return run(chunks), {}
@@ -179,12 +176,4 @@ def execute_isolated(run: Callable[[list[ScheduledChunk]], dict[str, int]], chun
                 return _device_fault(exc, chunks)
             logger.exception("step failed for request %s", chunk.request_id)
             failed[chunk.request_id] = describe(exc)
-    bad_blocks: set[int] = set()
-    for chunk in chunks:
-        if chunk.request_id in failed:
-            bad_blocks |= uncomputed_block_ids(chunk, block_size)
-    for chunk in chunks:  # read pages a failed chunk should have written (a same-step prefix hit): garbage too
-        if chunk.request_id not in failed and bad_blocks & {b for ids in chunk.block_ids for b in ids}:
-            sampled.pop(chunk.request_id, None)
-            failed[chunk.request_id] = "engine step failed for a request whose KV blocks this one shares"
     return sampled, failed

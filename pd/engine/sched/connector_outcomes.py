@@ -30,7 +30,7 @@ class ConnectorOutcomes:
 
     config: EngineConfig
     mgr: KVCacheManager
-    connector: KVConnectorScheduler | None
+    connector: KVConnectorScheduler
     requests: dict[str, RequestState]
     running: list[RequestState]
     waiting: collections.deque[RequestState]
@@ -76,8 +76,7 @@ class ConnectorOutcomes:
                 state.load_failure = FailureCause(cause)
         if out.invalid_block_ids:
             outputs.extend(self._handle_invalid_blocks(set(out.invalid_block_ids)))
-        if self.connector is not None:
-            self.connector.update_connector_output(out)
+        self.connector.update_connector_output(out)
         for rid in out.finished_recving:
             state = self.requests.get(rid)
             if state is None:

@@ -8,7 +8,14 @@ admits waiting requests in arrival order (prefix hit via
 budget, the running-request limit or the KV cache stops it.
 `update_from_output` applies the step: advances computed tokens, appends
 sampled tokens, finishes requests and frees (or, for the connector, keeps)
-their blocks.
+their blocks. `fail_chunks` ends the requests of a step's failed chunks, and
+every request sharing the blocks they were writing (the one failure rule).
+
+The scheduler always holds a connector's scheduler half (the engine gives it
+`connectors.noop`'s where it has no connector) and calls it at fixed points:
+a request's acceptance, admission (external tokens, then after allocation),
+once per step (`build_connector_meta`, `update_connector_output`), a streamed
+prefill's progress, and a request's end.
 
 Invariants:
 - a request is in exactly one of `running`, `waiting`, `remote_waiting`, or is
@@ -24,7 +31,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
 
 from kvcache import KVCacheManager, RequestStatus
 
@@ -34,11 +40,12 @@ from pd.engine.config import EngineConfig
 from pd.engine.outputs import FinishReason, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.connector_outcomes import ConnectorOutcomes
-from pd.engine.sched.output import RunnerRequests, ScheduledChunk, SchedulerOutput
+from pd.engine.sched.output import RunnerRequests, ScheduledChunk, SchedulerOutput, StreamStep
 from pd.engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+SHARED_BLOCKS_ERROR = "engine step failed for a request whose KV blocks this one shares"
 FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
                  FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
                  FinishReason.ABORT: RequestStatus.FINISHED_ABORTED, FinishReason.ERROR: RequestStatus.FINISHED_ERROR}
@@ -46,7 +53,7 @@ FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
 
 class Scheduler(ConnectorOutcomes):
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
-                 connector: KVConnectorScheduler | None = None, eos_token_id: int | None = None):
+                 connector: KVConnectorScheduler, eos_token_id: int | None = None):
         self.config = config
         self.mgr = kv_cache_manager
         self.connector = connector
@@ -71,15 +78,14 @@ class Scheduler(ConnectorOutcomes):
             raise ValueError(f"request id {rid!r} is already in use")
         # Prompt length and KV capacity were checked at the engine's edge (Engine.check_fits).
         assert state.request.num_tokens < self.max_model_len, (rid, state.request.num_tokens, self.max_model_len)
-        if state.request.kv_transfer_params and self.connector is None:
-            logger.warning("request %s carries kv_transfer_params but no connector is configured", rid)
         self.requests[rid] = state
         self.waiting.append(state)
-        if self.connector is not None:  # e.g. lease heartbeats start now, not when the request reaches the head
-            self.connector.on_new_request(state.request)
-            cap = self.connector.prefill_stream_chunk(state.request)
-            if cap is not None:
-                self._stream_chunks[rid] = cap
+        # e.g. lease heartbeats start now, not when the request reaches the head (the no-op connector
+        # warns here about kv_transfer_params nothing can act on)
+        self.connector.on_new_request(state.request)
+        cap = self.connector.prefill_stream_chunk(state.request)
+        if cap is not None:
+            self._stream_chunks[rid] = cap
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request wherever it is; None if it is unknown or already finished."""
@@ -93,7 +99,7 @@ class Scheduler(ConnectorOutcomes):
         self._finish(state, RequestStatus.FINISHED_ABORTED)
         return RequestOutput(request_id, [], True, FinishReason.ABORT)
 
-    def fail_request(self, request_id: str, error: str, written_block_ids: set[int]) -> None:
+    def _fail_request(self, request_id: str, error: str, written_block_ids: set[int]) -> None:
         """Finish a request whose step failed, with `error`. The blocks that step was writing
         (`written_block_ids`) leave the prefix cache first: their pages hold no valid KV."""
         state = self.requests.get(request_id)
@@ -103,17 +109,25 @@ class Scheduler(ConnectorOutcomes):
             self.mgr.evict_blocks(sorted(written_block_ids))
         self._finish(state, RequestStatus.FINISHED_ERROR, error)
 
-    def fail_step(self, written: dict[str, set[int]], errors: dict[str, str]) -> None:
-        """Finishes the requests whose chunk of the step failed (`written`: the blocks each was writing,
-        in chunk order), and every other request holding one of those blocks: a prefix hit taken on them
-        right after their allocation (an async load admitted in the same pass) would read garbage too."""
-        for rid, blocks in written.items():
-            self.fail_request(rid, errors[rid], blocks)
-        bad = set().union(*written.values())
-        sharers = [rid for rid in self.requests if rid not in errors
-                   and any(bad.intersection(ids) for ids in self.mgr.get_block_ids(rid))] if bad else []
-        for rid in sharers:
-            self.fail_request(rid, "engine step failed for a request whose KV blocks this one shares", set())
+    def fail_chunks(self, chunks: list[ScheduledChunk], errors: dict[str, str]) -> set[str]:
+        """The one failure rule of a step. Each chunk in `errors` (request id -> error) ends its request
+        with that error; the blocks it was writing hold no valid KV. Every other request holding one of
+        them fails too (a prefix hit taken on them in the same pass, even by a chunk that ran fine, read
+        garbage; so did an async load admitted on them), and if it has a chunk in this step, the blocks
+        that chunk wrote are as bad. Returns the ids of every request this failed."""
+        written = {c.request_id: c.written_block_ids(self.block_size) for c in chunks}
+        failed = {rid: (error, written.get(rid, set())) for rid, error in errors.items()}
+        bad = set().union(*(blocks for _, blocks in failed.values()))
+        while bad:  # (a sharer that ran this step spreads the bad blocks it wrote: until none is left)
+            sharers = [rid for rid, state in self.requests.items() if rid not in failed
+                       and not state.request.is_finished()
+                       and any(bad.intersection(ids) for ids in self.mgr.get_block_ids(rid))]
+            for rid in sharers:
+                failed[rid] = (SHARED_BLOCKS_ERROR, written.get(rid, set()))
+            bad = set().union(*(written.get(rid, set()) for rid in sharers))
+        for rid, (error, blocks) in failed.items():  # the causes first, in chunk order, then their sharers
+            self._fail_request(rid, error, blocks)
+        return set(failed)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.remote_waiting or self.held)
@@ -152,24 +166,24 @@ class Scheduler(ConnectorOutcomes):
         self._promote_finished_loads()
         if not preempted:
             self._admit_waiting(chunks, budget)
-        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        meta = self.connector.build_connector_meta()
         self.stats.num_steps += 1
         finished = self._runner_requests.take_finished()
         new = self._runner_requests.new(chunks, self.requests)
-        return SchedulerOutput(chunks=chunks, connector_metadata=meta, num_preempted=len(preempted),
-                               new_requests=new, finished_request_ids=finished)
+        return SchedulerOutput(chunks=chunks, connector_metadata=meta, stream_steps=self._stream_steps(chunks),
+                               num_preempted=len(preempted), new_requests=new, finished_request_ids=finished)
 
-    def layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None] | None:
-        """The connector's per-layer callback for a forward of these chunks (layer streaming), or None."""
-        if not self._stream_chunks or self.connector is None:
-            return None
+    def _stream_steps(self, chunks: list[ScheduledChunk]) -> list[StreamStep]:
+        """The chunks of streamed prefills, as the connector's `layer_hook` takes them."""
+        if not self._stream_chunks:
+            return []
         steps = []
         for c in chunks:
-            state = self.requests.get(c.request_id)
-            if c.request_id in self._stream_chunks and state is not None:
+            if c.request_id in self._stream_chunks:
+                request = self.requests[c.request_id].request
                 end = c.start + len(c.token_ids)
-                steps.append((state.request, c.block_ids, end, end >= state.request.num_prompt_tokens))
-        return self.connector.layer_hook(steps) if steps else None
+                steps.append((request, c.block_ids, end, end >= request.num_prompt_tokens))
+        return steps
 
     def _num_new_tokens(self, req, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed
@@ -214,7 +228,7 @@ class Scheduler(ConnectorOutcomes):
                 if state.num_cached_tokens is None:
                     state.num_cached_tokens = num_local
                     state.admitted_s = time.perf_counter()
-                if self.connector is not None and not state.skip_connector_load:
+                if not state.skip_connector_load:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                     if num_external is None:  # the connector cannot tell yet: retry next step
                         skipped.append(self.waiting.popleft())
@@ -236,8 +250,7 @@ class Scheduler(ConnectorOutcomes):
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
+            self.connector.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), num_external)
             req.num_computed_tokens = num_computed
             if load_async:
                 state.num_external_tokens = num_external
@@ -263,10 +276,9 @@ class Scheduler(ConnectorOutcomes):
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, int],
-                           connector_output: ConnectorOutput | None = None) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if connector_output is not None:
-            outputs.extend(self._apply_connector_output(connector_output))
+                           connector_output: ConnectorOutput) -> list[RequestOutput]:
+        """Applies the step: first what the connector reported, then each chunk's progress and token."""
+        outputs = self._apply_connector_output(connector_output)
         num_step_tokens = sum(len(chunk.token_ids) for chunk in sched.chunks)
         for chunk in sched.chunks:
             state = self.requests.get(chunk.request_id)
@@ -277,7 +289,7 @@ class Scheduler(ConnectorOutcomes):
             if not state.timed:  # the batch its prompt shared: what its compute time also paid for
                 state.num_batched_tokens += num_step_tokens - len(chunk.token_ids)
             if not chunk.needs_logits:
-                if self.connector is not None and chunk.request_id in self._stream_chunks:
+                if chunk.request_id in self._stream_chunks:
                     self.connector.on_prefill_progress(req, self.mgr.get_block_ids(chunk.request_id))
                 continue
             token = sampled[chunk.request_id]
@@ -316,12 +328,10 @@ class Scheduler(ConnectorOutcomes):
         self.finished_recving.discard(rid)
         self._stream_chunks.pop(rid, None)
         self._runner_requests.finished(rid)
-        params = None
-        if self.connector is not None:
-            num_blocks = -(-req.num_computed_tokens // self.block_size)
-            block_ids = tuple(ids[:num_blocks] for ids in self.mgr.get_block_ids(rid))
-            delay_free, params = self.connector.request_finished(req, block_ids)
-            state.awaiting_send = bool(delay_free)
+        num_blocks = -(-req.num_computed_tokens // self.block_size)
+        block_ids = tuple(ids[:num_blocks] for ids in self.mgr.get_block_ids(rid))
+        delay_free, params = self.connector.request_finished(req, block_ids)
+        state.awaiting_send = bool(delay_free)
         if status == RequestStatus.FINISHED_ERROR:
             self.stats.num_errors += 1
         if state.awaiting_send or state.awaiting_recv:
