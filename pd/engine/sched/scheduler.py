@@ -111,23 +111,20 @@ class Scheduler(ConnectorOutcomes):
 
     def fail_chunks(self, chunks: list[ScheduledChunk], errors: dict[str, str]) -> set[str]:
         """The one failure rule of a step. Each chunk in `errors` (request id -> error) ends its request
-        with that error; the blocks it was writing hold no valid KV. Every other request holding one of
-        them fails too (a prefix hit taken on them in the same pass, even by a chunk that ran fine, read
-        garbage; so did an async load admitted on them), and if it has a chunk in this step, the blocks
-        that chunk wrote are as bad. Returns the ids of every request this failed."""
+        with that error, and the blocks it was writing leave the prefix cache: they hold no valid KV.
+        Every other request holding one of those blocks fails too: a prefix hit taken on them in the same
+        pass read garbage (so does an async load admitted on them), and the blocks such a request wrote in
+        this step leave the prefix cache as well. Returns the ids of every request this failed."""
         written = {c.request_id: c.written_block_ids(self.block_size) for c in chunks}
-        failed = {rid: (error, written.get(rid, set())) for rid, error in errors.items()}
-        bad = set().union(*(blocks for _, blocks in failed.values()))
-        while bad:  # (a sharer that ran this step spreads the bad blocks it wrote: until none is left)
-            sharers = [rid for rid, state in self.requests.items() if rid not in failed
-                       and not state.request.is_finished()
-                       and any(bad.intersection(ids) for ids in self.mgr.get_block_ids(rid))]
-            for rid in sharers:
-                failed[rid] = (SHARED_BLOCKS_ERROR, written.get(rid, set()))
-            bad = set().union(*(written.get(rid, set()) for rid in sharers))
-        for rid, (error, blocks) in failed.items():  # the causes first, in chunk order, then their sharers
-            self._fail_request(rid, error, blocks)
-        return set(failed)
+        bad = set().union(*(written.get(rid, set()) for rid in errors))
+        sharers = [rid for rid, state in self.requests.items() if rid not in errors
+                   and not state.request.is_finished()
+                   and any(bad.intersection(ids) for ids in self.mgr.get_block_ids(rid))] if bad else []
+        for rid, error in errors.items():
+            self._fail_request(rid, error, written.get(rid, set()))
+        for rid in sharers:
+            self._fail_request(rid, SHARED_BLOCKS_ERROR, written.get(rid, set()))
+        return set(errors).union(sharers)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.remote_waiting or self.held)
