@@ -19,7 +19,10 @@ Invariants every implementation keeps:
 `KVConnector` is the one seam code above `connectors/` depends on: both halves
 on one object, plus the remote-block lifecycle (`release_remote`,
 `abort_lease`) and `stats`. The engine and the P/D worker call only its
-methods, never the objects behind it (halves, producer, consumer).
+methods, never the objects behind it (halves, producer, consumer). An engine
+built without a connector holds `connectors.noop.NoopConnector`, so code above
+never branches on whether there is one; in a step, the engine reaches the worker
+half only through its connector seam (`pd.engine.runner.kv_connector`).
 """
 from __future__ import annotations
 
