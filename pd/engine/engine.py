@@ -18,9 +18,9 @@ Guarantees:
 - an exception while computing a step fails only the requests that caused it
   (`pd.engine.step_isolation` finds them): each gets an error output, its blocks
   are freed and the others go on in the same step, except those sharing the
-  blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule). Should the loop thread still die, every
-  waiting caller gets the error, `dead` says why, new requests are refused and
-  `on_death` is called once.
+  blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule).
+  Should the loop thread still die, every waiting caller gets the error, `dead`
+  says why, new requests are refused and `on_death` is called once.
 """
 from __future__ import annotations
 
