@@ -6,10 +6,8 @@ and in tests of the engine's connector hooks. Requests carrying
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorScheduler, KVConnectorWorker
+from connectors.params import TransferParams
 
 
 class NoopConnectorScheduler(KVConnectorScheduler):
@@ -22,7 +20,7 @@ class NoopConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self) -> ConnectorMetadata:
         return ConnectorMetadata()
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def request_finished(self, request, block_ids) -> tuple[bool, TransferParams | None]:
         return False, None
 
 
@@ -46,7 +44,7 @@ class NoopConnector(KVConnector):
     def __init__(self) -> None:
         super().__init__(NoopConnectorScheduler(), NoopConnectorWorker())
 
-    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+    def release_remote(self, kv_transfer_params: TransferParams) -> bool:
         return False
 
     def abort_lease(self, request_id: str) -> bool:
