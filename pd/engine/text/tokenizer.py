@@ -280,11 +280,6 @@ def _chat_template_source(root: Path, config: dict) -> str | None:
                      "{name, template} with a 'default' entry")
 
 
-def as_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A prompt given as text or as token ids -> validated token ids."""
-    return valid_token_ids(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, vocab_size)
-
-
 def valid_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """`ids` as a list of ints in [0, vocab_size), converted once (a list of ints is kept as it is);
     ValueError for an empty prompt or an id outside the vocabulary."""
