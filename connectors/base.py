@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from connectors.metrics import FailureCause
@@ -37,23 +37,7 @@ if TYPE_CHECKING:  # kvcache is below us; imported for types only
     from kvcache import KVCacheBlocks, Request
 
     from connectors.pages import KVPages
-
-# Field names users of vLLM's P/D connectors already know.
-KV_PARAM_KEYS = (
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_engine_id",
-    "remote_host",
-    "remote_port",
-    "remote_request_id",
-    "remote_block_ids",
-    "remote_num_tokens",
-    "streaming",  # pdkv's own: the producer publishes the blocks while it prefills (`transfer.streaming`)
-)
-KV_STREAM_KEY = "streaming"
-# Beside them, set by the decode worker (never by a client): its W3C `traceparent` for the pull, carried
-# opaque in the PULL frames to the producer (`connectors.params.valid_trace_context` checks the form).
-KV_TRACE_CONTEXT_KEY = "trace_context"
+    from connectors.params import TransferParams
 
 
 @dataclasses.dataclass
@@ -121,7 +105,8 @@ class KVConnectorScheduler(abc.ABC):
         """One metadata object per step; resets the per-step state."""
 
     @abc.abstractmethod
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, TransferParams | None]:
         """Returns (delay_free, kv_transfer_params for the response)."""
 
     def update_connector_output(self, output: ConnectorOutput) -> None:  # noqa: B027 - optional hook
@@ -199,7 +184,7 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
 
     # -- remote-block lifecycle ------------------------------------------------
     @abc.abstractmethod
-    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+    def release_remote(self, kv_transfer_params: TransferParams) -> bool:
         """Consumer side: tell the producer named in `kv_transfer_params` (a request this
         engine will not load) that nobody will read its blocks, so it frees them now rather
         than at lease expiry. True when a release was sent."""
@@ -239,7 +224,8 @@ class KVConnector(KVConnectorScheduler, KVConnectorWorker):
     def build_connector_meta(self) -> ConnectorMetadata:
         return self.scheduler.build_connector_meta()
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, TransferParams | None]:
         return self.scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, output: ConnectorOutput) -> None:

@@ -10,12 +10,13 @@ with a warning (there is no peer to load from or send to).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from connectors.base import (ConnectorMetadata, ConnectorOutput, KVConnector, KVConnectorScheduler,
                              KVConnectorWorker, LeaseReport)
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams
 
 if TYPE_CHECKING:
     from kvcache import KVCacheBlocks, Request
@@ -37,7 +38,8 @@ class NoopConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self) -> ConnectorMetadata:
         return ConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, TransferParams | None]:
         return False, None
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
@@ -94,7 +96,7 @@ class NoopConnector(KVConnector):
     def __init__(self) -> None:
         super().__init__(NoopConnectorScheduler(), NoopConnectorWorker())
 
-    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+    def release_remote(self, kv_transfer_params: TransferParams) -> bool:
         return False
 
     def abort_lease(self, request_id: str) -> bool:

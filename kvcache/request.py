@@ -8,7 +8,6 @@ built without a hasher has no hashes and never hits the prefix cache.
 from __future__ import annotations
 
 import enum
-from typing import Any
 from collections.abc import Callable, Iterable, Sequence
 
 
@@ -64,7 +63,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         skip_reading_prefix_cache: bool = False,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: object | None = None,  # opaque here: the connector's (connectors.params)
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty str")

@@ -206,6 +206,7 @@ def test_pd_top_level_holds_only_entry_points():
 ENGINE_RANKS = {
     "pd.engine.outputs": 0, "pd.engine.sample.params": 0, "pd.engine.text": 0,
     "pd.engine.model": 1,
+    "pd.engine.inputs": 1,
     "pd.engine.config": 2, "pd.engine.kv": 2, "pd.engine.cpu": 2, "pd.engine.sample": 2,
     "pd.engine.sched": 3,
     "pd.engine.attention": 4, "pd.engine.step_isolation": 4,
@@ -217,13 +218,14 @@ ENGINE_RANKS = {
 # model/gguf.py), lazily; nothing else of the engine.
 TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
 # What the rooms above the engine (cluster, router, worker, deploy, pd's entry points) may import of it:
-# the engine, its config and outputs, tokenizers, sampling params, and the model's config and files (a
+# the engine, its config, inputs and outputs, tokenizers, sampling params, and the model's config and files (a
 # worker sizes its KV pool from the model's shape before it builds an engine), and step isolation (a
 # worker reads its device-fault latch and tells device errors apart). pd.tools may reach further
 # (benchmarks of the kernels).
 ENGINE_PUBLIC = frozenset({
     "pd.engine.engine", "pd.engine.config", "pd.engine.outputs", "pd.engine.sample.params", "pd.engine.step_isolation",
     "pd.engine.model.config", "pd.engine.model.checkpoint", "pd.engine.model.gguf", "pd.engine.kv.layout",
+    "pd.engine.inputs",
 })
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker, LeaseReport
@@ -34,6 +34,7 @@ from connectors.zmq.handshake import CompatInfo
 from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
+from connectors.params import TransferParams
 from connectors.zmq.producer import Producer, ProducerConfig
 from connectors.zmq.scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
 
@@ -271,15 +272,14 @@ class ZmqConnectorWorker(KVConnectorWorker):
         out, self._failures = self._failures, {}
         return out
 
-    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+    def release_remote(self, kv_transfer_params: TransferParams) -> bool:
         """Sends DONE for a remote-prefilled request this engine will not load (see KVConnector)."""
         params = kv_transfer_params
-        if self.consumer is None or params.get("do_remote_prefill") is not True:
+        if self.consumer is None or not params.do_remote_prefill:
             return False
-        engine_id, host, port, rid = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port",
-                                                              "remote_request_id"))
-        if not (isinstance(engine_id, str) and isinstance(host, str) and isinstance(rid, str)
-                and engine_id and host and rid and type(port) is int and 0 < port < 65536):
+        engine_id, host, port, rid = (params.remote_engine_id, params.remote_host, params.remote_port,
+                                      params.remote_request_id)
+        if not (engine_id and host and rid and port is not None and 0 < port < 65536):
             return False
         self.consumer.notify_done(RemoteAddr(engine_id, host, port), [rid])
         return True
@@ -330,7 +330,7 @@ class ZmqConnector(KVConnector):
         (after the engine registered its page pool)."""
         return self.worker.advertised_port
 
-    def release_remote(self, kv_transfer_params: Mapping[str, Any]) -> bool:
+    def release_remote(self, kv_transfer_params: TransferParams) -> bool:
         return self.worker.release_remote(kv_transfer_params)
 
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -80,7 +80,7 @@ class LoadHandle:
         self.done = Done()
         self.result: LoadResult | None = None
         self.warm = False  # its session was ready when it started: no handshake inside its time
-        self.trace_context = trace_context  # opaque, into each of its PULLs (`connectors.base.KV_TRACE_CONTEXT_KEY`)
+        self.trace_context = trace_context  # opaque, into each of its PULLs (`connectors.params.KV_TRACE_CONTEXT_KEY`)
 
     def settled(self) -> bool:
         """Whether it may end once no part is in flight (a streamed load waits for its last part)."""

@@ -41,11 +41,11 @@ import logging
 from typing import Any
 from collections.abc import Callable
 
-from connectors.base import KV_TRACE_CONTEXT_KEY, ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
+from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
 from connectors.zmq.layer_slices import LayerClock, units
 from connectors.zmq.loads import RemoteAddr
-from connectors.params import (InvalidKVParams, RemotePrefill, make_remote_prefill_params, make_stream_params,
-                               parse_remote_prefill, valid_trace_context, wants_remote_decode,
+from connectors.params import (InvalidKVParams, RemotePrefill, TransferParams, make_remote_prefill_params,
+                               make_stream_params, parse_remote_prefill, trace_context_of, wants_remote_decode,
                                wants_remote_prefill, wants_stream)
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             self._meta.releases.append((remote, rp.request_id))
             return
         local = self._local_hits.pop(rid, 0)
-        trace_context = valid_trace_context((request.kv_transfer_params or {}).get(KV_TRACE_CONTEXT_KEY))
+        trace_context = trace_context_of(request.kv_transfer_params)
         if rp.streamed:  # destinations by (group, position); the producer's blocks come as published
             n = self.num_slices
             wanted = [[g, pos * n + k, d * n + k] for g, layout in enumerate(self.groups) for pos, d in enumerate(
@@ -217,7 +217,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         for rid in output.finished_recving:
             self._stop_heartbeat(rid)
 
-    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, TransferParams | None]:
         rid = request.request_id
         params = request.kv_transfer_params
         if wants_remote_prefill(params):
@@ -355,7 +355,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
                     out.append((g, pos, ids[pos]))
         return out
 
-    def _stream_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def _stream_finished(self, request, block_ids) -> tuple[bool, TransferParams | None]:
         """A streamed prefill's end: the last part (or the stream's failure). The blocks stay while
         the lease holds them (a pull may be reading), and go when it ends (`finished_sending`)."""
         rid = request.request_id

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from connectors.params import TransferParams
 from pd.cluster.schema import StrictModel
 from pd.engine.sample.params import SamplingParams  # imports no torch: the router uses these models too
 
@@ -46,11 +47,12 @@ class Sampling(StrictModel):
 
 
 class KVTransferParams(StrictModel):
-    """The per-request transfer fields (vLLM's names, `connectors.base.KV_PARAM_KEYS`).
+    """The per-request transfer fields on the wire (vLLM's names, `connectors.params.KV_PARAM_KEYS`).
 
-    Only their types are checked here; whether they describe a usable remote
-    prefill is the connector's judgement (`connectors.params`): a request whose
-    params do not is computed locally, never half-trusted.
+    Only their types are checked here; a worker turns them into the connector's typed form once
+    (`to_params`), and whether they describe a usable remote prefill is the connector's judgement
+    (`connectors.params.parse_remote_prefill`): a request whose params do not is computed locally,
+    never half-trusted.
     """
 
     do_remote_prefill: bool | None = None
@@ -63,9 +65,20 @@ class KVTransferParams(StrictModel):
     remote_num_tokens: int | None = Field(None, ge=0)
     streaming: bool | None = None  # KV streaming (`transfer.streaming` chunk or layer): the router sets it on both legs
 
-    def to_dict(self) -> dict:
-        """The fields that are set, as the connector reads them."""
-        return self.model_dump(exclude_none=True)
+    def to_params(self) -> TransferParams:
+        """The connector's typed form (what the engine and its connector carry)."""
+        groups = self.remote_block_ids
+        return TransferParams(
+            do_remote_prefill=bool(self.do_remote_prefill), do_remote_decode=bool(self.do_remote_decode),
+            remote_engine_id=self.remote_engine_id, remote_host=self.remote_host, remote_port=self.remote_port,
+            remote_request_id=self.remote_request_id,
+            remote_block_ids=None if groups is None else tuple(tuple(g) for g in groups),
+            remote_num_tokens=self.remote_num_tokens, streaming=bool(self.streaming))
+
+    @classmethod
+    def from_params(cls, params: TransferParams) -> KVTransferParams:
+        """The wire form of a connector's answer (a worker's trace context stays in the process)."""
+        return cls.model_validate(params.to_dict())
 
 
 class GenerateRequest(StrictModel):

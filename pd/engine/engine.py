@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from typing import Any
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import torch
 
@@ -40,12 +40,14 @@ from kvcache.specs import cdiv
 
 from connectors.base import KVConnector
 from connectors.noop import or_noop
+from connectors.params import TransferParams
 from pd.engine.kv.capacity import check_fits
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
 from pd.engine.kv.layout import KVLayout
 from pd.engine.model.llama import build_model
+from pd.engine.inputs import CheckedRequest
 from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.output import SchedulerOutput
@@ -55,11 +57,11 @@ from pd.engine.runner.model_runner import ModelRunner, RunnerOptions
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sched.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated
-from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, as_token_ids
+from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, text_tokenizer, valid_token_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "PoolAudit", "RequestOutput"]
+__all__ = ["CheckedRequest", "Engine", "PoolAudit", "RequestOutput"]
 
 IDLE_WAIT_S = 0.05  # loop thread sleep when there is nothing at all to do (woken early by new work)
 NETWORK_POLL_S = 0.001  # pause between steps when only remote transfers are pending
@@ -84,11 +86,13 @@ class Engine:
                 model_config = dataclasses.replace(model_config, dtype=config.dtype)
             model = build_model(model_config, seed=config.seed, device=config.device)
         self.model_config = model.config
-        self.tokenizer = tokenizer or ByteTokenizer()
+        # text prompts: the tokenizer given, else the checkpoint's own (read when first needed), else bytes
+        self._tokenizer: Tokenizer | None = tokenizer if tokenizer is not None or config.model_path else ByteTokenizer()
+        self._edge = object()  # marks the requests this engine checked (CheckedRequest.checked_by)
         self.layout = KVLayout(self.model_config, config.block_size)
         num_blocks = config.num_blocks or self.layout.num_blocks_for_budget(config.kv_cache_bytes)
         kv_config = KVCacheConfig(num_blocks=num_blocks, groups=self.layout.kv_cache_groups())
-        self._kv_specs = [group.spec for group in kv_config.groups]  # for check_fits, per request
+        self._kv_specs = [group.spec for group in kv_config.groups]  # for check_request's check_fits
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -129,30 +133,55 @@ class Engine:
                     self.layout.page_size_bytes, [g.layer_indices for g in self.layout.groups])
 
     # ------------------------------------------------------------------ requests
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """What text prompts are encoded with: the tokenizer given, else the checkpoint's own (read at the
+        first text prompt; ValueError when it has none), else for random weights the byte tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = text_tokenizer(self.config.model_path)
+        return self._tokenizer
+
+    def check_request(self, request_id: str, prompt_token_ids: Sequence[int] | str,
+                      sampling_params: SamplingParams | None = None,
+                      kv_transfer_params: TransferParams | Mapping[str, Any] | None = None,
+                      cache_salt: str | None = None) -> CheckedRequest:
+        """The engine's edge, checked once: text is encoded with `tokenizer`, ids must lie in the model's
+        vocabulary, the request must be able to run here (`pd.engine.kv.capacity.check_fits`), a dict of
+        kv_transfer_params is parsed (`TransferParams.from_dict`). ValueError naming what is wrong."""
+        params = sampling_params or SamplingParams()
+        prompt = self.tokenizer.encode(prompt_token_ids) if isinstance(prompt_token_ids, str) else prompt_token_ids
+        ids = valid_token_ids(prompt, self.model_config.vocab_size)
+        # block 0 is the null block: the pool holds one block fewer
+        check_fits(self._kv_specs, self.page_pool.num_blocks - 1, self.config.resolved_max_model_len, len(ids),
+                   params.max_tokens, request_id)
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, TransferParams):
+            kv_transfer_params = TransferParams.from_dict(kv_transfer_params)
+        return CheckedRequest(request_id, ids, params, kv_transfer_params, cache_salt, checked_by=self._edge)
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | str,
                     sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> None:
-        params = sampling_params or SamplingParams()
-        ids = as_token_ids(prompt_token_ids, self.tokenizer, self.model_config.vocab_size)
-        self.check_fits(len(ids), params.max_tokens, request_id)
-        req = Request(request_id, ids, block_hasher=self.block_hasher, max_tokens=params.max_tokens,
-                      kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
-                      cache_salt=cache_salt)
-        state = RequestState(req, params)
+                    kv_transfer_params: TransferParams | Mapping[str, Any] | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Checks the request (`check_request`) and queues it for the next step."""
+        self.submit(self.check_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params,
+                                       cache_salt))
+
+    def submit(self, request: CheckedRequest) -> None:
+        """Queues a request this engine checked (`check_request`), without checking it again."""
+        if request.checked_by is not self._edge:
+            raise ValueError(f"request {request.request_id!r} was not checked by this engine (check_request)")
+        req = Request(request.request_id, request.prompt_token_ids, block_hasher=self.block_hasher,
+                      max_tokens=request.sampling.max_tokens, kv_transfer_params=request.kv_transfer_params,
+                      cache_salt=request.cache_salt)
+        state = RequestState(req, request.sampling)
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError("engine step loop died") from self._dead
-            if request_id in self._active_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._active_ids.add(request_id)
+            if request.request_id in self._active_ids:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._active_ids.add(request.request_id)
             self._pending.append(("add", state))
         self._wake.set()
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int, request_id: str = "") -> None:
-        """The engine's one capacity check (`pd.engine.kv.capacity.check_fits`): ValueError for a request
-        that could never run here. Block 0 is the null block: the pool holds one block fewer."""
-        check_fits(self._kv_specs, self.page_pool.num_blocks - 1, self.config.resolved_max_model_len,
-                   num_prompt_tokens, max_tokens, request_id)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -320,17 +349,24 @@ class Engine:
                 self._notify(target, RuntimeError("engine shut down"))
         self.connector.shutdown()
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
-                       sampling_params: SamplingParams | None = None,
-                       kv_transfer_params: dict | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs as steps produce them; aborts it if the consumer stops early."""
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int] | str,
+                 sampling_params: SamplingParams | None = None,
+                 kv_transfer_params: TransferParams | Mapping[str, Any] | None = None,
+                 cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Checks the request now (`check_request`, ValueError) and returns its outputs' stream (`stream`)."""
+        return self.stream(self.check_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params,
+                                              cache_salt))
+
+    async def stream(self, request: CheckedRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the outputs of a request this engine checked as steps produce them (it is not checked
+        again); aborts it if the consumer stops early."""
         queue: asyncio.Queue = asyncio.Queue()
+        request_id = request.request_id
         with self._lock:
             self._listeners[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.add_request(request_id, prompt_token_ids, sampling_params, kv_transfer_params, cache_salt)
+            self.submit(request)
             self.start()
             while not finished:
                 out = await queue.get()

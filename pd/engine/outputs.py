@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
 
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams
 
 
 class FinishReason(str, enum.Enum):
@@ -26,7 +26,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: FinishReason | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: TransferParams | None = None  # a producer's answer (connectors.params)
     error: str | None = None
     error_cause: FailureCause | None = None  # set when a KV load failure ended the request
     num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache (set on the final output)

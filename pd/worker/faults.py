@@ -16,11 +16,13 @@ refused when the worker starts, not when the point is reached.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultAction, FaultPlan
+from connectors.params import TransferParams
 from pd.cluster.fault_rules import ALL_POINTS, ENGINE_POINTS, WORKER_POINTS, parse_worker_faults
 
 __all__ = ["ALL_POINTS", "WORKER_POINTS", "WorkerFaults", "die", "parse_worker_faults"]
@@ -58,16 +60,17 @@ class WorkerFaults:
         just took; one hit each (the engine honours one mark per request: the last)."""
         return [point.split(".", 1)[1] for point in sorted(ENGINE_POINTS) if self.plan.fire(point)]
 
-    def route(self, params: dict | None) -> dict | None:
+    def route(self, params: TransferParams | None) -> TransferParams | None:
         """Points a remote-prefill request's pull at a FaultLink in front of its producer."""
-        if self._link_plan is None or not params or not params.get("do_remote_prefill"):
+        if (self._link_plan is None or params is None or not params.do_remote_prefill
+                or params.remote_host is None or params.remote_port is None):
             return params
-        key = (params["remote_host"], params["remote_port"])
+        key = (params.remote_host, params.remote_port)
         link = self._links.get(key)
         if link is None:
             link = FaultLink(key[0], key[1], self._link_plan, host=self._host, on_kill=die).start()
             self._links[key] = link
-        return dict(params, remote_host=self._host, remote_port=link.port)
+        return dataclasses.replace(params, remote_host=self._host, remote_port=link.port)
 
     def close(self) -> None:
         for link in self._links.values():

@@ -56,7 +56,8 @@ class JobHandler(Protocol):
 
     def parse_job(self, body: Any) -> Any: ...
     def begin_trace(self, job: Any, headers: Any) -> Any: ...
-    def release_remote(self, body: Any, refused: bool = True) -> None: ...
+    def refuse(self, body: Any) -> None: ...
+    def release_remote(self, params: Any) -> None: ...
     def generate(self, job: Any, trace_context: str | None = None) -> AsyncIterator[TokenEvent]: ...
     def abort(self, request_id: str) -> None: ...
     def health(self) -> dict: ...
@@ -157,7 +158,7 @@ class WorkerHTTPServer:
         except WorkerUnavailable as exc:
             return _error(503, str(exc))
         except ValueError as exc:
-            self._worker.release_remote(body)  # the producer must not keep blocks for a refused request
+            self._worker.refuse(body)  # the producer must not keep blocks for a refused request
             return _error(400, str(exc))
         trace = self._worker.begin_trace(job, request.headers)  # None with tracing off
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
@@ -169,7 +170,7 @@ class WorkerHTTPServer:
                 trace.end(error="aborted")
             if isinstance(exc, ConnectionError):  # the router left before the stream began: nothing ran
                 logger.info("request %s: router went away before its stream started", job.request_id)
-                self._worker.release_remote(body, refused=False)  # P's leased blocks go now, not at lease end
+                self._worker.release_remote(job.kv_transfer_params)  # P's leased blocks go now, not at lease end
                 return response  # (aiohttp's own write of the end then fails quietly)
             raise
         finished = False

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id, set_span_in_context
 
+from connectors.params import TransferParams
 from pd.cluster.messages import StepTiming, TokenEvent
 from pd.cluster.roles import Role
 from pd.cluster.tracing import GEN_AI_SYSTEM, Tracing, end_span, epoch_ns, extract
@@ -34,16 +35,16 @@ from pd.worker.lease_trace import LeaseSpans
 
 
 class TracedJob(Protocol):
-    """What a trace reads of a request (`pd.worker.worker.GenerateJob` has it)."""
+    """What a trace reads of a request (the engine's `CheckedRequest` has it)."""
 
     @property
     def request_id(self) -> str: ...
     @property
-    def prompt_token_ids(self) -> tuple[int, ...]: ...
+    def prompt_token_ids(self) -> list[int]: ...
     @property
     def sampling(self) -> Any: ...  # the engine's SamplingParams (its max_tokens)
     @property
-    def kv_transfer_params(self) -> dict | None: ...
+    def kv_transfer_params(self) -> TransferParams | None: ...
 
 
 class WorkerTrace:
@@ -53,9 +54,9 @@ class WorkerTrace:
         self._request_id = job.request_id
         self._role = role
         self._data_path = data_path
-        params = job.kv_transfer_params or {}
-        self._pulls = bool(params.get("do_remote_prefill"))
-        self._num_remote_blocks = sum(len(ids) for ids in params.get("remote_block_ids") or [])
+        params = job.kv_transfer_params
+        self._pulls = params is not None and params.do_remote_prefill
+        self._num_remote_blocks = sum(len(ids) for ids in (params and params.remote_block_ids) or ())
         self.started = time.perf_counter()
         kind = "prefill" if role is Role.PREFILL else "decode" if self._pulls else "generate"
         self.root = tracing.span(f"pdkv.{kind}", extract(headers), SpanKind.SERVER, {

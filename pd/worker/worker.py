@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
-from connectors.base import KV_TRACE_CONTEXT_KEY
+from connectors.params import TransferParams
 from pd.cluster.config import DeployConfig, Mode
 from pd.cluster.http_guard import GuardLimits
 from pd.cluster.messages import FinishReason as WireFinishReason
 from pd.cluster.messages import DEVICE_FAULT_CAUSE, GenerateRequest, KVTransferParams, StepTiming, TokenEvent
 from pd.cluster.roles import Role
+from pd.engine.inputs import CheckedRequest
 from pd.engine.outputs import FinishReason
 from pd.cluster.schema import describe
 from pd.cluster.tracing import Tracing
 from pd.cluster.tracing_config import resolve_tracing
-from pd.engine.sample.params import SamplingParams
 from pd.worker.http_api import WorkerHTTPServer, WorkerUnavailable
 from pd.worker.lease_trace import LeaseSpans
 from pd.worker.request_trace import WorkerTrace, start_trace
@@ -76,15 +76,6 @@ class WorkerSpec:
         colocated = self.config.topology.mode is Mode.COLOCATED
         if colocated != (self.role is Role.BOTH):
             raise ValueError(f"role {self.role.value} does not fit topology mode {self.config.topology.mode.value}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    kv_transfer_params: dict | None
-    cache_salt: str | None = None  # the prefix cache's salt for the first block (pd.cluster.messages)
 
 
 class Worker:
@@ -172,45 +163,56 @@ class Worker:
             self._kv_events.close()
 
     # -- requests ---------------------------------------------------------
-    def parse_job(self, body: Any) -> GenerateJob:
-        """Validates an internal generate request (`GenerateRequest`) against this worker's role
-        and capacity; raises ValueError naming the field. The one check at the worker's edge.
+    def parse_job(self, body: Any) -> CheckedRequest:
+        """Validates an internal generate request (`GenerateRequest`) against this worker's role, and
+        has the engine check it (`Engine.check_request`: vocabulary and capacity); raises ValueError
+        naming the field. The one check at the worker's edge: the engine takes the result as it is,
+        kv_transfer_params typed (`connectors.params.TransferParams`) from here to the connector.
         Raises WorkerUnavailable once the engine's loop died."""
-        dead = self._engine.dead if self._engine is not None else None
-        if dead is not None:
-            raise WorkerUnavailable(f"worker {self.spec.worker_id}: engine step loop died: {type(dead).__name__}")
+        engine = self._engine
+        if engine is None:
+            raise WorkerUnavailable(f"worker {self.spec.worker_id} is not running")
+        if engine.dead is not None:
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: engine step loop died: "
+                                    f"{type(engine.dead).__name__}")
         if self._device_fault() is not None:
             raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed; restarting")
         try:
             request = GenerateRequest.model_validate(body)
         except ValidationError as exc:
             raise ValueError(describe(exc)) from None
-        params = request.kv_transfer_params
+        wire = request.kv_transfer_params
+        params = wire.to_params() if wire is not None else None
         if params is not None and params.do_remote_prefill and self.spec.role is not Role.DECODE:
             raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
         if params is not None and params.do_remote_decode and self.spec.role is not Role.PREFILL:
             raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
-        sampling = request.sampling
-        if self._engine is not None:
-            self._engine.check_fits(len(request.prompt_token_ids), sampling.max_tokens, request.request_id)
-        return GenerateJob(request.request_id, tuple(request.prompt_token_ids), sampling.to_params(),
-                           params.to_dict() if params is not None else None, request.cache_salt)
+        return engine.check_request(request.request_id, request.prompt_token_ids, request.sampling.to_params(),
+                                    params, request.cache_salt)
 
-    def begin_trace(self, job: GenerateJob, headers: Any) -> WorkerTrace | None:
+    def begin_trace(self, job: CheckedRequest, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
         return start_trace(self._tracing, self.spec.role, self.spec.worker_id, job, headers,
                            self.spec.config.transfer.data_path, self._lease_spans)
 
-    def release_remote(self, body: Any, refused: bool = True) -> None:
+    def refuse(self, body: Any) -> None:
+        """A request refused at the edge (`parse_job` raised ValueError): counted, and the producer named
+        in its kv_transfer_params, when they parse, frees its blocks now rather than when its lease runs out."""
+        self._num_rejected += 1
+        raw = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        try:
+            params = KVTransferParams.model_validate(raw).to_params() if raw is not None else None
+        except ValidationError:
+            return  # names no producer this worker could tell
+        self.release_remote(params)
+
+    def release_remote(self, params: TransferParams | None) -> None:
         """Tells the producer named in a refused (or never started) request's kv_transfer_params to
         free its blocks now, rather than when its lease runs out."""
-        if refused:
-            self._num_rejected += 1
-        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        if self._connector is not None and isinstance(params, dict):
+        if self._connector is not None and params is not None:
             self._connector.release_remote(params)
 
-    async def generate(self, job: GenerateJob, trace_context: str | None = None) -> AsyncIterator[TokenEvent]:
+    async def generate(self, job: CheckedRequest, trace_context: str | None = None) -> AsyncIterator[TokenEvent]:
         """Yields one event per engine output for the request (see `pd.worker.http_api`).
         `trace_context`: D's pull span (`WorkerTrace.pull_context`), passed on to P in the PULL frames."""
         engine = self._require_engine()
@@ -222,20 +224,21 @@ class Worker:
             for where in faults.engine_marks():
                 engine.fault_marks.mark(job.request_id, where)
         if trace_context is not None and params is not None:
-            params = {**params, KV_TRACE_CONTEXT_KEY: trace_context}
+            params = dataclasses.replace(params, trace_context=trace_context)
+        if params is not job.kv_transfer_params:
+            job = dataclasses.replace(job, kv_transfer_params=params)
         try:
-            async for out in engine.generate(job.request_id, list(job.prompt_token_ids), job.sampling,
-                                             kv_transfer_params=params, cache_salt=job.cache_salt):
+            async for out in engine.stream(job):
                 if faults is not None:
                     await faults.at("worker.prefill_done" if out.finished and self.spec.role is Role.PREFILL
                                     else "worker.decode_token")
-                params = out.kv_transfer_params if out.finished else None
+                answer = out.kv_transfer_params if out.finished else None
                 cause = out.error_cause.value if out.error_cause is not None else None
                 if out.error is not None and self._device_fault() is not None:  # (no step ran after it)
                     cause = DEVICE_FAULT_CAUSE
                 yield TokenEvent(token_ids=list(out.new_token_ids), finished=out.finished,
                                  finish_reason=_reason_name(out.finish_reason),
-                                 kv_transfer_params=KVTransferParams(**params) if params else None,
+                                 kv_transfer_params=KVTransferParams.from_params(answer) if answer else None,
                                  error=out.error, num_cached_tokens=out.num_cached_tokens, error_cause=cause,
                                  timing=_wire_timing(out.timing, engine.page_pool.page_size_bytes))
         except RuntimeError as exc:

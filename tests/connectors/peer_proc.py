@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from connectors.params import TransferParams  # noqa: E402
 from connectors.zmq.page_access import digest  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 from connectors.zmq.connector import ZmqConnector, ZmqConnectorConfig  # noqa: E402
@@ -78,7 +79,7 @@ class Peer:
     # ---------------------------------------------------------------- producer side
     def prefill(self, a: dict) -> dict:
         req = Request(a["request_id"], a["prompt"], block_hasher=self.hasher, max_tokens=1,
-                      kv_transfer_params={"do_remote_decode": True})
+                      kv_transfer_params=TransferParams(do_remote_decode=True))
         blocks, hit = self.mgr.get_computed_blocks(req)
         n = len(a["prompt"])
         assert self.mgr.allocate_slots(req, n - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks) is not None
@@ -100,7 +101,7 @@ class Peer:
             self.reqs[req.request_id] = req
         else:
             self.mgr.free(req)
-        return {"delay": delay, "params": params, "block_ids": [list(g) for g in block_ids], "digests": digests}
+        return {"delay": delay, "params": params.to_dict() if params else None, "block_ids": [list(g) for g in block_ids], "digests": digests}
 
     def corrupt(self, a: dict) -> dict:
         rid = a["request_id"]
@@ -115,7 +116,7 @@ class Peer:
         req = self.reqs.get(a["request_id"])
         if req is None:
             req = Request(a["request_id"], a["prompt"], block_hasher=self.hasher, max_tokens=4,
-                          kv_transfer_params=a["params"])
+                          kv_transfer_params=TransferParams.from_dict(a["params"]))
             self.reqs[req.request_id] = req
         sched = self.conn.scheduler
         sched.on_new_request(req)
@@ -185,7 +186,7 @@ class Peer:
     def enqueue(self, a: dict) -> dict:
         """A decode request waiting in the queue (not admitted yet): only heartbeats run."""
         req = Request(a["request_id"], a["prompt"], block_hasher=self.hasher, max_tokens=4,
-                      kv_transfer_params=a["params"])
+                      kv_transfer_params=TransferParams.from_dict(a["params"]))
         self.reqs[req.request_id] = req
         self.conn.scheduler.on_new_request(req)
         return {}

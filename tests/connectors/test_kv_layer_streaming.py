@@ -193,7 +193,7 @@ def test_a_whole_load_in_a_layer_deployment_moves_slices(data_path):
         while params is None:
             assert time.monotonic() < deadline
             params = next((o.kv_transfer_params for o in p.step() if o.request_id == "whole" and o.finished), None)
-        assert params["do_remote_prefill"] and not params.get("streaming")
+        assert params.do_remote_prefill and not params.streaming
         drive = Drive(p, d)
         d.add_request("whole", tokens, sampling, kv_transfer_params=params)
         drive.got["whole"] = {"tokens": [], "finished": False, "error": None, "cause": None}

@@ -8,6 +8,7 @@ real sockets. Every test ends with both pools all free (`kvcache.audit.assert_al
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -508,7 +509,7 @@ def test_killed_p_mid_stream_is_recomputed(streaming):
 def test_streaming_config_and_params_are_checked_at_the_edge():
     from pydantic import ValidationError
 
-    from connectors.params import InvalidKVParams, parse_remote_prefill
+    from connectors.params import InvalidKVParams, TransferParams, parse_remote_prefill
     from pd.cluster.config import TransferSection
 
     assert TransferSection().streaming == "off"  # the default: the flow as before
@@ -520,9 +521,11 @@ def test_streaming_config_and_params_are_checked_at_the_edge():
             TransferSection(**bad)
     params = make_stream_params("prefill-0", "127.0.0.1", 5555, "r")
     assert parse_remote_prefill(params, 2).streamed
-    for bad in ({"streaming": 1}, {"remote_block_ids": [[1], [2]]}, {"remote_port": 0}):
+    for bad in ({"remote_block_ids": ((1,), (2,))}, {"remote_port": 0}):
         with pytest.raises(InvalidKVParams):
-            parse_remote_prefill({**params, **bad}, 2)
+            parse_remote_prefill(dataclasses.replace(params, **bad), 2)
+    with pytest.raises(InvalidKVParams):
+        TransferParams.from_dict({**params.to_dict(), "streaming": 1})
 
 
 def test_published_frames_are_bound_to_their_session():

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from connectors.base import KV_TRACE_CONTEXT_KEY
+from connectors.params import KV_TRACE_CONTEXT_KEY
 from connectors.params import MAX_TRACE_CONTEXT_LEN, valid_trace_context
 from connectors.zmq import wire
 from connectors.zmq.consumer import Consumer, RemoteAddr

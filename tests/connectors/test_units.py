@@ -1,6 +1,7 @@
 """In-process checks of the connector's pure parts: wire, params, handshake, leases, planning."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from connectors.zmq import framing, wire
 from connectors.zmq.leases import LeaseTable, PullRefused
 from connectors.metrics import TransferMetrics
 from connectors.noop import NoopConnector
-from connectors.params import InvalidKVParams, make_remote_prefill_params, parse_remote_prefill
+from connectors.params import InvalidKVParams, TransferParams, make_remote_prefill_params, parse_remote_prefill
 from connectors.zmq.wire import MalformedMessage, MsgType
 from connectors.zmq.scheduler import GroupLayout, ZmqConnectorScheduler
 
@@ -75,24 +76,35 @@ def test_stream_frame_round_trip_over_a_real_socket():
 
 
 def _params(**over):
-    p = make_remote_prefill_params("P", "127.0.0.1", 5555, "r1", [[1, 2], [3]], 20)
-    p.update(over)
-    return p
+    return dataclasses.replace(make_remote_prefill_params("P", "127.0.0.1", 5555, "r1", [[1, 2], [3]], 20), **over)
 
 
 @pytest.mark.parametrize("over", [
-    {"remote_port": 0}, {"remote_port": "5555"}, {"remote_host": ""}, {"remote_block_ids": [[1, 2]]},
-    {"remote_block_ids": [[1, 0], [3]]}, {"remote_block_ids": [[1, True], [3]]}, {"remote_num_tokens": -1},
-    {"remote_engine_id": None},
+    {"remote_port": 0}, {"remote_port": None}, {"remote_host": ""}, {"remote_block_ids": ((1, 2),)},
+    {"remote_block_ids": ((1, 0), (3,))}, {"remote_num_tokens": -1}, {"remote_num_tokens": None},
+    {"remote_engine_id": None}, {"streaming": True},
 ])
 def test_params_are_validated(over):
     with pytest.raises(InvalidKVParams):
         parse_remote_prefill(_params(**over), num_groups=2)
 
 
+@pytest.mark.parametrize("bad", [
+    {"remote_port": "5555"}, {"do_remote_prefill": 1}, {"remote_block_ids": [[1, True], [3]]},
+    {"remote_block_ids": [1, 2]}, {"remote_hots": "h"}, {"streaming": "yes"},
+])
+def test_a_callers_dict_is_type_checked_once(bad):
+    with pytest.raises(InvalidKVParams):
+        TransferParams.from_dict({**_params().to_dict(), **bad})
+
+
 def test_params_round_trip():
     rp = parse_remote_prefill(_params(), num_groups=2)
     assert rp.block_ids == ((1, 2), (3,)) and rp.num_tokens == 20 and rp.port == 5555
+    assert TransferParams.from_dict(_params().to_dict()) == _params()
+    assert parse_remote_prefill(TransferParams.from_dict(_params().to_dict()), num_groups=2) == rp
+    with pytest.raises(InvalidKVParams):  # the connector reads the typed form only
+        parse_remote_prefill(_params().to_dict(), num_groups=2)
 
 
 def test_handshake_proofs_bind_the_transcript():

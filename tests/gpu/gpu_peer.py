@@ -72,7 +72,7 @@ def serve_prefill(a: dict) -> None:
     for _ in range(200):
         for out in eng.step():
             if out.finished:
-                params[out.request_id] = out.kv_transfer_params
+                params[out.request_id] = out.kv_transfer_params.to_dict()  # (JSON to the test)
                 first[out.request_id] = out.new_token_ids
         if len(params) == len(a["prompts"]):
             break

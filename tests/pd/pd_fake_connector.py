@@ -11,6 +11,7 @@ from kvcache import RequestStatus
 
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorScheduler, KVConnectorWorker
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams, wants_remote_decode, wants_remote_prefill
 
 
 class FakeLink:
@@ -19,7 +20,7 @@ class FakeLink:
         self.read_done: set[tuple[str, str]] = set()  # (producer engine id, request id) copied by a consumer
         self.hold_loads = False  # True: loads complete only through release()
         self.released: set[str] = set()
-        self.remote_released: list[dict] = []  # kv_transfer_params given to release_remote
+        self.remote_released: list[TransferParams] = []  # kv_transfer_params given to release_remote
         self.aborted_leases: list[str] = []
         self.corrupt: set[str] = set()  # request ids whose load is reported invalid
         self.num_loads = 0
@@ -35,26 +36,27 @@ class FakeSchedulerHalf(KVConnectorScheduler):
         self.num_local: dict[str, int] = {}
         self.loads: dict[str, dict] = {}
         self.finished_calls: list[str] = []
+        self.loaded: set[str] = set()  # requests whose load was ordered
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params) or request.request_id in self.loaded:
             return 0, False
-        count = params["remote_num_tokens"] - num_computed_tokens
+        count = params.remote_num_tokens - num_computed_tokens
         self.num_local[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and num_external_tokens > 0:
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params) and request.request_id not in self.loaded and num_external_tokens > 0:
             self.loads[request.request_id] = {
-                "remote_engine_id": params["remote_engine_id"],
-                "remote_request_id": params["remote_request_id"],
-                "remote_block_ids": params["remote_block_ids"],
+                "remote_engine_id": params.remote_engine_id,
+                "remote_request_id": params.remote_request_id,
+                "remote_block_ids": params.remote_block_ids,
                 "local_block_ids": blocks.get_block_ids(),
                 "num_local_tokens": self.num_local.pop(request.request_id, 0),
             }
-            params["do_remote_prefill"] = False  # one load per request, as real connectors do
+            self.loaded.add(request.request_id)  # one load per request, as real connectors do
 
     def build_connector_meta(self):
         meta = ConnectorMetadata(loads=self.loads)
@@ -63,13 +65,13 @@ class FakeSchedulerHalf(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         self.finished_calls.append(request.request_id)
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or request.status == RequestStatus.FINISHED_ABORTED:
+        self.loaded.discard(request.request_id)
+        if not wants_remote_decode(request.kv_transfer_params) or request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
-        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                      "remote_request_id": request.request_id,
-                      "remote_block_ids": [list(ids) for ids in block_ids],
-                      "remote_num_tokens": request.num_computed_tokens}
+        return True, TransferParams(do_remote_prefill=True, remote_engine_id=self.engine_id,
+                                    remote_request_id=request.request_id,
+                                    remote_block_ids=tuple(tuple(ids) for ids in block_ids),
+                                    remote_num_tokens=request.num_computed_tokens)
 
 
 class FakeWorkerHalf(KVConnectorWorker):
@@ -129,7 +131,7 @@ class FakeConnector(KVConnector):
         self.link = link
 
     def release_remote(self, kv_transfer_params):
-        self.link.remote_released.append(dict(kv_transfer_params))
+        self.link.remote_released.append(kv_transfer_params)
         return True
 
     def abort_lease(self, request_id):

@@ -51,7 +51,7 @@ def prefill_on_p(p, rid, prompt):
         if done:
             break
     out = done[0]
-    assert out.finished and out.kv_transfer_params["do_remote_prefill"]
+    assert out.finished and out.kv_transfer_params.do_remote_prefill
     return out
 
 

@@ -3,7 +3,7 @@ import torch
 
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sample.sampler import filter_logits, sample, make_generator
-from pd.engine.text.tokenizer import ByteTokenizer, as_token_ids
+from pd.engine.text.tokenizer import ByteTokenizer, valid_token_ids
 
 
 def test_byte_tokenizer_roundtrip():
@@ -18,14 +18,18 @@ def test_byte_tokenizer_roundtrip():
     assert tok.decode(list("✓".encode())[:2]) == "\ufffd"
 
 
-def test_as_token_ids_validates():
-    tok = ByteTokenizer()
-    assert as_token_ids([1, 2], tok, 260) == [1, 2]
-    assert as_token_ids("a", tok, 260) == [tok.bos_token_id, 97]
+def test_valid_token_ids_validates_and_converts_once():
+    ids = [1, 2]
+    assert valid_token_ids(ids, 260) is ids  # a list of ints is kept as it is
+    assert valid_token_ids((1, 2), 260) == [1, 2] and valid_token_ids(torch.tensor([3, 4]), 260) == [3, 4]
     with pytest.raises(ValueError, match="outside"):
-        as_token_ids([999], tok, 260)
+        valid_token_ids([999], 260)
+    with pytest.raises(ValueError, match="outside"):
+        valid_token_ids([1, -1], 260)
     with pytest.raises(ValueError, match="empty"):
-        as_token_ids([], tok, 260)
+        valid_token_ids([], 260)
+    with pytest.raises(TypeError):
+        valid_token_ids([1.5], 260)  # never cut to an int
 
 
 def test_sampling_params_validation():

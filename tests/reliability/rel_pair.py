@@ -15,6 +15,7 @@ import time
 import torch
 
 from connectors.links.link_shape import LinkShape
+from connectors.params import TransferParams
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultPlan
 from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
@@ -144,7 +145,7 @@ class Pair:
             if not busy or all(not eng.scheduler.has_runnable_work() for eng in engines):
                 time.sleep(0.002)
 
-    def prefill(self, rid: str, tokens: list[int]) -> dict:
+    def prefill(self, rid: str, tokens: list[int]) -> TransferParams:
         """Runs the prefill on P; returns P's kv_transfer_params (pointed at the link if any)."""
         self.p.add_request(rid, tokens, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True})
         deadline = time.monotonic() + 20.0
@@ -153,12 +154,12 @@ class Pair:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill of {rid} did not finish")
             final = next((o for o in self.p.step() if o.request_id == rid and o.finished), None)
-        params = dict(final.kv_transfer_params)
+        params = final.kv_transfer_params
         if self.link is not None:
-            params["remote_port"] = self.link.port
+            params = dataclasses.replace(params, remote_port=self.link.port)
         return params
 
-    def add_decode(self, rid: str, tokens: list[int], params: dict | None, n: int) -> dict:
+    def add_decode(self, rid: str, tokens: list[int], params: TransferParams | None, n: int) -> dict:
         """Queues the decode on D; the returned dict collects its outputs."""
         got = {"tokens": [], "finished": False, "reason": None, "error": None, "cause": None}
         self.d.add_request(rid, tokens, greedy(n), kv_transfer_params=params)

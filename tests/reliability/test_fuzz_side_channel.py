@@ -10,6 +10,7 @@ malformed frames and keep serving; both pools end all free.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import threading
@@ -222,7 +223,7 @@ def test_consumer_survives_a_hostile_producer(fault_record):
     want = reference(toks, 6)
     try:
         with Pair(Side("prefill-0", lease_s=3.0), Side("decode-0", timeout_s=1.0)) as pair:
-            params = dict(pair.prefill("r1", toks), remote_port=port)  # the router was lied to
+            params = dataclasses.replace(pair.prefill("r1", toks), remote_port=port)  # the router was lied to
             outs = {"r1": pair.add_decode("r1", toks, params, 6)}
             pair.drive(outs, timeout_s=20)
             assert outs["r1"]["tokens"] == want and pair.d.scheduler.stats.num_load_failures_recomputed == 1

@@ -3,9 +3,12 @@
 will pull), and a load failure cause that reaches D's output as the enum. Pools end all free."""
 from __future__ import annotations
 
+import dataclasses
+
 from rel_pair import Pair, Side, prompt, reference
 
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams
 from pd.engine.outputs import FinishReason
 
 TOKS = prompt(40)
@@ -20,8 +23,8 @@ def test_release_remote_frees_the_producers_blocks_at_once():
         params = pair.prefill("r1", TOKS)
         assert pair.p.stats()["num_held_for_transfer"] == 1
         # nothing to release: not a remote prefill, malformed address, or not the consumer side
-        assert pair.d.connector.release_remote({"do_remote_decode": True}) is False
-        assert pair.d.connector.release_remote(dict(params, remote_port="nope")) is False
+        assert pair.d.connector.release_remote(TransferParams(do_remote_decode=True)) is False
+        assert pair.d.connector.release_remote(dataclasses.replace(params, remote_port=0)) is False
         assert pair.p.connector.release_remote(params) is False
         assert pair.d.connector.release_remote(params) is True
         pair.step_until(lambda: pair.p.stats()["num_held_for_transfer"] == 0, timeout_s=5, engines=[pair.p])

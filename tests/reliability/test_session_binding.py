@@ -8,6 +8,7 @@ page leaves P, every attempt is counted, and the good transfers still move their
 from __future__ import annotations
 
 import collections
+import dataclasses
 import socket
 import time
 
@@ -74,7 +75,7 @@ def test_a_captured_handshake_replayed_does_nothing(fault_record):
     with Pair(Side("prefill-0", lease_s=20.0), Side("decode-0", heartbeat_s=0.2)) as pair:
         link = CaptureLink(pair.p.connector.port).start()
         try:
-            params1 = dict(pair.prefill("r1", toks1), remote_port=link.port)
+            params1 = dataclasses.replace(pair.prefill("r1", toks1), remote_port=link.port)
             outs = {"r1": pair.add_decode("r1", toks1, params1, 6)}
             pair.drive(outs, timeout_s=30)
             assert outs["r1"]["tokens"] == want1
@@ -86,7 +87,7 @@ def test_a_captured_handshake_replayed_does_nothing(fault_record):
             attach = link.captured["data.attach"][0]
 
             producer = pair.p.connector.worker.producer
-            params2 = dict(pair.prefill("r2", toks2), remote_port=link.port)  # P leases r2's blocks
+            params2 = dataclasses.replace(pair.prefill("r2", toks2), remote_port=link.port)  # P leases r2's blocks
             deadline = time.monotonic() + 10
             while not producer.leases.is_sealed("r2"):
                 assert time.monotonic() < deadline
@@ -98,7 +99,7 @@ def test_a_captured_handshake_replayed_does_nothing(fault_record):
             sock.sendall(attach)
             time.sleep(0.3)  # (as a consumer would: the PULL after the ATTACH was taken)
             try:
-                sock.sendall(wire.pull_frame(7, "r2", params2["remote_block_ids"][0]))
+                sock.sendall(wire.pull_frame(7, "r2", list(params2.remote_block_ids[0])))
             except OSError:  # already closed by the producer
                 pass
             answered = _frames_after(sock)

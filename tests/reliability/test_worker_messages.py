@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import requests
 
-from connectors.base import KV_PARAM_KEYS
+from connectors.params import KV_PARAM_KEYS, TransferParams, make_remote_prefill_params
 from pd.cluster.messages import GenerateRequest, KVTransferParams, Sampling, TokenEvent
 from rel_deploy import SECRET, LocalDeployment, local_config
 
@@ -91,7 +91,10 @@ def test_message_models_cover_the_connector_fields():
     assert set(KVTransferParams.model_fields) == set(KV_PARAM_KEYS)
     request = GenerateRequest(request_id="r", prompt_token_ids=[1], kv_transfer_params={"do_remote_decode": True})
     assert GenerateRequest.model_validate_json(request.model_dump_json(exclude_none=True)) == request
-    assert request.kv_transfer_params.to_dict() == {"do_remote_decode": True}
+    assert request.kv_transfer_params.to_params() == TransferParams(do_remote_decode=True)
+    answer = make_remote_prefill_params("P", "127.0.0.1", 5555, "r", [[1, 2], [3]], 20)
+    wire = KVTransferParams.from_params(answer)
+    assert KVTransferParams.model_validate_json(wire.model_dump_json(exclude_none=True)).to_params() == answer
 
 
 @pytest.fixture(scope="module")

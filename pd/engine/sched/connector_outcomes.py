@@ -16,6 +16,7 @@ from kvcache import KVCacheManager, RequestStatus
 
 from connectors.base import ConnectorOutput, KVConnectorScheduler
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams
 from pd.engine.outputs import FinishReason, RequestOutput
 from pd.engine.config import EngineConfig
 from pd.engine.sched.request_state import RequestState
@@ -38,7 +39,7 @@ class ConnectorOutcomes:
     held: dict[str, RequestState]
     finished_recving: set[str]
     stats: SchedulerStats
-    _finish: Callable[..., dict | None]
+    _finish: Callable[..., TransferParams | None]
     _release: Callable[[RequestState], None]
 
     def _promote_finished_loads(self) -> None:

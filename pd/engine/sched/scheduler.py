@@ -36,6 +36,7 @@ from kvcache import KVCacheManager, RequestStatus
 
 from connectors.base import ConnectorOutput, KVConnectorScheduler
 from connectors.metrics import FailureCause
+from connectors.params import TransferParams
 from pd.engine.config import EngineConfig
 from pd.engine.outputs import FinishReason, RequestOutput
 from pd.engine.sched.request_state import RequestState
@@ -311,7 +312,7 @@ class Scheduler(ConnectorOutcomes):
         return None
 
     def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None,
-                error_cause: FailureCause | None = None) -> dict | None:
+                error_cause: FailureCause | None = None) -> TransferParams | None:
         """Mark finished, leave every queue, and free or hand the blocks to the connector."""
         req = state.request
         rid = req.request_id

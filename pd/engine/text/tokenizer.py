@@ -6,11 +6,13 @@ special tokens (ids 256+); it serves the random-weight test models.
 `tokenizer_config.json`, `generation_config.json`, `chat_template.jinja`)
 through the `tokenizers` library. `load_tokenizer` is the one way router and
 workers build either, so both sides agree on ids, stop ids and chat prompts.
-Prompts may also arrive as lists of token ids, which `as_token_ids` validates.
+Prompts may also arrive as lists of token ids, which `valid_token_ids` validates;
+`text_tokenizer` is what an engine encodes text prompts with (the checkpoint's own).
 """
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 from typing import Any, Protocol
 from collections.abc import Sequence
@@ -278,15 +280,24 @@ def _chat_template_source(root: Path, config: dict) -> str | None:
                      "{name, template} with a 'default' entry")
 
 
-def as_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A prompt given as text or as token ids -> validated token ids."""
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]
+def valid_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """`ids` as a list of ints in [0, vocab_size), converted once (a list of ints is kept as it is);
+    ValueError for an empty prompt or an id outside the vocabulary."""
+    if type(ids) is not list or not all(type(t) is int for t in ids):
+        ids = [operator.index(t) for t in ids]  # ints (numpy's too), never a float cut to an int
     if not ids:
         raise ValueError("prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise ValueError(f"prompt token ids {bad[:5]} outside vocabulary of size {vocab_size}")
     return ids
+
+
+def text_tokenizer(model_path: str | Path | None) -> Tokenizer:
+    """The tokenizer an engine encodes text prompts with: the checkpoint's own (`load_tokenizer`), the
+    byte tokenizer without a checkpoint; ValueError naming the checkpoint when it has none that loads."""
+    try:
+        return load_tokenizer(model_path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"a text prompt needs the checkpoint's tokenizer, and {model_path} has none that "
+                         f"loads ({exc}); pass token ids, or give the engine a tokenizer") from exc
