@@ -100,16 +100,18 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def parse_config_text(text: str, where: str = "config") -> Any:
     """The YAML value of `text` under the bounds above; raises ConfigFileError."""
-    loader = _BoundedLoader(text)
-    loader.name = where  # (the parser's marks say "in <file>, line L, column C")
+    loader = None
     try:
+        loader = _BoundedLoader(text)  # (its reader already refuses non-printable characters)
+        loader.name = where  # (the parser's marks say "in <file>, line L, column C")
         data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigFileError(f"{where}: not valid YAML: {one_line(str(exc))}") from None
     except (RecursionError, MemoryError, ValueError, OverflowError) as exc:  # belt and braces: a parser limit
         raise ConfigFileError(f"{where}: cannot be parsed: {type(exc).__name__}: {one_line(str(exc))}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     long_string = _first_long_string(data, ())
     if long_string is not None:
         raise ConfigFileError(f"{where}: {long_string}")
