@@ -10,7 +10,9 @@ aliases), applies the command line's overrides, then checks the model:
   (shape, supported architecture, vocabulary against its tokenizer);
 - a `model.path` that does not exist is an error when the workers run on this machine (an
   embedded Ray), a warning when they run on a cluster (the path may exist only there).
-A `.gguf` file is only checked to exist here: the workers convert it (once, cached).
+A `.gguf` file is converted here (once, into the cache the workers then read) when the workers
+run on this machine, so a full disk or a file pdkv cannot serve is one line here, not a Ray
+traceback; with a cluster address it is only checked to exist.
 
 Guarantee: every problem raises `ConfigError` whose text is one line of at most
 `MAX_MESSAGE_CHARS` characters (`error_line` is what the CLI prints, exit status 2).
@@ -65,8 +67,8 @@ def check_model(config: DeployConfig, workers_here: bool) -> None:
                 raise ConfigError(f"model.path: {_short(named)}: no such file or directory")
             logger.warning("model.path %s does not exist here; the workers check it where they run", _short(named))
             return
-        if not where.is_dir():
-            return  # a .gguf file: converted (once) where the workers run
+        if where.is_file() and where.suffix.lower() == ".gguf" and not workers_here:
+            return  # converted (once) where the workers run
     from pd.worker.wiring import check_model_vocabulary  # torch: imported only for a checkpoint read here
 
     try:

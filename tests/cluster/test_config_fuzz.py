@@ -27,7 +27,7 @@ from pd.cluster.config import ConfigError, DeployConfig
 from pd.deploy.config_check import error_line, load_checked_config
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY_FILES = ["local.yaml", "local-colocated.yaml", "gpu-1p1d-one-gpu.yaml", "gpu-2p4d.yaml", "smollm2.yaml"]
+DEPLOY_FILES = ["local.yaml", "local-colocated.yaml", "gpu-1p1d-one-gpu.yaml", "gpu-2p4d.yaml", "gpu-2p2d-k8s.yaml"]  # (no .gguf: it would convert)
 SECTIONS = {name: sorted(field.annotation.model_fields) for name, field in DeployConfig.model_fields.items()}
 MAX_S, MAX_RSS_MB = 10.0, 500
 
