@@ -48,7 +48,7 @@ def load_checked_config(path: str | Path, port: int | None = None, host: str | N
 
 def check_model(config: DeployConfig, workers_here: bool) -> None:
     """Raises ConfigError when the model the workers would build is refused (see the module docstring)."""
-    from pd.engine.model.files import ModelFileError, locate_model
+    from pd.engine.model.gguf import locate_model  # (the engine's public model-files entry; raises ModelFileError)
     from pd.engine.text.vocab import VocabularyMismatch
 
     named = config.model.path
@@ -60,7 +60,7 @@ def check_model(config: DeployConfig, workers_here: bool) -> None:
         try:
             where = locate_model(named)
             exists = where.exists()
-        except (ModelFileError, OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # ModelFileError is a FileNotFoundError
             raise ConfigError(f"model.path: {_exc_text(exc)}") from None
         if not exists:
             if workers_here:
