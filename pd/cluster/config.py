@@ -21,22 +21,28 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import Field, Strict, ValidationError, field_serializer, field_validator, model_validator
 
 from connectors.links.faults import FaultSpecError
 from connectors.links.link_shape import LinkShape
 from connectors.zmq.transfer_settings import DataPathName, StreamingName, TransferSettings
 from pd.cluster.fault_rules import parse_worker_faults
 from pd.cluster.router_config import ConnectionsSection, RouterSection  # noqa: F401  (sections of DeployConfig)
-from pd.cluster.schema import FieldError, StrictModel, describe
+from pd.cluster.schema import FieldError, StrictModel, clip, describe
 from pd.cluster.tracing_config import TracingSection
-from pd.engine.text.vocab import BYTE_VOCAB_SIZE, byte_vocab_problem
+from pd.cluster.architecture_config import MAX_POSITIONS, ArchitectureSection
+from pd.cluster.config_file import ConfigFileError, one_line, read_config_file
+from pd.engine.text.vocab import byte_vocab_problem
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_KV_MEMORY_MB = 16 << 20  # 16 TiB per worker: more than any machine has
+MAX_WORKERS = 4096
+MAX_MESSAGE_CHARS = 2000  # one config error line
+_HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name, an IPv4 or IPv6 address (auto included)
 _TRANSFER = TransferSettings()  # the transfer defaults are the connector's own
 
 
@@ -74,16 +80,20 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 class ModelSection(StrictModel):
     """The model: seeded random weights (`path` empty) or a checkpoint directory.
 
-    `architecture` holds model-shape overrides (hidden size, layers, heads, ...)
-    passed through to the engine's model config; the engine validates them.
+    `architecture` holds a random-weight model's shape (`ArchitectureSection`: the engine's
+    ModelConfig fields, typed and bounded, unknown keys refused; only the keys set are carried);
+    with a `path` the checkpoint's config.json decides the shape (checked by pd.launch where it
+    can read it, and by the workers where they run).
     """
 
-    path: str | None = Field(None, description="HF-style checkpoint directory (checked where the workers run)")
-    seed: int = 0
+    path: str | None = Field(None, max_length=4096,
+                             description="HF-style checkpoint directory (checked where the workers run)")
+    seed: int = Field(0, ge=-(1 << 63), lt=1 << 64)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="serving dtype, also for a checkpoint stored in another one")
-    name: NonEmpty = "pdkv-tiny"
-    architecture: dict[str, Any] = Field(default_factory=dict, description="pd.engine.config.ModelConfig fields")
+    name: NonEmpty = Field("pdkv-tiny", max_length=256, description="the model id clients name")
+    architecture: ArchitectureSection = Field(default_factory=ArchitectureSection,
+                                              description="pd.engine.model.config.ModelConfig fields")
     attention_backend: Literal["auto", "torch", "fused", "triton"] = Field(
         "auto", description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
                             "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
@@ -96,7 +106,13 @@ class ModelSection(StrictModel):
     def _path_not_blank(cls, path: str | None) -> str | None:
         if path is not None and not path.strip():
             raise ValueError("must be a directory path or empty")
+        if path is not None and "\x00" in path:
+            raise ValueError("must not contain a NUL character")
         return path
+
+    @field_serializer("architecture")
+    def _only_what_was_set(self, architecture: ArchitectureSection) -> dict[str, Any]:
+        return architecture.overrides()
 
     @model_validator(mode="after")
     def _random_weights_speak_bytes(self) -> ModelSection:
@@ -104,7 +120,7 @@ class ModelSection(StrictModel):
         # vocabulary samples ids nobody can decode (or tokens with no embedding). A checkpoint's own
         # tokenizer is checked where the workers run (pd.worker.wiring), since its files live there.
         if self.path is None:
-            problem = byte_vocab_problem(self.architecture.get("vocab_size", BYTE_VOCAB_SIZE))
+            problem = byte_vocab_problem(self.architecture.vocab_size)
             if problem is not None:
                 raise FieldError("architecture", problem)
         return self
@@ -113,8 +129,8 @@ class ModelSection(StrictModel):
 class CacheSection(StrictModel):
     """Per-worker KV cache: block size and the memory budget of its page pool."""
 
-    block_size: int = Field(16, gt=0, description="tokens per KV block; a power of two")
-    kv_memory_mb: Positive = 64.0
+    block_size: int = Field(16, gt=0, le=1 << 16, description="tokens per KV block; a power of two")
+    kv_memory_mb: float = Field(64.0, gt=0, le=MAX_KV_MEMORY_MB, description="the KV pool of each worker, MB")
     enable_prefix_caching: bool = True
     hash_algorithm: Literal["sha256", "xxhash"] = "sha256"
 
@@ -127,9 +143,9 @@ class CacheSection(StrictModel):
 
 
 class SchedulerSection(StrictModel):
-    max_num_seqs: int = Field(32, gt=0)
-    max_num_batched_tokens: int = Field(512, gt=0)
-    max_model_len: int = Field(1024, gt=1)
+    max_num_seqs: int = Field(32, gt=0, le=1 << 16)
+    max_num_batched_tokens: int = Field(512, gt=0, le=1 << 24)
+    max_model_len: int = Field(1024, gt=1, le=MAX_POSITIONS)
     watermark: float = Field(0.01, ge=0.0, lt=1.0)
 
 
@@ -141,9 +157,9 @@ class TopologySection(StrictModel):
     """
 
     mode: ModeField = Mode.DISAGGREGATED
-    num_prefill: int = Field(1, ge=0)
-    num_decode: int = Field(1, ge=0)
-    num_colocated: int = Field(1, ge=0)
+    num_prefill: int = Field(1, ge=0, le=MAX_WORKERS)
+    num_decode: int = Field(1, ge=0, le=MAX_WORKERS)
+    num_colocated: int = Field(1, ge=0, le=MAX_WORKERS)
     # Only the spelling is checked here: the launcher may have no GPU while the workers do;
     # the worker's EngineConfig checks that CUDA really exists where it runs.
     device: Literal["cpu", "cuda"] = Field(
@@ -297,6 +313,23 @@ class DeployConfig(StrictModel):
                              f"{self.topology.device} (use 'auto', 'torch' or 'fused')")
         return self
 
+    @model_validator(mode="after")
+    def _strings_a_peer_can_use(self) -> DeployConfig:
+        # a host or key that validates as a str but that no resolver or HTTP client can use would fail only
+        # later, in a worker or in every request: a homoglyph host, a key with a character outside latin-1
+        for name, host in (("router.host", self.router.host), ("transfer.host", self.transfer.host)):
+            if not _HOST.fullmatch(host):
+                raise FieldError(name, f"must be an IP address or an ASCII host name, got {clip(host, 40)}")
+        keys = {f"router.api_keys.{tenant}" if tenant in self.router.api_keys else "router.api_key": key
+                for tenant, key in self.router.tenant_keys().items()}
+        if self.router.admin_key is not None:
+            keys["router.admin_key"] = self.router.admin_key
+        for name, key in keys.items():  # (the key itself is never echoed: it is a secret)
+            if not all(" " <= ch <= "\xff" and ch != "\x7f" for ch in key):
+                raise FieldError(name, "must be latin-1 text without control characters (an HTTP header "
+                                 "carries nothing else); ASCII letters and digits are the safe choice")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -308,7 +341,7 @@ class DeployConfig(StrictModel):
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"config: must be a mapping, got {type(data).__name__}")
         try:
-            return cls.model_validate(data or {})
+            return cls.model_validate({} if data is None else data)
         except ValidationError as exc:
             raise ConfigError(describe(exc, cls, where="config")) from None
 
@@ -334,15 +367,13 @@ class DeployConfig(StrictModel):
 
 
 def load_deploy_config(path: str | Path) -> DeployConfig:
-    """Reads and validates a YAML deployment config; errors name the file and key."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
+    """Reads and validates a YAML deployment config; every error is a ConfigError of one line that
+    names the file and key (`pd.cluster.config_file` bounds what reading the file may cost)."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        data = read_config_file(path)
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     try:
-        return DeployConfig.from_dict(data or {})
+        return DeployConfig.from_dict(data)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(one_line(f"{str(path)[:200]}: {exc}", MAX_MESSAGE_CHARS)) from None

@@ -10,6 +10,10 @@ processes: it then exits within 10 s and leaves no process behind (`pd.deploy.te
 prints the report and the KV pool audit of every worker ("N of M workers audited": a worker
 that gives no audit fails the run, as does a pool not all free) and exits.
 
+`--check-config` validates the file, every value and the model it names, then exits (0 valid,
+2 with one `error:` line) without starting Ray; a config that is not valid gets the same line and
+status 2 from every other mode, before Ray starts (`pd.deploy.config_check`).
+
 `Deployment` is the same thing as a library object (tests, benchmarks):
 `start()` returns the URL, `stop()` tears everything down and is idempotent.
 """
@@ -25,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import ray
 
@@ -33,9 +36,8 @@ import ray
 from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.admin_key import generate_admin_key
-from pd.engine.text.vocab import VocabularyMismatch
-from pd.worker.wiring import check_model_vocabulary
-from pd.cluster.config import ConfigError, DeployConfig, load_deploy_config
+from pd.cluster.config import ConfigError, DeployConfig
+from pd.deploy.config_check import error_line, load_checked_config
 from pd.deploy.pool_audit import PoolAuditReport, audit_once, settled
 from pd.deploy.restarts import WorkerRestarts
 from pd.deploy.samples import print_sample_answers
@@ -172,6 +174,9 @@ def shutdown_ray() -> None:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pd.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="deployment YAML (see deploy/)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate --config (the file, every value, and the model it names where it is "
+                             "readable here) without starting Ray; exit 0 when valid, else 2 with one error line")
     parser.add_argument("--print-config-schema", action="store_true",
                         help="print the deployment YAML's JSON Schema and exit")
     parser.add_argument("--generate-admin-key", action="store_true",
@@ -202,16 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         print(generate_admin_key())
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_deploy_config(args.config)
-        overrides = {k: v for k, v in (("router__port", args.port), ("router__host", args.host)) if v is not None}
-        if overrides:
-            config = config.replace(**overrides)
-        if config.model.path and Path(config.model.path).is_dir():
-            check_model_vocabulary(config)  # the workers check again where they run; refuse before Ray starts
-    except (ConfigError, VocabularyMismatch) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    try:  # every config problem: one line, exit status 2, before Ray starts (pd.deploy.config_check)
+        config = load_checked_config(args.config, args.port, args.host,
+                                     workers_here=not (args.address or os.environ.get("RAY_ADDRESS")))
+    except ConfigError as exc:
+        print(error_line(exc), file=sys.stderr)
         return 2
+    if args.check_config:
+        print(f"{args.config}: valid", flush=True)
+        return 0
     os.environ.setdefault("PDKV_LOG_LEVEL", args.log_level.upper())  # inherited by local Ray workers
     shutdown = ShutdownGuard()
     shutdown.install()  # before Ray starts: its processes' orphans re-parent to this one

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
-import yaml
 
 from pd.cluster.config import DeployConfig
+from pd.cluster.config_file import read_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ ROUTER_RESOURCE = "pdkv_router"
 def config_from_file(path: str) -> DeployConfig:
     """The deployment config at `path`, with `router.api_key` from PDKV_API_KEY and
     `router.admin_key` from PDKV_ADMIN_KEY when those are set."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_config_file(path)  # bounded: size, aliases, nesting (pd.cluster.config_file)
     for field, env in (("api_key", API_KEY_ENV), ("admin_key", ADMIN_KEY_ENV)):
         key = os.environ.get(env)
         if key:

@@ -68,7 +68,7 @@ def engine_config_for(spec) -> EngineConfig:
 
 def _model_config(cfg) -> ModelConfig:
     """The model the worker serves: the checkpoint's own config, else the declared architecture."""
-    arch = dict(cfg.model.architecture)
+    arch = cfg.model.architecture.overrides()  # the keys the file set; ModelConfig's defaults for the rest
     unknown = sorted(set(arch) - _MODEL_FIELDS)
     if unknown:
         raise ValueError(f"model.architecture: unknown key(s) {unknown}; known: {sorted(_MODEL_FIELDS)}")
@@ -141,7 +141,7 @@ def _model_id(cfg) -> str:
     """Model identity for the connector's compatibility hash: same weights <=> same id."""
     m = cfg.model
     source = f"path={m.path}" if m.path else f"seed={m.seed}"
-    return f"{m.name}|{source}|{m.dtype}|{json.dumps(m.architecture, sort_keys=True)}"
+    return f"{m.name}|{source}|{m.dtype}|{json.dumps(m.architecture.overrides(), sort_keys=True)}"
 
 
 def engine_stats(engine: Engine, connector: KVConnector | None, audit: bool = False) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_byte_model_declaring_another_vocabulary_is_refused_before_serving(tmp_p
     assert "model.architecture" in message and "32000" in message and "260" in message
     assert "declare vocab_size: 260" in message
     assert DeployConfig.from_dict({"model": {"architecture": {"vocab_size": 260}}}).model.path is None
-    assert DeployConfig().model.architecture == {}  # (the default model is the byte tokenizer's 260)
+    assert DeployConfig().model.architecture.overrides() == {}  # (the default model is the byte tokenizer's 260)
     # the launcher refuses it before Ray or any worker starts
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  architecture: {vocab_size: 32000, hidden_size: 64, num_heads: 4, num_kv_heads: 2}\n"

@@ -71,15 +71,23 @@ def _cpu_identity() -> str:
     return "|".join(f"{key}={value}" for key, value in sorted(firsts.items()))
 
 
+def build_identity() -> list[str]:
+    """All a build depends on: the kernels' version and sources, the machine (CPU model and flags, for
+    -march=native), the compiler and flags, and the environment it links against (torch's version, C++ ABI
+    and install path, Python's version and the interpreter's prefix, i.e. the virtualenv)."""
+    sources = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCE_PATHS)).hexdigest()
+    return [_VERSION, sources, platform.machine(), _cpu_identity(), _compiler_version(), " ".join(_CFLAGS),
+            torch.__version__, f"cxx11_abi={int(torch.compiled_with_cxx11_abi())}", os.path.dirname(torch.__file__),
+            sys.version.split()[0], sys.prefix]
+
+
 @functools.cache
 def kernel_name() -> str:
-    """The build's module name: the kernels' version and a digest of all that makes a build specific to a
-    machine (CPU model and flags, for -march=native; compiler; torch and Python; flags). A cache shared by
-    machines (one home directory, a copied image) then never loads a build made for another CPU, whose
-    instructions this one may lack; torch's own check covers only the sources."""
-    ident = "\n".join([_VERSION, platform.machine(), _cpu_identity(), _compiler_version(), torch.__version__,
-                       sys.version.split()[0], " ".join(_CFLAGS)])
-    return f"{_VERSION}_{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    """The build's module name: the kernels' version and a digest of `build_identity()`. Two environments
+    (two virtualenvs with the same torch, two machines sharing one home directory) then get two directories
+    and never rebuild over each other, and no process loads a build made for another CPU or torch; torch's
+    own check covers only the sources and flags, and rebuilds in place when they differ."""
+    return f"{_VERSION}_{hashlib.sha256(chr(10).join(build_identity()).encode()).hexdigest()[:12]}"
 
 
 def build_directory() -> pathlib.Path:

@@ -18,6 +18,11 @@ same file wait on one lock instead of colliding; the cache key covers the
 file's path, size and mtime and the converter version, so a changed file is
 converted again; metadata pdkv does not implement (another architecture,
 rope scaling, a tokenizer it cannot reproduce) is refused, naming the key.
+The cache is verified before it is served (`pd.engine.model.model_cache`): each
+file's size and xxh3 digest are recorded at conversion and checked at every
+resolve, and an entry that differs (truncated, zeroed, no manifest) is logged,
+naming the file, and converted again; scratch directories of dead conversions
+are removed; a full disk is a `GGUFError` naming the cache directory.
 
 CLI: `python -m pd.engine.model.gguf IN.gguf OUT_DIR`.
 """
@@ -31,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,8 @@ import numpy as np
 
 from pd.engine.text.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
 from pd.engine.model.files import locate_model
+from pd.engine.model.model_cache import (OUT_OF_SPACE, cache_root, manifest_problem, scratch_dir, sweep_dead_scratch,
+                                         write_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A Hugging Face directory for `path`: `path` itself unless it is a .gguf file,
     else its cached conversion (converted now if needed).
 
-    The cache lives in `$PDKV_CACHE_DIR/gguf` (default `~/.cache/pdkv/gguf`).
+    The cache lives in `$PDKV_CACHE_DIR/gguf`, else `$XDG_CACHE_HOME/pdkv/gguf`, else
+    `~/.cache/pdkv/gguf`. Raises GGUFError for a file pdkv cannot serve or a cache it cannot write.
     """
     src = locate_model(path)
     if src.suffix.lower() != ".gguf":
@@ -74,16 +81,28 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise GGUFError(f"{src}: no such GGUF file")
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()
-    root = Path(os.environ.get("PDKV_CACHE_DIR") or Path.home() / ".cache" / "pdkv") / "gguf"
+    root = cache_root() / "gguf"
     final = root / f"{src.stem}-{st.st_size}-{key[:16]}"
-    if (final / "config.json").is_file():
+    sweep_dead_scratch(root)  # what killed conversions left (of any model)
+    if (final / "config.json").is_file() and manifest_problem(final) is None:
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{final.name}.lock", "w") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{final.name}.lock", "w")
+    except OSError as exc:
+        raise GGUFError(f"{root}: cannot write the converted model cache ({exc.strerror}); "
+                        "set PDKV_CACHE_DIR to a writable directory") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another worker converting the same file: wait for it
-        if not (final / "config.json").is_file():
-            logger.info("converting %s into %s (once)", src, final)
-            _convert_aside(src, final)
+        if final.exists():
+            problem = manifest_problem(final)
+            if problem is None:
+                return final
+            logger.warning("the converted cache of %s is not what was converted: %s; converting it again",
+                           src.name, problem)
+            _discard(final)
+        logger.info("converting %s into %s (once)", src, final)
+        _convert_aside(src, final)
     return final
 
 
@@ -133,11 +152,19 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, *tail).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert_aside(src: Path, final: Path) -> None:
+def _convert_aside(src: Path, final: Path, manifest: bool = True) -> None:
     """Convert into a sibling scratch directory, then rename: `final` is complete or absent."""
-    scratch = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    scratch = scratch_dir(final)
     try:
-        convert_gguf(src, scratch)
+        try:
+            convert_gguf(src, scratch)
+            if manifest:
+                write_manifest(scratch)  # what resolve_checkpoint verifies before serving it
+        except OSError as exc:
+            if exc.errno in OUT_OF_SPACE:
+                raise GGUFError(f"{final.parent}: no space left to convert {src.name} into ({exc.strerror}); "
+                                "free some, or set PDKV_CACHE_DIR to a larger disk") from None
+            raise
         try:
             os.rename(scratch, final)
         except OSError:
@@ -146,6 +173,14 @@ def _convert_aside(src: Path, final: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(scratch)
+
+
+def _discard(directory: Path) -> None:
+    """Moves a bad cache entry out of its name (at once), then deletes it; a deletion cut short
+    leaves a scratch directory that the next resolve sweeps."""
+    trash = scratch_dir(directory)
+    os.rename(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _field_value(field, key: str) -> Any:
@@ -275,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out_dir.rmdir()
     args.out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _convert_aside(args.gguf_file, args.out_dir)
+        _convert_aside(args.gguf_file, args.out_dir, manifest=False)
     except (GGUFError, OSError) as exc:
         parser.exit(2, f"error: {exc}\n")
     print(args.out_dir)

@@ -41,5 +41,14 @@ def byte_vocab_problem(declared: object) -> str | None:
         return None
     return (f"a random-weight model (no model.path) is served with the byte tokenizer, which has "
             f"{BYTE_VOCAB_SIZE} ids ({NUM_BYTES} bytes + {len(BYTE_SPECIAL_TOKENS)} special tokens); "
-            f"declare vocab_size: {BYTE_VOCAB_SIZE} in model.architecture (got vocab_size {declared!r}), "
+            f"declare vocab_size: {BYTE_VOCAB_SIZE} in model.architecture (got vocab_size {_brief(declared)}), "
             "or give model.path a checkpoint with its own tokenizer")
+
+
+def _brief(value: object) -> str:
+    """A short spelling of `value` built without a long repr (a 5,000-digit integer, a 1 MB string)."""
+    if type(value) is int:
+        return str(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    return f"a {type(value).__name__}"
