@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from kvpeer import BLOCK_SIZE, SECRET, PeerProc
+from tests.helpers.kvpeer import BLOCK_SIZE, SECRET, PeerProc
 from connectors.zmq import framing, wire
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig
