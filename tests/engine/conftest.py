@@ -1,4 +1,4 @@
-"""Fixtures for the engine tests (helpers live in pd_engine_cases.py)."""
+"""Fixtures for the engine tests (helpers live in tests/helpers/engine_cases.py)."""
 import pytest
 import torch
 from tests.helpers.engine_cases import MODELS, torch_threads
