@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpeer import PeerProc
+from tests.helpers.kvpeer import PeerProc
 
 
 @pytest.fixture(scope="module")

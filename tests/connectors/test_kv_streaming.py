@@ -446,7 +446,6 @@ def test_p_aborted_mid_stream_tells_d_which_recomputes(pair):
 
 _P_PROC = r"""
 import json, sys
-sys.path.insert(0, {here!r})
 from test_kv_streaming import KVRole, PREFILL_ONLY, STREAMED, make_engine
 p = make_engine("prefill-0", KVRole.PRODUCER, data_path="tcp", streaming={streaming!r})
 print(json.dumps({{"port": p.connector.port}}), flush=True)
@@ -473,8 +472,9 @@ def _ask(proc: subprocess.Popen, timeout_s: float = 30, **cmd) -> dict:
 def test_killed_p_mid_stream_is_recomputed(streaming):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-c", _P_PROC.format(here=here, streaming=streaming)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    # run in this folder: `python -c` puts the working directory on sys.path, so the child imports this module
+    proc = subprocess.Popen([sys.executable, "-c", _P_PROC.format(streaming=streaming)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here)
     d = make_engine("decode-0", KVRole.CONSUMER, timeout_s=5.0, streaming=streaming)
     try:
         port = _ask(proc, 60)["port"]

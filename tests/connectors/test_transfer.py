@@ -1,5 +1,5 @@
 """Two real processes over loopback: a producer peer and a consumer peer, each with
-its own PagePool, kvcache manager and ZmqConnector (see peer_proc.py)."""
+its own PagePool, kvcache manager and ZmqConnector (see tests/helpers/peer_proc.py)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from kvpeer import BLOCK_SIZE, SECRET, PeerProc
+from tests.helpers.kvpeer import BLOCK_SIZE, SECRET, PeerProc
 from connectors.zmq import framing, wire
 from connectors.zmq.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer_config import ConsumerConfig

@@ -22,7 +22,7 @@ from pd.tools.dashboard_render.cli import ScrapeTarget, collect_scrapes, read_sc
 from pd.tools.dashboard_render.data import iter_panels, load_dashboard, panel_data
 from pd.tools.dashboard_render.promql import Node, RangeCall, Scrape, Selector, expand, parse
 
-from e2e_helpers import PROMPTS, complete, stream_events, wait_all_free, worker_reports
+from tests.helpers.e2e import PROMPTS, complete, stream_events, wait_all_free, worker_reports
 
 # Counted only when something goes wrong (or, for mispredictions, when the index guessed wrong).
 ONLY_ON_FAULTS = {"pdkv_kv_transfer_failures_total", "pdkv_kv_transfer_handshakes_refused_total",

@@ -8,22 +8,17 @@ import collections
 import time
 
 import pytest
-import ray
 import requests
 
-from e2e_helpers import HTTP_TIMEOUT_S, SHARED, complete, e2e_config, ray_init_kwargs, wait_all_free
+from tests.helpers.e2e import HTTP_TIMEOUT_S, SHARED, complete, e2e_config, wait_all_free
 from pd.deploy.launch import Deployment
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    ray.init(**ray_init_kwargs())
-    try:
-        config = e2e_config("local.yaml", topology__num_prefill=2, topology__num_decode=2, cache__kv_memory_mb=0.5)
-        with Deployment(config) as dep:
-            yield dep
-    finally:
-        ray.shutdown()
+def deployment(ray_instance):
+    config = e2e_config("local.yaml", topology__num_prefill=2, topology__num_decode=2, cache__kv_memory_mb=0.5)
+    with Deployment(config) as dep:
+        yield dep
 
 
 def _snapshots(dep: Deployment) -> dict[str, dict]:

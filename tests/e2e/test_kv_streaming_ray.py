@@ -11,20 +11,12 @@ import re
 import time
 
 import pytest
-import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from e2e_helpers import PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free, worker_reports
+from tests.helpers.e2e import PROMPTS, complete, e2e_config, stream_events, wait_all_free, worker_reports
 
 LONG = [PROMPTS[4] * 2, PROMPTS[2] * 3, PROMPTS[0] + PROMPTS[4]]  # 150-300 byte tokens: several 16-token parts
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import sys
 
 import requests
 
-from e2e_helpers import REPO
-from launch_url import read_launch_url
+from tests.helpers.e2e import REPO
+from tests.helpers.launch_url import read_launch_url
 
 BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
         "--num-cpus", "2", "--object-store-mb", "100", "--log-level", "WARNING"]

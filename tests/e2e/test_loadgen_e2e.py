@@ -12,28 +12,23 @@ import subprocess
 import sys
 
 import pytest
-import ray
 import requests
 
 from pd.cluster.admin_key import generate_admin_key
 from pd.deploy.launch import Deployment
-from e2e_helpers import REPO, e2e_config, ray_init_kwargs
+from tests.helpers.e2e import REPO, e2e_config
 
 API_KEY = "loadgen-test-key-" + "k" * 16
 ADMIN_KEY = generate_admin_key()  # the metrics scrape's refresh (/pd/workers) takes it alone
 
 
 @pytest.fixture(scope="module")
-def keyed():
-    ray.init(**ray_init_kwargs())
-    try:
-        # the keyless runs fail a dozen authentications from this address: a roomy auth throttle lets the
-        # keyed runs that follow in at once (the throttle has tests of its own: test_auth_throttle.py)
-        with Deployment(e2e_config("local.yaml", router__api_key=API_KEY, router__admin_key=ADMIN_KEY,
-                                   router__auth_throttle={"burst": 64})) as dep:
-            yield dep
-    finally:
-        ray.shutdown()
+def keyed(ray_instance):
+    # the keyless runs fail a dozen authentications from this address: a roomy auth throttle lets the
+    # keyed runs that follow in at once (the throttle has tests of its own: test_auth_throttle.py)
+    with Deployment(e2e_config("local.yaml", router__api_key=API_KEY, router__admin_key=ADMIN_KEY,
+                               router__auth_throttle={"burst": 64})) as dep:
+        yield dep
 
 
 def _loadgen(args: list[str], env_key: str | None = None, timeout_s: float = 120.0) -> subprocess.CompletedProcess:

@@ -9,24 +9,16 @@ import json
 
 import openai
 import pytest
-import ray
 import requests
 
 from pd.deploy.launch import Deployment
 from pd.engine.text.tokenizer import load_tokenizer
-from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free
+from tests.helpers.e2e import e2e_config, wait_all_free
 
 MODEL = "pdkv-tiny"
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "The quick brown fox jumps over the lazy dog. What did the fox do?"}]
 GREEDY = {"temperature": 0, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

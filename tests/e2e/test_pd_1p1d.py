@@ -12,21 +12,13 @@ import subprocess
 import time
 
 import pytest
-import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from e2e_helpers import (PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free,
+from tests.helpers.e2e import (PROMPTS, complete, e2e_config, stream_events, wait_all_free,
                                 worker_reports)
 from dashboard_checks import check_dashboard_queries, check_render_tool
-from metrics_lint import VLLM_SAMPLES, assert_counters_grew, lint, promtool_problems
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
+from tests.helpers.metrics_lint import VLLM_SAMPLES, assert_counters_grew, lint, promtool_problems
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import ray
 import requests
 from ray.cluster_utils import Cluster
 
-from e2e_helpers import PROMPTS, complete, e2e_config, stream_events, wait_all_free, worker_reports
+from tests.helpers.e2e import (PROMPTS, complete, e2e_config, kill_actor, stream_events, wait_all_free,
+                               worker_reports)
 from kvcache.audit import assert_all_free
 from pd.cluster.config import Mode
 from pd.engine.engine import Engine
@@ -63,19 +64,6 @@ def _reference_tokens(prompt: str, max_tokens: int) -> list[int]:
         return out["ref"]
     finally:
         engine.shutdown()
-
-
-def _kill(actor) -> None:
-    """Kills a worker's process and returns once Ray reports it dead (ray.kill is asynchronous)."""
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.health.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return
-        time.sleep(0.05)
-    pytest.fail("killed actor still answers")
 
 
 def test_workers_spread_over_nodes(deployment):
@@ -129,7 +117,7 @@ def test_decode_worker_killed_mid_stream(deployment):
     for t in threads:
         t.start()
     first_tokens.wait()  # every stream is producing tokens
-    _kill(next(w for w in deployment.workers if w.endpoint.worker_id == "decode-0").actor)
+    kill_actor(next(w for w in deployment.workers if w.endpoint.worker_id == "decode-0").actor)
     started = time.monotonic()
     for t in threads:
         t.join(timeout=90)
@@ -156,7 +144,7 @@ def test_prefill_worker_killed_requests_move_to_the_other(deployment):
     """After decode-0's death above: kill prefill-1 too; requests keep succeeding on prefill-0 / decode-1
     (a request that picks the dead worker before it is noticed is retried, since nothing was produced yet)."""
     url = deployment.url
-    _kill(next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-1").actor)
+    kill_actor(next(w for w in deployment.workers if w.endpoint.worker_id == "prefill-1").actor)
     for prompt in PROMPTS:
         got = complete(url, prompt, max_tokens=16, ignore_eos=True)["choices"][0]["token_ids"]
         assert got == _reference_tokens(prompt, 16)

@@ -8,20 +8,11 @@ the unmodified `openai` client parses the responses carrying the `pdkv_route` ex
 from __future__ import annotations
 
 import openai
-import pytest
-import ray
 
-from e2e_helpers import PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free
+from tests.helpers.e2e import PROMPTS, complete, e2e_config, stream_events, wait_all_free
 from pd.deploy.launch import Deployment
 
 PLANNER = {"mode": "planner", "min_samples": 2, "exploration_rate": 0.0, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def test_planner_paths_are_token_identical_and_parse_with_openai(ray_instance):

@@ -4,7 +4,7 @@ its rules are checked."""
 from __future__ import annotations
 
 import pytest
-from e2e_helpers import wait_all_free
+from tests.helpers.e2e import wait_all_free
 
 from pd.tools.route_bench import cli as route_bench
 from pd.tools.route_bench.workload import BranchingWorkload, arrival_offsets

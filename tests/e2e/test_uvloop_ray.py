@@ -17,7 +17,7 @@ import requests
 import uvloop
 
 from pd.deploy.launch import Deployment
-from e2e_helpers import PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events
+from tests.helpers.e2e import PROMPTS, complete, e2e_config, ray_init_kwargs, stream_events
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,10 @@ from __future__ import annotations
 import json
 import secrets
 
-import pytest
 import ray
 
-from e2e_helpers import e2e_config, ray_init_kwargs
+from tests.helpers.e2e import e2e_config
 from pd.deploy.placement import start_workers, stop_workers
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _thread_counts(config) -> dict[str, int]:

@@ -37,7 +37,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   [ $rc -eq 0 ] || failed+=("$name(rc=$rc)")
 }
 step tests 200 python3 -m pytest -q -rs -n 0 -p no:cacheprovider --timeout=150 -m "gpu or not gpu" \
-  tests/triton tests/gpu tests/connectors/test_cuda.py tests/pd/test_triton_engine.py
+  tests/triton tests/gpu tests/connectors/test_cuda.py tests/engine/test_triton_engine.py
 step engine 330 python3 -m pd.tools.gpu_check --sections engine --out "$OUT/engine.md"
 step transfer 150 python3 -m pd.tools.gpu_check --sections transfer --out "$OUT/transfer.md"
 step served 240 python3 -m pd.tools.gpu_check --sections served --out "$OUT/served.md"

@@ -1,5 +1,5 @@
 """A real out-of-memory on a GPU, from an oversized batch, does what the CPU fault plan simulates
-(tests/pd/test_device_faults.py): the step fails its requests with a device-fault error, their blocks
+(tests/engine/test_device_faults.py): the step fails its requests with a device-fault error, their blocks
 are freed, and the engine stops before anything runs on the device again (a worker watching it then
 reports itself unhealthy and restarts, as tests/reliability/test_engine_survival.py shows on the CPU).
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gpu_cases import SECRET, PeerProc, pull_and_check_pages, seeded_pages  # noqa: E402
+from tests.helpers.gpu_cases import SECRET, PeerProc, pull_and_check_pages, seeded_pages  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 

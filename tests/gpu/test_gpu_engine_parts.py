@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_graph_cases import decode_engine, random_chunks
+from tests.helpers.decode_graph_cases import decode_engine, random_chunks
 from pd.engine.attention.triton_decode import paged_decode
 from pd.engine.attention.triton_kv_write import write_kv
 from pd.engine.attention.triton_prefill import paged_prefill
@@ -104,7 +104,7 @@ def test_engine_on_cuda_runs_triton_graphs_and_device_sampling():
 
     from pd.engine.config import EngineConfig
     from pd.engine.engine import Engine
-    from decode_graph_cases import SMALL
+    from tests.helpers.decode_graph_cases import SMALL
 
     prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + 5 * i)] for i in range(6)}
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from gpu_cases import (DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, model_config,  # noqa: E402
-                       pull_and_check_pages)
+from tests.helpers.gpu_cases import (DEVICE, SECRET, SKIP_REASON, PeerProc, engine_config, model_config,
+                                     pull_and_check_pages)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)]
 

@@ -6,25 +6,21 @@ hit lengths, None results, contract errors, KV events, prefix-cache stats, and t
 count after the op) must equal vLLM's. Hash values are never compared (events carry first-seen
 ordinals instead). Re-record after changing scenarios:
 
-    $VENV/bin/python tests/kvcache/parity/record_vllm.py \
-        --out tests/kvcache/parity/fixtures/vllm_0_25_1.json
+    cd tests/kvcache && $VENV/bin/python -m parity.record_vllm --out parity/fixtures/vllm_0_25_1.json
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import traceback
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kvcache.audit import assert_all_free  # noqa: E402
-from parity import runner, scenarios  # noqa: E402
-from parity.pdkv_adapter import PdkvAdapter  # noqa: E402
+from kvcache.audit import assert_all_free
+from parity import runner, scenarios
+from parity.pdkv_adapter import PdkvAdapter
 
 PARITY_DIR = Path(__file__).resolve().parent / "parity"
 FIXTURE = PARITY_DIR / "fixtures" / "vllm_0_25_1.json"
@@ -151,7 +147,7 @@ def test_committed_fixture_is_current(tmp_path):
                     "../shared/anchors/setup_vllm_anchor.sh)")
     out = tmp_path / "live.json"
     env = dict(os.environ, PYTHONHASHSEED="0")  # vLLM's NONE_HASH and set orders fixed
-    proc = subprocess.run([str(python), str(PARITY_DIR / "record_vllm.py"), "--out", str(out)],
+    proc = subprocess.run([str(python), "-m", "parity.record_vllm", "--out", str(out)], cwd=PARITY_DIR.parent,
                           capture_output=True, text=True, timeout=540, env=env)
     if proc.returncode != 0 and "No module named 'vllm" in proc.stderr:
         pytest.skip(f"{python} has no vLLM: {proc.stderr.strip().splitlines()[-1]}")

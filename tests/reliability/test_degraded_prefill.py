@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free  # noqa: E402
-from test_pd_2p2d_cluster import _kill  # noqa: E402
-from test_ray_recovery import worker_pid  # noqa: E402
+from tests.helpers.e2e import e2e_config, kill_actor, wait_all_free
+from test_ray_recovery import worker_pid
 
-from pd.deploy.launch import Deployment  # noqa: E402
-from pd.router.recovery import health_report  # noqa: E402
-from pd.router.choice import Role, WorkerEndpoint, WorkerPool  # noqa: E402
-from pd.router.worker_client import ClientTimeouts  # noqa: E402
+from pd.deploy.launch import Deployment
+from pd.router.recovery import health_report
+from pd.router.choice import Role, WorkerEndpoint, WorkerPool
+from pd.router.worker_client import ClientTimeouts
 
 PROMPTS = [f"Request {i}: the fox and the dog walk to the river, and then part {i} begins." for i in range(12)]
 BODY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -38,13 +33,6 @@ NUM_READMIT_PROBES = 3
 READMIT_INTERVAL_S = 0.25
 STALL_S = 6.0
 WAIT_S = 60.0  # bound of every wait-for-state loop (a loaded machine is slow, never this slow)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def _config(mode: str):
@@ -160,7 +148,7 @@ def test_sole_prefill_worker_stalled_then_killed(ray_instance, mode, fault_recor
         wait_all_free(dep.url)
 
         # 3. P's process killed, for good (no restart by Ray): D still serves, /health degraded
-        _kill(actors["prefill-0"])
+        kill_actor(actors["prefill-0"])
         for prompt in PROMPTS[:4]:
             got = _complete(dep.url, prompt)
             assert got.status_code == 200 and _tokens(got) == want[prompt], got.text
@@ -175,7 +163,7 @@ def test_sole_prefill_worker_stalled_then_killed(ray_instance, mode, fault_recor
         wait_all_free(dep.url)  # the surviving D
 
         # 4. D killed too: nothing can serve
-        _kill(actors["decode-0"])
+        kill_actor(actors["decode-0"])
         unavailable = _wait_health(dep.url, "unavailable")
         assert _health(dep.url)[0] == 503 and unavailable["missing_roles"] == ["prefill", "decode"]
         got = _complete(dep.url, PROMPTS[0])

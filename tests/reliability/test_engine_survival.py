@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
-import pytest
-import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import complete, e2e_config, ray_init_kwargs, stream_events, wait_all_free  # noqa: E402
+from tests.helpers.e2e import complete, e2e_config, stream_events, wait_all_free
 
-from pd.deploy.launch import Deployment  # noqa: E402
-from pd.router.openai_api import MAX_NEW_TOKENS  # noqa: E402
+from pd.deploy.launch import Deployment
+from pd.router.openai_api import MAX_NEW_TOKENS
 
 RESTART_BOUND_S = 120.0  # kill -> serving again (Ray's restart, imports, engine build, re-admission)
 DEVICE_FAULT_RESTART_S = 30.0  # a device fault -> re-admitted (the bound; about 5 s on an idle 2-core machine)
@@ -46,13 +41,6 @@ POISONED = [  # each passes validation; the first two are the issue's
     {"temperature": 1e-5, "top_k": MAX_NEW_TOKENS, "seed": (1 << 63) - 1},
     {"temperature": 0.0, "top_p": 5e-324, "top_k": 1},
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def post(url: str, prompt: str, **body) -> requests.Response:

@@ -12,32 +12,21 @@ The default suite runs a small version (40 clients, 6 s); `-m slow` the acceptan
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
-import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import ray_init_kwargs, wait_all_free  # noqa: E402
+from tests.helpers.e2e import wait_all_free
 
-from pd.deploy.launch import Deployment  # noqa: E402
-from pd.tools.load_faults.cli import LoadFaultsSettings, default_config, run_load_faults  # noqa: E402
-from pd.tools.load_faults.driver import DriverSpec  # noqa: E402
-from pd.tools.load_faults.injectors import POISONED  # noqa: E402
-from pd.tools.load_faults.report import LoadFaultsReport, RSSTrack  # noqa: E402
+from pd.deploy.launch import Deployment
+from pd.tools.load_faults.cli import LoadFaultsSettings, default_config, run_load_faults
+from pd.tools.load_faults.driver import DriverSpec
+from pd.tools.load_faults.injectors import POISONED
+from pd.tools.load_faults.report import LoadFaultsReport, RSSTrack
 
 # streams of 48 tokens, killed 3 s in: on a loaded 2-core machine some are mid-stream then
 SMALL = LoadFaultsSettings(num_clients=40, duration_s=6.0, kill_after_s=3.0, num_junk=20, refuse_rate=200.0,
                            num_router_idle=500, num_event_subscribers=20, num_poisoned=12, num_prompts=12,
                            max_tokens=48)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def run_and_check(settings: LoadFaultsSettings, fault_record) -> LoadFaultsReport:

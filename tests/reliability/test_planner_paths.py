@@ -206,7 +206,7 @@ def test_long_prompts_beside_decodes_go_where_the_measured_cost_is_lowest(link):
     """While D decodes three long streams, a long prompt prefilled on D would stall them: the
     local option carries that stall, and the planner takes the cheapest option by the figures it
     measured. Which side of the line a prompt falls on depends on this machine's prefill speed
-    and the link (tests/pd/test_planner_decision.py pins the flip on given figures, and
+    and the link (tests/router/test_planner_decision.py pins the flip on given figures, and
     pd.tools.planner_bench measures it); what holds everywhere is the rule: given the figures
     each route reports, the chosen option is the cheapest, and the stall is counted."""
     import threading

@@ -9,28 +9,16 @@ or a correct answer) and that every surviving pool ends all free.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
-import pytest
-import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free, worker_reports  # noqa: E402
+from tests.helpers.e2e import e2e_config, wait_all_free, worker_reports
 
-from pd.deploy.launch import Deployment  # noqa: E402
+from pd.deploy.launch import Deployment
 
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps."
 BOUND_S = 40.0  # every failure must reach the client well within this
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def post(url: str, **body) -> tuple[requests.Response, float]:

@@ -11,29 +11,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import e2e_config, ray_init_kwargs, wait_all_free, worker_reports  # noqa: E402
+from tests.helpers.e2e import e2e_config, wait_all_free, worker_reports
 
-from pd.deploy.launch import Deployment  # noqa: E402
-from pd.router.recovery import RecoverySettings  # noqa: E402
+from pd.deploy.launch import Deployment
+from pd.router.recovery import RecoverySettings
 
 PROMPTS = [f"Stream number {i} tells the story of a fox and a dog, part {i}." for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def worker_pid(dep: Deployment, worker_id: str) -> int:

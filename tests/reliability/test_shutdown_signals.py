@@ -19,7 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from launch_url import read_launch_url
+from rel_deploy import LocalDeployment, local_config
+
+from tests.helpers.launch_url import read_launch_url
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
@@ -148,9 +150,6 @@ def test_launch_ends_within_10s_leaving_nothing(target, signum, fault_record, tm
 def test_router_stop_ends_a_running_stream_as_a_stream():
     """Past its drain time the router's stop ends a running stream with an error event and
     `data: [DONE]` (not a cut connection), and the worker frees its blocks."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from rel_deploy import LocalDeployment, local_config
-
     with LocalDeployment(local_config()) as dep:
         stream: dict = {}
         started = threading.Event()

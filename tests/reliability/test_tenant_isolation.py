@@ -16,21 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import HTTP_TIMEOUT_S, e2e_config, ray_init_kwargs, wait_all_free, worker_reports  # noqa: E402
-from test_ray_recovery import worker_pid  # noqa: E402
+from tests.helpers.e2e import HTTP_TIMEOUT_S, e2e_config, wait_all_free, worker_reports
+from test_ray_recovery import worker_pid
 
-from pd.cluster.admin_key import generate_admin_key  # noqa: E402
-from pd.deploy.launch import Deployment  # noqa: E402
+from pd.cluster.admin_key import generate_admin_key
+from pd.deploy.launch import Deployment
 
 VICTIM_KEY = "victim-api-key-" + "v" * 20
 ATTACKER_KEY = "attacker-api-key-" + "a" * 20
@@ -45,18 +41,14 @@ def _auth(key: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dep():
-    ray.init(**ray_init_kwargs())
-    try:
-        config = e2e_config(router__api_keys={"victim": VICTIM_KEY, "attacker": ATTACKER_KEY},
-                            router__admin_key=ADMIN_KEY, router__prefix_cache_isolation="per_api_key",
-                            router__metrics_auth=True, router__health_interval_s=30.0,
-                            # test_api_keys_cannot_reach_admin_endpoints fails 8 keys in a row on purpose
-                            router__auth_throttle={"burst": 64})
-        with Deployment(config) as deployment:
-            yield deployment
-    finally:
-        ray.shutdown()
+def dep(ray_instance):
+    config = e2e_config(router__api_keys={"victim": VICTIM_KEY, "attacker": ATTACKER_KEY},
+                        router__admin_key=ADMIN_KEY, router__prefix_cache_isolation="per_api_key",
+                        router__metrics_auth=True, router__health_interval_s=30.0,
+                        # test_api_keys_cannot_reach_admin_endpoints fails 8 keys in a row on purpose
+                        router__auth_throttle={"burst": 64})
+    with Deployment(config) as deployment:
+        yield deployment
 
 
 def _complete(dep: Deployment, key: str, prompt: str, **body) -> dict:

@@ -1,6 +1,6 @@
 """Record vLLM 0.25.1's decisions for every parity scenario (runs INSIDE the anchor venv).
 
-    $VENV/bin/python tests/kvcache/parity/record_vllm.py --out tests/kvcache/parity/fixtures/vllm_0_25_1.json
+    cd tests/kvcache && $VENV/bin/python -m parity.record_vllm --out parity/fixtures/vllm_0_25_1.json
 
 Builds vLLM KVCacheManager objects the way vLLM's tests/v1/core tests do (kv_cache_tensors=[],
 one layer per group, scheduler block size = lcm of the group block sizes, hash block size =
@@ -12,27 +12,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import vllm  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+import vllm
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.request import Request, RequestStatus
 
-from parity import configs, driver, runner, scenarios  # noqa: E402
+from parity import configs, driver, runner, scenarios
 
 HASH_FN = get_hash_fn_by_name("sha256")
 init_none_hash(HASH_FN)

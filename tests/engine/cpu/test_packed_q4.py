@@ -1,0 +1,109 @@
+"""Float32 weights held as exact 4-bit codes (pd/engine/cpu/packed_q4.py, cpu_q4.cpp).
+
+`find_q4` keeps a matrix's codes only when they reproduce every float32 weight bit for bit; the
+4-bit GEMM then gives the float32 panels' results bit for bit, at every row count it takes (1..64),
+with bias and accumulation, at 1 and 2 threads. Through the engine, a model whose weights are
+Q4_1-shaped computes the same logits, bit for bit, with the codes on and off."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvcache.audit import assert_all_free
+from tests.helpers.engine_cases import FULL_MODEL, engine_config, mixed_prompts
+
+from pd.engine.cpu import kernels as cpu_kernels
+from pd.engine.engine import Engine
+from pd.engine.sched.output import ScheduledChunk
+from pd.engine.cpu.packed_linear import num_panels, pack_into
+from pd.engine.cpu.packed_q4 import find_q4
+from pd.engine.sample.params import SamplingParams
+
+module = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(module is None or not module.q4_gemm_available(),
+                                reason="the 4-bit path runs on builds with the AVX2 packed GEMM")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (N, K) quantized as GGUF's Q4_1 and dequantized to float32 (as gguf.quants does)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // 32, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+    q = ((blocks - lo) / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(0, 15)
+    return (d * q + m).reshape(n, k)
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return pack_into(weight, torch.empty(num_panels(weight.shape[0]), weight.shape[1], 16))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 64), blocks=st.integers(1, 12), n=st.integers(1, 90), with_bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_codes_give_the_float32_panels_results_bit_for_bit(m, blocks, n, with_bias, seed, threads):
+    gen = torch.Generator().manual_seed(seed)
+    weight = q4_1(torch.randn(n, 32 * blocks, generator=gen) * 0.05)
+    packed = _packed(weight)
+    found = find_q4(packed)
+    assert found is not None
+    codes, scales = found
+    assert codes.numel() + 4 * scales.numel() < packed.numel() * 4 / 5  # bytes read: about a sixth
+    x = torch.randn(m, 32 * blocks, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else torch.empty(0)
+    assert torch.equal(module.q4_linear(x, codes, scales, n, bias), module.packed_linear(x, packed, n, bias))
+
+
+def test_only_exact_blocks_are_taken():
+    weight = q4_1(torch.randn(40, 96) * 0.05)
+    assert find_q4(_packed(weight)) is not None
+    nudged = weight.clone()
+    nudged[7, 33] = torch.nextafter(nudged[7, 33], torch.tensor(1.0))  # one weight one ulp off its grid
+    assert find_q4(_packed(nudged)) is None
+    assert find_q4(_packed(torch.randn(40, 96))) is None  # plain float32 weights
+    bad = weight.clone()
+    bad[0, 0] = float("nan")
+    assert find_q4(_packed(bad)) is None
+    assert find_q4(_packed(q4_1(torch.randn(16, 64))[:, :48].contiguous())) is None  # K not a multiple of 32
+
+
+def _q4_engine(monkeypatch, setting: str) -> Engine:
+    monkeypatch.setenv("PDKV_Q4_WEIGHTS", setting)
+    return Engine(engine_config(FULL_MODEL, attention_backend="fused"))
+
+
+def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
+    """A model whose layer weights are Q4_1-shaped: the fused decoder finds every matrix, and decode and
+    small prompt steps give the same logits, bit for bit, and the same tokens as with the codes off. On
+    one thread the step runs each request through all layers (decode_rows), on two layer by layer with
+    the threads splitting the panels: both read the codes."""
+    import pd.engine.model.llama as model_module
+
+    build = model_module.build_model
+
+    def q4_model(cfg, seed=0, device=None):  # the tiny model with its projections on a Q4_1 grid
+        model = build(cfg, seed=seed, device=device)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    proj.weight.copy_(q4_1(proj.weight))
+        return model
+
+    monkeypatch.setattr("pd.engine.engine.build_model", q4_model)
+    prompts = mixed_prompts(n=10, lo=2, hi=40, seed=3)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs, logits = [], []
+    for setting in ("on", "off"):
+        engine = _q4_engine(monkeypatch, setting)
+        fused = engine.runner.backend
+        assert fused.name == "fused"
+        assert (len(fused.q4) == 8 * FULL_MODEL.num_layers and all(t.numel() for t in fused.q4)) == (setting == "on")
+        # one step of prompt chunks (rows <= 64) straight through the runner, then the engine's own run
+        tables = ([1, 2, 3],)
+        chunk = ScheduledChunk("a", list(range(3, 12)), 0, tables, True)
+        logits.append(engine.runner.execute([chunk]))
+        engine.page_pool.buffer.zero_()
+        outs.append(engine.generate_sync(prompts, greedy))
+        assert_all_free(engine.kv_cache_manager)
+    assert torch.equal(logits[0], logits[1])
+    assert outs[0] == outs[1]
