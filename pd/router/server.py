@@ -307,7 +307,7 @@ class Router:
         except web.HTTPException as exc:  # aiohttp's own 404/405/413: answer in OpenAI's shape too
             return error_response(oa.APIError(exc.status, exc.reason, code=str(exc.status)))
         except Exception as exc:  # noqa: BLE001 - never aiohttp's plain-text 500
-            logger.exception("%s %s failed", request.method, request.path)
+            logger.exception("%s %s from %s failed", request.method, request.path, self.tenancy.address(request))
             self.metrics.record_outcome("error_500")
             return error_response(internal_error(exc))
 
