@@ -51,7 +51,7 @@ def deployment(cluster):
         yield dep
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_tokens(prompt: str, max_tokens: int) -> list[int]:
     """Greedy tokens from one plain engine with the same model (colocated mode, no Ray, no HTTP)."""
     config = e2e_config("local.yaml", topology__mode=Mode.COLOCATED.value)
