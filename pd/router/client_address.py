@@ -123,7 +123,9 @@ def _forwarded_for(values: Sequence[str]) -> list[str]:
 
 def _split(text: str, sep: str) -> list[str]:
     """`text` split at `sep` outside double quotes."""
-    parts, current, quoted, escaped = [], [], False, False
+    parts: list[str] = []
+    current: list[str] = []
+    quoted = escaped = False
     for ch in text:
         if escaped:
             escaped = False
@@ -142,7 +144,8 @@ def _split(text: str, sep: str) -> list[str]:
 
 def _unquote(value: str) -> str:
     if len(value) >= 2 and value[0] == value[-1] == '"':
-        inner, out, escaped = value[1:-1], [], False
+        out: list[str] = []
+        inner, escaped = value[1:-1], False
         for ch in inner:
             if escaped or ch != "\\":
                 out.append(ch)
