@@ -44,6 +44,9 @@ MAX_WORKERS = 4096
 MAX_MESSAGE_CHARS = 2000  # one config error line
 _HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name, an IPv4 or IPv6 address (auto included)
 _TRANSFER = TransferSettings()  # the transfer defaults are the connector's own
+# transfer.timeout_s is also each handshake's and socket I/O's timeout (up to 5 s): below this a pull's
+# handshake cannot finish, so D can neither pull nor tell P it gave up, and P's blocks wait out the lease
+MIN_TRANSFER_TIMEOUT_S = 1.0
 
 
 class ConfigError(ValueError):
@@ -238,7 +241,8 @@ class TransferSection(StrictModel):
 
     host: NonEmpty = Field("127.0.0.1", description="side channel + worker HTTP; auto = the Ray node's IP")
     port: TcpPort = _TRANSFER.port
-    timeout_s: Positive = Field(_TRANSFER.timeout_s, description="a whole KV pull; handshakes and I/O get less")
+    timeout_s: float = Field(_TRANSFER.timeout_s, ge=MIN_TRANSFER_TIMEOUT_S,
+                             description="a whole KV pull; handshakes and I/O get less (at most 5 s)")
     lease_s: Positive = Field(_TRANSFER.lease_s, description="P keeps unpulled blocks this long without a heartbeat")
     kv_load_failure_policy: FailurePolicyField = FailurePolicy.RECOMPUTE
     data_path: DataPathName = Field(

@@ -2,6 +2,7 @@
 connection caps (validated once, like every section of `pd.cluster.config.DeployConfig`)."""
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -48,8 +49,10 @@ class ConnectionsSection(StrictModel):
 class AuthThrottleSection(StrictModel):
     """How failed authentications back off, per client address (pd.router.auth_throttle): `burst`
     failures in a row, then one per 1/`per_s` seconds; past that every request from the address that
-    needs a key (the right one too) gets 429 with Retry-After. At most `max_addresses` addresses are
-    remembered (IPv6 grouped by /64); the one that failed least recently is forgotten first."""
+    needs a key gets 429 with Retry-After, a right weak key too (a strong one, 128+ estimated bits, is let
+    through: pd.router.tenancy). The address is the client's behind `trusted_proxies`. At most
+    `max_addresses` addresses are remembered (IPv6 grouped by /64); the one that failed least recently
+    is forgotten first."""
 
     burst: int = Field(5, ge=1)
     per_s: Positive = Field(1.0, description="failures forgiven per second")
@@ -80,6 +83,12 @@ class RouterSection(StrictModel):
     report_cached_tokens: bool = Field(True, description="false: usage carries no prompt_tokens_details")
     report_route: bool = Field(False, description="true: responses carry pdkv_route (workers, predicted TTFTs)")
     auth_throttle: AuthThrottleSection = Field(default_factory=AuthThrottleSection)
+    # client addresses behind proxies (pd.router.client_address): a peer inside one of these networks has its
+    # forwarded_header read (rightmost untrusted hop) for the auth throttle and the logs; empty: the peer's own
+    trusted_proxies: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=1024, description="CIDRs of the proxies whose forwarded address is used")
+    forwarded_header: Literal["x-forwarded-for", "forwarded"] = Field(
+        "x-forwarded-for", description="the header the trusted proxies write (RFC 7239 `forwarded`: its for=)")
     refresh_min_interval_s: float = Field(1.0, ge=0.0, description="at most one ?refresh=1 poll per interval")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="larger bodies get 413")
     max_prompt_tokens: int | None = Field(None, ge=1, description="empty: scheduler.max_model_len - 1")
@@ -134,6 +143,17 @@ class RouterSection(StrictModel):
         if why is not None:
             raise ValueError(why)
         return key
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, networks: list[str]) -> list[str]:
+        for i, text in enumerate(networks):
+            try:
+                ipaddress.ip_network(text, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"[{i}] {text!r} is not an IPv4/IPv6 network (a CIDR such as 10.0.0.0/8, "
+                                 f"fd00::/8 or one address 192.0.2.7): {exc}") from None
+        return networks
 
     @model_validator(mode="after")
     def _keys_apart(self) -> RouterSection:

@@ -56,6 +56,7 @@ LOAD_TIMEOUT_S = 1800.0
 # and the process exits within 10 s of the signal whatever was signalled (see pd.deploy.teardown)
 DRAIN_S = 2.0
 STOP_DEADLINE_S = 5.5
+WORKER_SETUP_HOOK = "pd.deploy.teardown.die_with_parent"  # run by each Ray worker process of an embedded Ray
 
 
 class Deployment:
@@ -162,8 +163,9 @@ def init_ray(address: str | None, num_cpus: int | None = None, object_store_mb: 
         ray.init(address=address, logging_level=logging.WARNING)
         return
     store = object_store_mb * 1024 * 1024 if object_store_mb else None
+    # each worker process dies with its raylet, even when this launcher and the raylet are SIGKILLed (teardown)
     ray.init(address="local", num_cpus=num_cpus, object_store_memory=store, include_dashboard=False,
-             logging_level=logging.WARNING)
+             logging_level=logging.WARNING, runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK})
 
 
 def shutdown_ray() -> None:

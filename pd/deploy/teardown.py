@@ -12,6 +12,13 @@ group (systemd's `KillMode=control-group`, most supervisors) or each process one
   (SIGTERM, a short grace, SIGKILL) and reaps it.
 Nothing here needs psutil: it reads /proc (elsewhere it only kills what the OS reports as
 children, i.e. nothing; the clean stop still runs).
+
+What no handler can catch (SIGKILL of the launcher or of its whole process group) ends the
+launcher, Ray's gcs and raylet at once, but not the Ray worker processes: Ray puts each in a
+process group of its own, and they notice their raylet is gone only 1-2 s later, long enough to
+go on writing files (a model cache). `die_with_parent`, Ray's worker process setup hook in an
+embedded Ray (pd.deploy.launch.init_ray), has the kernel SIGKILL each worker the moment its
+parent, the raylet, dies.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 KILL_GRACE_S = 0.5
 
@@ -39,6 +47,23 @@ def become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def die_with_parent() -> bool:
+    """This process gets SIGKILL the moment its parent dies (Linux prctl); False elsewhere. A parent
+    gone before the call already (we were re-parented) ends this process at once."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died between the two reads: the kernel will not signal now
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

@@ -8,8 +8,10 @@ not looked at. So a guesser gets `burst` tries in a row and then `per_s` a secon
 fast it sends.
 
 Guarantees:
-- a right key from a throttled address waits like a wrong one: were it let through, the
-  answer (200 against 429) would tell the guesser which guess was right;
+- a right key from a throttled address waits like a wrong one, unless it is strong (128+
+  estimated bits): pd.router.tenancy compares a strong key first and lets it through, since
+  200 against 429 for a weak key would tell the guesser which guess was right, while a
+  strong key cannot be guessed at any rate;
 - a success never empties the bucket: a client holding one valid API key cannot reset the
   count of its guesses at the admin key;
 - refusals while throttled add nothing (only checked keys count), so a client that honours
@@ -19,8 +21,10 @@ Guarantees:
   drained ones dropped when seen. An attacker with more addresses than that can make the
   router forget some; each forgotten address still starts over at `burst` tries, no more.
 
-Behind a proxy every client shares the proxy's address: one guesser then delays everyone
-behind it (never more than `burst / per_s` seconds after it stops).
+The address is the client's as pd.router.client_address resolves it: behind a proxy named in
+`router.trusted_proxies`, the forwarded one. Behind a proxy not named there every client shares
+the proxy's address: one guesser then delays everyone behind it whose key is weak (never more
+than `burst / per_s` seconds after it stops).
 """
 from __future__ import annotations
 

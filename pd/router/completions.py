@@ -14,6 +14,9 @@ Guarantees:
 - a stream that fails after it started ends with an error event and
   `data: [DONE]`, whatever the failure (worker trouble or a bug here);
 - a client that disconnects closes the worker stream, which aborts the request;
+- every request to these endpoints is counted once in `pdkv_requests_total`, under one outcome
+  (`count_outcome`, called by the router's middleware: refusals before the handler count too);
+  a stream's outcome is set as it ends (`OUTCOME`), anything else's is its status;
 - a body over `INLINE_BODY_BYTES` is decoded, validated, templated and tokenized
   on a one-thread pool, off the event loop: the loop, `/health` and every
   other request go on meanwhile (waiting only for GIL hand-offs and GC pauses,
@@ -50,6 +53,9 @@ from pd.router.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # what pdkv_requests_total counts
+OUTCOME = web.RequestKey("pdkv_outcome", str)  # a stream's outcome: its status (200) does not say it
+CLIENT_DISCONNECTED = "client_disconnected"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Bodies up to this size are parsed, validated and tokenized on the event loop: that takes well under a
 # millisecond, less than a hop to a thread. Larger ones (a 1 MiB chat body takes 100+ ms) go to the pool.
@@ -223,8 +229,7 @@ class CompletionEndpoints:
         return tally.route.as_dict() if self._config.router.report_route else None
 
     def _refuse(self, exc: oa.APIError, headers: dict | None = None) -> web.Response:
-        self._metrics.record_outcome(f"error_{exc.status}")
-        return error_response(exc, headers)
+        return error_response(exc, headers)  # counted by its status (count_outcome)
 
     async def _respond(self, job: Job, timeline: Timeline) -> web.Response:
         tallies = [_Tally() for _ in job.prompts]
@@ -239,7 +244,6 @@ class CompletionEndpoints:
                 task.cancel()
         usage = Usage.of(sum(len(p) for p in job.prompts), sum(t.num_tokens for t in tallies),
                          self._reported(sum(t.num_cached_tokens for t in tallies)))
-        self._metrics.record_outcome("ok")
         body = job.output.response(outputs, usage)
         if self._config.router.report_route:
             for choice, tally in zip(body["choices"], tallies, strict=True):
@@ -265,7 +269,7 @@ class CompletionEndpoints:
             await response.prepare(request)
         except ConnectionError:  # the client left before the stream began: nothing was sent to a worker
             logger.info("client left before its stream %s began", job.output.id)
-            timeline.error = "client_disconnected"
+            timeline.error = request[OUTCOME] = CLIENT_DISCONNECTED
             return response
         output, tally, error = job.output, _Tally(), None
         try:
@@ -287,11 +291,14 @@ class CompletionEndpoints:
                                          output.id, output.created, output.model, _chunk_object(output))
             if usage is not None:
                 await response.write(usage)
-            self._metrics.record_outcome("ok")
         except ConnectionResetError:  # the client left; its worker stream is closed already
-            timeline.error = "client_disconnected"
+            timeline.error = request[OUTCOME] = CLIENT_DISCONNECTED
             return response
-        except asyncio.CancelledError:  # router shutdown past its drain time: the stream still ends as one
+        except asyncio.CancelledError:  # the client left, or router shutdown past its drain time
+            if client_gone(request):
+                timeline.error = request[OUTCOME] = CLIENT_DISCONNECTED
+                raise
+            request[OUTCOME] = "error_503"  # the stream still ends as one
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write(sse_error(oa.server_error("the router is shutting down", status=503,
                                                                code="shutting_down")))
@@ -306,13 +313,18 @@ class CompletionEndpoints:
         try:
             if error is not None:
                 timeline.error = error.code or str(error.status)
-                self._metrics.record_outcome(f"error_{error.status}")
+                request[OUTCOME] = f"error_{error.status}"
                 logger.warning("streamed request %s failed: %s", output.id, error.message)
                 await response.write(sse_error(error))
             await response.write(SSE_DONE)
             await response.write_eof()
-        except ConnectionResetError:
-            pass
+        except ConnectionResetError:  # left before the end: an error already set stays the outcome
+            if OUTCOME not in request:
+                request[OUTCOME] = CLIENT_DISCONNECTED
+            timeline.error = timeline.error or CLIENT_DISCONNECTED
+            return response
+        if error is None:  # all written; a client gone by now did not read it all
+            request[OUTCOME] = CLIENT_DISCONNECTED if client_gone(request) else "ok"
         return response
 
     async def _pieces(self, job: Job, request_id: str, prompt_ids: list[int], timeline: Timeline,
@@ -370,6 +382,26 @@ def decode_json(raw: bytes, charset: str = "utf-8") -> Any:
         raise oa.APIError(400, "request body is not valid JSON") from None
     except LookupError:  # a Content-Type charset Python does not know
         raise oa.APIError(400, f"unknown charset '{charset}' in Content-Type") from None
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's connection is closed or closing (its client left)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def count_outcome(request: web.Request, response: web.StreamResponse | None) -> str:
+    """The one outcome a request to a generation endpoint counts under (docs/observability.md): a stream's
+    own (`OUTCOME`); else, with no `response` (the handler was cancelled), `client_disconnected` or, the
+    client still there, `error_503` (the router shutting down); else `client_disconnected` when the client
+    left before its answer was sent, or `ok` / `error_<status>`."""
+    if OUTCOME in request:
+        return request[OUTCOME]
+    if client_gone(request):
+        return CLIENT_DISCONNECTED
+    if response is None:
+        return "error_503"
+    return "ok" if response.status < 400 else f"error_{response.status}"
 
 
 def internal_error(exc: BaseException) -> oa.APIError:

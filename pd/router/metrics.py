@@ -59,7 +59,8 @@ class RouterMetrics:
     def __init__(self, model_name: str, workers: Callable[[], Iterable[WorkerFigures]] = tuple) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._requests = self._counter("pdkv_requests", "Completion requests by outcome", "outcome")
+        self._requests = self._counter("pdkv_requests", "Requests to the generation endpoints, each once, by outcome "
+                                      "(ok, client_disconnected, error_<status>)", "outcome")
         self._prompt_tokens = self._counters(("pdkv_prompt_tokens", "vllm:prompt_tokens"), "Prompt tokens received")
         self._generation_tokens = self._counters(("pdkv_generation_tokens", "vllm:generation_tokens"),
                                                  "Tokens generated")
@@ -115,7 +116,8 @@ class RouterMetrics:
 
     # -- recording --------------------------------------------------------
     def record_outcome(self, outcome: str) -> None:
-        """One completion request answered: `ok` or `error_<http status>`."""
+        """One request to a generation endpoint ended: `ok`, `client_disconnected` or `error_<http status>`
+        (pd.router.completions.count_outcome; each request exactly once)."""
         self._requests.labels(self.model_name, outcome).inc()
 
     def record_prompt_tokens(self, num_tokens: int) -> None:

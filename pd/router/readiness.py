@@ -8,12 +8,16 @@
 - until then `report()` says which needed roles have no answering worker and, for each of
   their workers, why its last probe failed (or that none was made yet): `/health` answers it
   with 503, and `wait()` raises it as `NotReady` when its timeout passes.
+
+`capacity` counts, per role, the workers in the rotation against those the deployment has: the
+health report calls the deployment degraded while any role is short, even when it still serves.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import TypedDict
 
 from pd.cluster.roles import Role, WorkerEndpoint
 
@@ -79,3 +83,18 @@ class Readiness:
             await asyncio.wait_for(self._event.wait(), timeout_s)
         except asyncio.TimeoutError:
             raise NotReady(f"not ready after {timeout_s:g} s: {self.report()}") from None
+
+
+class RoleCapacity(TypedDict):
+    up: int  # in the rotation
+    expected: int  # in the deployment
+
+
+def capacity(workers: Iterable[tuple[Role, bool]], roles: Iterable[Role]) -> dict[str, RoleCapacity]:
+    """Per role of `roles` (by value): the workers up and expected, from (role, in the rotation) pairs."""
+    counts: dict[str, RoleCapacity] = {role.value: {"up": 0, "expected": 0} for role in roles}
+    for role, up in workers:
+        entry = counts.setdefault(role.value, {"up": 0, "expected": 0})
+        entry["expected"] += 1
+        entry["up"] += int(up)
+    return counts

@@ -10,10 +10,11 @@ Guarantees:
   tokens as the new prompt, `max_tokens` reduced by what was sent, and no
   `kv_transfer_params` (the new worker computes that prompt itself), so a greedy
   stream continues with the tokens an undisturbed run would have produced;
-- `health_report` answers `ok` (200) while every role has a healthy worker,
-  `degraded` (200, naming what is missing) while the deployment still serves every
-  request (no prefill worker: decode workers prefill locally), and `unavailable`
-  (503) only when no worker can serve.
+- `health_report` answers `ok` (200) while every worker of the deployment is in the
+  rotation, `degraded` (200, naming the roles short and how many workers of each are
+  up of how many) while it still serves every request with fewer (a role short of
+  workers, or no prefill worker at all: decode workers prefill locally), and
+  `unavailable` (503) only when no worker can serve.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from pd.cluster.messages import GenerateRequest, TokenEvent
 from pd.router.choice import NUM_READMIT_PROBES, Role, WorkerLoad, WorkerPool
+from pd.router.readiness import capacity
 from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
 
 MIGRATION_LIMIT = 2
@@ -115,15 +117,24 @@ def health_report(pool: WorkerPool, colocated: bool) -> tuple[dict, int]:
     roles = (Role.BOTH,) if colocated else (Role.PREFILL, Role.DECODE)
     missing = [r.value for r in roles if not pool.healthy(r)]
     serving = Role.BOTH if colocated else Role.DECODE
+    counts = capacity(((w.endpoint.role, w.healthy) for w in pool.all()), roles)
+    short = [role for role, c in counts.items() if c["up"] < c["expected"]]
+    up, expected = sum(c["up"] for c in counts.values()), sum(c["expected"] for c in counts.values())
+    shortfall = f"{up} of {expected} workers in the rotation (" + ", ".join(
+        f"{role} {counts[role]['up']} of {counts[role]['expected']}" for role in short) + ")"
     reason = None
     if not pool.healthy(serving):
         status = "unavailable"
         reason = f"no healthy {serving.value} worker: nothing can serve"
     elif missing:
         status = "degraded"
-        reason = "no healthy prefill worker: decode workers prefill locally"
+        reason = f"no healthy prefill worker: decode workers prefill locally; {shortfall}"
+    elif short:
+        status = "degraded"
+        reason = f"serving with reduced capacity: {shortfall}"
     else:
         status = "ok"
-    body = {"status": status, "missing_roles": missing, "reason": reason,
+    body = {"status": status, "missing_roles": missing, "short_roles": short, "reason": reason,
+            "workers_up": up, "workers_expected": expected, "capacity": counts,
             "workers": {w.endpoint.worker_id: w.healthy for w in pool.all()}}
     return body, 503 if status == "unavailable" else 200

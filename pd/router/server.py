@@ -45,7 +45,8 @@ from aiohttp import web
 
 from pd.router import openai_api as oa
 from pd.router.admission import AdmissionGate, AdmissionLimits
-from pd.router.completions import CompletionEndpoints, error_response, internal_error
+from pd.router.completions import (GENERATION_PATHS, CompletionEndpoints, count_outcome, error_response,
+                                   internal_error)
 from pd.router.openai_responses import model_card, models_response
 from pd.router.openapi import openapi_handler
 from pd.cluster.config import DeployConfig, Mode
@@ -297,6 +298,18 @@ class Router:
     # -- middleware -------------------------------------------------------
     @web.middleware
     async def _api_key(self, request: web.Request, handler):
+        """Keys, then the handler; each request to a generation endpoint is counted once in
+        `pdkv_requests_total`, refused, answered, failed or left (pd.router.completions.count_outcome)."""
+        if request.path not in GENERATION_PATHS:
+            return await self._answer(request, handler)
+        response = None
+        try:
+            response = await self._answer(request, handler)
+            return response
+        finally:  # also when cancelled (the client left, or shutdown): then there is no response
+            self.metrics.record_outcome(count_outcome(request, response))
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         refused = self.tenancy.authorize(request)  # API keys on /v1/, the admin key on /pd/* (pd.router.tenancy)
         if refused is not None:
             return error_response(refused)
@@ -307,8 +320,7 @@ class Router:
         except web.HTTPException as exc:  # aiohttp's own 404/405/413: answer in OpenAI's shape too
             return error_response(oa.APIError(exc.status, exc.reason, code=str(exc.status)))
         except Exception as exc:  # noqa: BLE001 - never aiohttp's plain-text 500
-            logger.exception("%s %s failed", request.method, request.path)
-            self.metrics.record_outcome("error_500")
+            logger.exception("%s %s from %s failed", request.method, request.path, self.tenancy.address(request))
             return error_response(internal_error(exc))
 
     # -- endpoints --------------------------------------------------------

@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = [sys.executable, "-m", "pd.launch", "--config", "deploy/local.yaml", "--port", "0",
         "--num-cpus", "2", "--object-store-mb", "100", "--log-level", "WARNING"]
 EXIT_WITHIN_S = 10.0
+# a process killed with SIGKILL is gone in milliseconds; Ray workers that find out by themselves that their
+# raylet died take 1-2 s (issue 49)
+WORKERS_GONE_S = 0.5
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -163,3 +166,50 @@ def test_router_stop_ends_a_running_stream_as_a_stream():
         assert "error" not in stream, stream.get("error")
         assert lines[-1] == b"data: [DONE]" and b'"shutting_down"' in lines[-2], lines[-3:]
         dep.wait_all_free()
+
+
+def _workers_gone_after(proc: subprocess.Popen, known: dict[int, psutil.Process], limit_s: float) -> list[str]:
+    """The processes of `known` still alive `limit_s` after the leader and its group are gone."""
+    deadline = time.monotonic() + 30
+    while _alive(psutil.Process(proc.pid)) if psutil.pid_exists(proc.pid) else False:
+        assert time.monotonic() < deadline, "the leader outlived SIGKILL"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + limit_s and any(_alive(p) for p in known.values()):
+        time.sleep(0.01)
+    return sorted(f"{p.pid}:{p.name()}" for p in known.values() if _alive(p))
+
+
+def test_sigkill_of_the_group_takes_the_ray_workers_with_it(fault_record, tmp_path):
+    """`kill -9` of the launcher's process group: Ray's worker processes (each in a process group of
+    its own) die with their raylet, not 1-2 s later when they notice it is gone (issue 49, finding 7):
+    every worker actor's process is gone within WORKERS_GONE_S of the leader."""
+    err = tmp_path / "launch.err"
+    proc = subprocess.Popen(BASE, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=err.open("w"),
+                            text=True, start_new_session=True)
+    known: dict[int, psutil.Process] = {}
+    try:
+        url = read_launch_url(proc, timeout_s=240)
+        assert url, f"launch never printed its URL (exit {proc.poll()}): {err.read_text()[-3000:]}"
+        assert requests.get(f"{url}/health", timeout=30).status_code == 200
+        known = {p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)}
+        workers = [p for p in known.values() if "WorkerActor" in " ".join(p.cmdline()) or "WorkerActor" in p.name()]
+        assert len(workers) >= 2, sorted(p.name() for p in known.values())
+        assert {os.getpgid(p.pid) for p in workers}.isdisjoint({proc.pid}), "workers in the launcher's group"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # the worker actors (engines, caches); an idle pre-started Ray worker ran nothing of ours and may linger
+        left = _workers_gone_after(proc, {p.pid: p for p in workers}, WORKERS_GONE_S)
+        assert not left, left
+        fault_record(fault="SIGKILL to the launcher's process group", where="pd.launch (embedded Ray)",
+                     user_saw="connection cut", pdkv_did=f"every worker actor gone within {WORKERS_GONE_S} s of the "
+                     "leader (they die with their raylet)", pools="no process left")
+    finally:
+        for p in list(known.values()) + _session_processes(proc.pid):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
