@@ -107,7 +107,7 @@ def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
         drive = Drive(p, d)
         drive.stream_whole("f", tokens, sampling)
         assert drive.got["f"]["tokens"] == colocated(tokens, sampling)
-        assert p.runner.backend.name == "fused"
+        assert p.runner.backend.capabilities.name == "fused"
         assert all(ran in (0, 2) and slices == {0, 1} for ran, slices in calls if slices)  # whole steps
         assert stats(d)["blocks_recv"] == 2 * -(-100 // 16) and not stats(d)["failures"]
         drive.settle()

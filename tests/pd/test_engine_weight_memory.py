@@ -50,7 +50,7 @@ def test_engine_keeps_one_copy_of_the_weights(backend):
     if backend == "fused" and cpu_kernels.load() is None:
         pytest.skip("the C++ kernels do not build here")
     eng = Engine(EngineConfig(model=MODEL, num_blocks=16, attention_backend=backend))
-    assert eng.runner.backend.name == backend
+    assert eng.runner.backend.capabilities.name == backend
     model = build_model(MODEL)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model

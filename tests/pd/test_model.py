@@ -42,7 +42,7 @@ def _run_chunked(cfg, lengths, chunk, block_size=4, dtype_tol=1e-5):
             if n:
                 chunks.append(ScheduledChunk(str(i), p[done[i]:done[i] + n], done[i], tables[i], True))
                 done[i] += n
-        logits = runner.execute(chunks)
+        logits = runner.model.compute_logits(runner.final_hidden(chunks))
         for row, c in zip(logits, chunks):
             ref = model.reference_logits(prompts[int(c.request_id)][: c.start + len(c.token_ids)])[-1]
             worst = max(worst, (ref - row).abs().max().item())
@@ -65,7 +65,7 @@ def test_every_position_matches_in_one_prefill():
     # decode one token at a time: each step's logits row is the reference row at that position
     ref = model.reference_logits(prompt)
     for pos in range(len(prompt)):
-        row = runner.execute([ScheduledChunk("r", [prompt[pos]], pos, tables, True)])[0]
+        row = runner.model.compute_logits(runner.final_hidden([ScheduledChunk("r", [prompt[pos]], pos, tables, True)]))[0]
         assert torch.allclose(row, ref[pos], atol=1e-5, rtol=0)
 
 
@@ -104,6 +104,6 @@ def test_stale_nan_bytes_in_unwritten_slots_do_not_leak():
     runner = ModelRunner(model, layout, pool)
     prompt = list(range(10, 17))  # 7 tokens: the second block's last slot is never written
     tables = ([3, 5],)
-    runner.execute([ScheduledChunk("a", prompt[:5], 0, tables, True)])
-    row = runner.execute([ScheduledChunk("a", prompt[5:], 5, tables, True)])[0]
+    runner.model.compute_logits(runner.final_hidden([ScheduledChunk("a", prompt[:5], 0, tables, True)]))
+    row = runner.model.compute_logits(runner.final_hidden([ScheduledChunk("a", prompt[5:], 5, tables, True)]))[0]
     assert torch.allclose(row, model.reference_logits(prompt)[-1], atol=1e-5, rtol=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.engine.attention.triton_kv_write import layer_kv_views, write_kv
+from pd.engine.attention.triton_kv_write import write_kv
 from pd.engine.attention.triton_reference import paged_decode_reference, paged_prefill_reference
 from pd.engine.model.llama import masked_attention
 from triton_cases import DEVICE, make_case, step_tensors
@@ -24,8 +24,8 @@ def test_triton_reference_matches_dense_masked_attention(window, group):
     length, chunk = 40, 9
     case = make_case(2, group, 64, "float32", 4, window, steps=[(0, length)], seed=11, drop_evicted=False)
     layer = 1 if window else 0
-    g, slot = case.layout.layer_to_group[layer]
-    k_cache, v_cache = layer_kv_views(case.layout.group_views(case.pool)[g][:, slot])
+    bound = case.layout.bind(case.pool).layers[layer]
+    g, k_cache, v_cache = bound.group, bound.k, bound.v
     meta = step_tensors(case, g)
     write_kv(case.k, case.v, k_cache, v_cache, meta.slot_mapping)
     pos = torch.arange(length, device=DEVICE)
@@ -47,8 +47,8 @@ def test_triton_kv_write_lands_in_the_documented_token_rows():
     layout = case.layout
     rows = layout.token_rows(case.pool)
     for layer in range(2):
-        g, slot = layout.layer_to_group[layer]
-        k_cache, v_cache = layer_kv_views(layout.group_views(case.pool)[g][:, slot])
+        bound = layout.bind(case.pool).layers[layer]
+        g, slot, k_cache, v_cache = bound.group, bound.slot, bound.k, bound.v
         meta = step_tensors(case, g)
         write_kv(case.k, case.v, k_cache, v_cache, meta.slot_mapping)
         bs = layout.block_size

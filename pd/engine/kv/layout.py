@@ -5,6 +5,10 @@ groups that exist are created, full first). A page holds one block's K and V
 for every layer of one group: shape (layers_in_group, 2, block_size,
 num_kv_heads, head_dim). Groups with fewer layers use a prefix of the page,
 whose size is set by the largest group.
+
+`KVLayout.bind(pool)` is the one place where each layer's K and V views of a page pool are worked out:
+the runner binds them once, over the pool the engine allocated, and every attention backend and the CPU
+step executor read the same `LayerKV` views.
 """
 from __future__ import annotations
 
@@ -22,6 +26,35 @@ class KVGroupLayout:
 
     layer_indices: tuple[int, ...]
     window: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's K and V in the page pool: views, no copy (see `KVLayout.bind`)."""
+
+    group: int  # its KV cache group (the block tables and slots it reads)
+    slot: int  # its place among the group's layers
+    window: int | None  # its attention window (None: full attention)
+    cache: torch.Tensor  # (num_blocks, 2, block_size, Hkv, D): K then V of each page
+    k: torch.Tensor  # (num_blocks, block_size, Hkv, D), strided
+    v: torch.Tensor  # (num_blocks, block_size, Hkv, D), strided
+    k_rows: torch.Tensor  # (num_blocks, block_size * Hkv * D): each page's K as one row (for gathers)
+    v_rows: torch.Tensor
+    first_row: int  # in `BoundKV.token_rows`, page row of this layer's first K (its V: block_size rows on)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundKV:
+    """A page pool with each layer's K/V views bound once (`KVLayout.bind`).
+
+    Guarantees: every view shares the pool's memory (no copy) and keeps its address for the pool's life;
+    token t of block b of `layers[i]` has its K at `token_rows[b * rows_per_page + layers[i].first_row + t]`.
+    """
+
+    layout: KVLayout
+    pool: PagePool
+    token_rows: torch.Tensor  # (num_blocks * rows_per_page, Hkv * D): the whole pool as rows of one token's K or V
+    layers: tuple[LayerKV, ...]
 
 
 class KVLayout:
@@ -74,6 +107,18 @@ class KVLayout:
         """
         width = self.num_kv_heads * self.head_dim
         return pool.view(self.dtype, (self.rows_per_page, width)).reshape(-1, width)
+
+    def bind(self, pool: PagePool) -> BoundKV:
+        """Each layer's K/V views of `pool` (no copy): the one place they are worked out."""
+        views = self.group_views(pool)
+        layers = []
+        for layer in range(len(self.layer_to_group)):
+            g, slot = self.layer_to_group[layer]
+            cache = views[g][:, slot]
+            k, v = cache[:, 0], cache[:, 1]
+            layers.append(LayerKV(g, slot, self.groups[g].window, cache, k, v, k.reshape(pool.num_blocks, -1),
+                                  v.reshape(pool.num_blocks, -1), 2 * slot * self.block_size))
+        return BoundKV(self, pool, self.token_rows(pool), tuple(layers))
 
     def kv_cache_groups(self):
         """kvcache `KVCacheGroupSpec`s, one per group, layer names "layers.N"."""
