@@ -96,7 +96,7 @@ def test_each_slice_is_published_after_its_layers_and_tokens_match(sampling):
 
 def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
     """The fused kernel runs every layer in one call: its step's slices go when the step is over."""
-    from pd.engine.attention.selector import select_backend
+    from pd.engine.runner.selector import select_backend
 
     if select_backend("auto", torch.device("cpu"), torch.float32) != "fused":
         pytest.skip("the fused CPU kernel cannot be built here")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvcache.audit import assert_all_free
 
-from pd.engine.attention.selector import select_backend
+from pd.engine.runner.selector import select_backend
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.model.config import ModelConfig

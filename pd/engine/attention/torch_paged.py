@@ -102,7 +102,7 @@ class TorchPagedBackend:
         host = metadata.host
         starts, counts = list(host.starts), list(host.query_lens)
         # Row of each new token's K in slot 0 of its group; a layer adds its `first_row` (V: one more bs).
-        self.slot_rows = [blocks * layout.rows_per_page + metadata.slot_offsets for blocks in metadata.slot_blocks]
+        self.slot_rows = [blocks * self.kv.rows_per_page + metadata.slot_offsets for blocks in metadata.slot_blocks]
         first_token = host.query_start_loc[:-1]
         tables = list(host.block_tables)
         self.sub_batches = []

@@ -48,13 +48,15 @@ class BoundKV:
     """A page pool with each layer's K/V views bound once (`KVLayout.bind`).
 
     Guarantees: every view shares the pool's memory (no copy) and keeps its address for the pool's life;
-    token t of block b of `layers[i]` has its K at `token_rows[b * rows_per_page + layers[i].first_row + t]`.
+    token t of block b of `layers[i]` has its K at `token_rows[b * rows_per_page + layers[i].first_row + t]`
+    (`rows_per_page` here: the pool's page, which may be larger than the layout's).
     """
 
     layout: KVLayout
     pool: PagePool
     token_rows: torch.Tensor  # (num_blocks * rows_per_page, Hkv * D): the whole pool as rows of one token's K or V
     layers: tuple[LayerKV, ...]
+    rows_per_page: int  # a page of the pool as rows of one token's K or V
 
 
 class KVLayout:
@@ -109,16 +111,34 @@ class KVLayout:
         return pool.view(self.dtype, (self.rows_per_page, width)).reshape(-1, width)
 
     def bind(self, pool: PagePool) -> BoundKV:
-        """Each layer's K/V views of `pool` (no copy): the one place they are worked out."""
-        views = self.group_views(pool)
+        """Each layer's K/V views of `pool` (no copy): the one place they are worked out.
+
+        Every view is cut from one typed tensor over the pool's storage that is not itself a view (one
+        `_base`, the whole storage): what `torch.compile` can trace writes through, and a CUDA graph
+        replays at the same addresses."""
+        width = self.num_kv_heads * self.head_dim
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if pool.page_size_bytes < self.page_size_bytes or pool.page_size_bytes % (width * elem):
+            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, the layout needs {self.page_size_bytes} "
+                             f"in rows of {width * elem} bytes")
+        buffer = pool.buffer
+        offset = buffer.storage_offset()  # (bytes: the buffer is uint8)
+        if offset % elem:
+            raise ValueError(f"the page pool starts at byte {offset}, not on a {self.dtype} boundary")
+        bs, nb = self.block_size, pool.num_blocks
+        rows = pool.page_size_bytes // (width * elem)
+        pages = torch.empty(0, dtype=self.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), offset // elem, (nb, rows, self.num_kv_heads, self.head_dim),
+            (rows * width, width, self.head_dim, 1))
         layers = []
         for layer in range(len(self.layer_to_group)):
             g, slot = self.layer_to_group[layer]
-            cache = views[g][:, slot]
-            k, v = cache[:, 0], cache[:, 1]
-            layers.append(LayerKV(g, slot, self.groups[g].window, cache, k, v, k.reshape(pool.num_blocks, -1),
-                                  v.reshape(pool.num_blocks, -1), 2 * slot * self.block_size))
-        return BoundKV(self, pool, self.token_rows(pool), tuple(layers))
+            first = 2 * slot * bs
+            k, v = pages[:, first:first + bs], pages[:, first + bs:first + 2 * bs]
+            cache = pages[:, first:first + 2 * bs].view(nb, 2, bs, self.num_kv_heads, self.head_dim)
+            layers.append(LayerKV(g, slot, self.groups[g].window, cache, k, v, k.reshape(nb, -1), v.reshape(nb, -1),
+                                  first))
+        return BoundKV(self, pool, pages.view(-1, width), tuple(layers), rows)
 
     def kv_cache_groups(self):
         """kvcache `KVCacheGroupSpec`s, one per group, layer names "layers.N"."""
