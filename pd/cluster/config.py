@@ -90,9 +90,10 @@ class ModelSection(StrictModel):
     name: NonEmpty = "pdkv-tiny"
     architecture: dict[str, Any] = Field(default_factory=dict, description="pd.engine.config.ModelConfig fields")
     attention_backend: BackendName = Field(
-        DEFAULT_ATTENTION_BACKEND, description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
-                            "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
-                            "triton: CUDA only")
+        DEFAULT_ATTENTION_BACKEND,
+        description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
+                    "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
+                    "triton: CUDA only (pd/engine/attention/capabilities.py declares what each runs on)")
     cuda_graphs: bool = Field(True, description="on CUDA, decode steps replay CUDA graphs captured at start "
                                                 "(one per batch-size bucket); false runs every step eagerly")
 

@@ -55,7 +55,8 @@ class BackendCapabilities:
         if self.block_sizes is not None and block_size is not None and block_size not in self.block_sizes:
             return f"'{self.name}' supports block sizes {self.block_sizes}; here it is {block_size}"
         if tensor_parallel not in self.tensor_parallel:
-            return f"'{self.name}' supports tensor-parallel degrees {self.tensor_parallel}; here it is {tensor_parallel}"
+            return (f"'{self.name}' supports tensor-parallel degrees {self.tensor_parallel}; "
+                    f"here it is {tensor_parallel}")
         return None
 
 

@@ -98,7 +98,6 @@ class TorchPagedBackend:
     def plan(self, metadata: StepMetadata, decode: list[int]) -> None:
         """Plans the step's K/V writes, the decode sequences `decode` (chunk indices) in sub-batches of
         similar context length and every prompt chunk (more than one token) in its own."""
-        layout = self.layout
         host = metadata.host
         starts, counts = list(host.starts), list(host.query_lens)
         # Row of each new token's K in slot 0 of its group; a layer adds its `first_row` (V: one more bs).

@@ -119,8 +119,8 @@ class KVLayout:
         width = self.num_kv_heads * self.head_dim
         elem = torch.empty((), dtype=self.dtype).element_size()
         if pool.page_size_bytes < self.page_size_bytes or pool.page_size_bytes % (width * elem):
-            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, the layout needs {self.page_size_bytes} "
-                             f"in rows of {width * elem} bytes")
+            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, the layout needs "
+                             f"{self.page_size_bytes} in rows of {width * elem} bytes")
         buffer = pool.buffer
         offset = buffer.storage_offset()  # (bytes: the buffer is uint8)
         if offset % elem:

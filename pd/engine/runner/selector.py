@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 _CLASSES: tuple[type[TorchPagedBackend] | type[TritonBackend], ...] = (TorchPagedBackend, CpuPagedAttention,
                                                                        TritonBackend)
 BACKENDS = {cls.capabilities.name: cls for cls in _CLASSES}
-_EXECUTORS = {CpuPagedAttention: CpuStepExecutor}
+_EXECUTORS: dict[type, type[CpuStepExecutor]] = {CpuPagedAttention: CpuStepExecutor}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
