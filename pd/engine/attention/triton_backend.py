@@ -4,8 +4,8 @@ tables, by the kernels of triton_kv_write.py, triton_decode.py and triton_prefil
 Each layer's K and V are the strided views of the page pool bound once by `KVLayout.bind` (`LayerKV.k`,
 `.v`, views of the pool's one storage): a CUDA graph replays them at the same addresses. A step of
 decode tokens only takes the decode kernel (one query per sequence); any other step takes the prompt
-kernel, whose varlen chunks cover decode tokens too (a chunk of one). Nothing here reads a tensor's value on the host, and
-`prepare` has nothing to plan: the kernels read positions, slots and tables straight from the step
+kernel, whose varlen chunks cover decode tokens too (a chunk of one). Nothing here reads a tensor's
+value on the host, and `prepare` has nothing to plan: the kernels read positions, slots and tables straight from the step
 metadata, so a decode step can be captured in a CUDA graph as it is.
 
 `use_reference(True)` swaps the kernels for their plain-torch reference (triton_reference.py), with
