@@ -5,8 +5,8 @@ Each layer's K and V are the strided views of the page pool bound once by `KVLay
 `.v`, views of the pool's one storage): a CUDA graph replays them at the same addresses. A step of
 decode tokens only takes the decode kernel (one query per sequence); any other step takes the prompt
 kernel, whose varlen chunks cover decode tokens too (a chunk of one). Nothing here reads a tensor's
-value on the host, and `prepare` has nothing to plan: the kernels read positions, slots and tables straight from the step
-metadata, so a decode step can be captured in a CUDA graph as it is.
+value on the host, and `prepare` has nothing to plan: the kernels read positions, slots and tables
+straight from the step metadata, so a decode step can be captured in a CUDA graph as it is.
 
 `use_reference(True)` swaps the kernels for their plain-torch reference (triton_reference.py), with
 the same arguments: what `torch.compile(fullgraph=True)` traces on the CPU to check that the decode
