@@ -162,8 +162,8 @@ class ModelRunner:
 
     def forward_hidden(self, metadata: StepMetadata) -> torch.Tensor:
         """The final-norm hidden states of every token of the step (padding rows included), through the
-        per-layer path: what a decode graph captures. It reads its inputs only from the
-        metadata's tensors (no host sync for a `graph_safe` backend), and runs the model's forward without
+        per-layer path: what a decode graph captures. It reads its inputs only from the metadata's tensors
+        (no host sync for a backend with `capabilities.graph_safe`), and runs the model's forward without
         its inference-mode wrapper, which `torch.compile` cannot trace, under no_grad instead."""
         with torch.no_grad():
             return _FORWARD(self.model, metadata.input_ids, metadata.positions, self.backend, metadata)
