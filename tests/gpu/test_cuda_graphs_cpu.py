@@ -93,8 +93,8 @@ def test_padded_bucket_gives_the_same_rows_and_pages_as_the_exact_batch():
     got = padded.runner.forward_hidden(padded.runner.inputs.build(chunks, pad_to=8))
     assert got.shape[0] == 8
     torch.testing.assert_close(got[:5], want, rtol=1e-5, atol=1e-5)
-    rows_a = exact.layout.token_rows(exact.page_pool).view(exact.page_pool.num_blocks, -1)
-    rows_b = padded.layout.token_rows(padded.page_pool).view(padded.page_pool.num_blocks, -1)
+    rows_a = exact.runner.kv.token_rows.view(exact.page_pool.num_blocks, -1)
+    rows_b = padded.runner.kv.token_rows.view(padded.page_pool.num_blocks, -1)
     torch.testing.assert_close(rows_a[1:], rows_b[1:], rtol=1e-5, atol=1e-5)  # (GEMMs of 5 and 8 rows round apart)
 
 
@@ -134,8 +134,8 @@ def test_runner_decode_forward_compiles_with_fullgraph():
     forward = torch.compile(compiled.runner.forward_hidden, fullgraph=True, dynamic=False)
     got = forward(compiled.runner.inputs.build(chunks, pad_to=8))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    rows_a = eager.layout.token_rows(eager.page_pool)
-    rows_b = compiled.layout.token_rows(compiled.page_pool)
+    rows_a = eager.runner.kv.token_rows
+    rows_b = compiled.runner.kv.token_rows
     torch.testing.assert_close(rows_a, rows_b)  # the compiled forward wrote the same K/V
 
 

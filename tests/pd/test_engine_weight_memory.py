@@ -54,6 +54,6 @@ def test_engine_keeps_one_copy_of_the_weights(backend):
     model = build_model(MODEL)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    pages = {eng.layout.token_rows(eng.page_pool).untyped_storage().data_ptr()}
+    pages = {eng.runner.kv.token_rows.untyped_storage().data_ptr()}
     held = weight_storage_bytes(eng, pages)
     assert param_bytes <= held <= 1.1 * param_bytes, (held, param_bytes)

@@ -83,9 +83,10 @@ def test_triton_decode_reads_only_the_window_and_the_written_positions():
     clean, _ = run_triton(case, layer=1)
     poisoned = case.pool
     layout = case.layout
-    views = layout.group_views(poisoned)
-    views[0][0].fill_(float("nan"))
-    views[1][0].fill_(float("nan"))  # the null block, in both groups' shapes
+    bound = layout.bind(poisoned)
+    bound.token_rows.view(poisoned.num_blocks, -1)[0].fill_(float("nan"))  # the null block
+    window = bound.layers[1]
+    assert window.window == 12
     meta = step_tensors(case, 1)
     bs = layout.block_size
     for i, seq in enumerate(case.seqs):
@@ -94,7 +95,7 @@ def test_triton_decode_reads_only_the_window_and_the_written_positions():
             positions = range(j * bs, (j + 1) * bs)
             for row, pos in enumerate(positions):
                 if pos >= seq_len or pos < seq_len - 12:  # after the token or behind the window
-                    views[1][block, 0, :, row].fill_(float("nan"))  # K and V of the window layer
+                    window.cache[block, :, row].fill_(float("nan"))  # K and V of the window layer
     got, _ = run_triton(case, layer=1, pool=poisoned)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, clean, atol=0, rtol=0)

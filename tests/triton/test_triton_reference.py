@@ -2,7 +2,7 @@
 
 `masked_attention` (pd/engine/model/llama.py) over a sequence's contiguous K/V,
 with the causal and window masks `DenseAttention` builds, is what a paged
-layer must compute; `KVLayout.token_rows` documents where a token's K/V live in
+layer must compute; `BoundKV.token_rows` (`KVLayout.bind`) documents where a token's K/V live in
 the pool. The reference (and through test_triton_kernels.py the Triton kernels)
 must agree with both.
 """
@@ -45,7 +45,7 @@ def test_triton_kv_write_lands_in_the_documented_token_rows():
     """Token at (block b, offset o) of layer slot s: K at row b * rows_per_page + 2 * s * bs + o, V one bs later."""
     case = make_case(2, 2, 64, "bfloat16", 5, 7, steps=[(3, 4), (11, 1)], seed=2)
     layout = case.layout
-    rows = layout.token_rows(case.pool)
+    rows = layout.bind(case.pool).token_rows
     for layer in range(2):
         bound = layout.bind(case.pool).layers[layer]
         g, slot, k_cache, v_cache = bound.group, bound.slot, bound.k, bound.v

@@ -82,8 +82,8 @@ def make_case(num_kv_heads: int, group: int, head_dim: int, dtype: str, block_si
     per_group = sum(need) + 1
     num_blocks = 1 + per_group * len(layout.groups)
     pool = PagePool(num_blocks, layout.page_size_bytes, device=DEVICE, shareable=False)
-    for view in layout.group_views(pool):  # old context: random values everywhere
-        view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype))
+    rows = layout.bind(pool).token_rows  # old context: random values everywhere
+    rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     seqs = []

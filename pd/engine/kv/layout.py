@@ -89,26 +89,11 @@ class KVLayout:
     def page_shape(self, group_idx: int) -> tuple[int, ...]:
         return (len(self.groups[group_idx].layer_indices), 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def group_views(self, pool: PagePool) -> list[torch.Tensor]:
-        """Per group, the whole pool typed as (num_blocks, *page_shape) (no copy)."""
-        if pool.page_size_bytes < self.page_size_bytes:
-            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, layout needs {self.page_size_bytes}")
-        return [pool.view(self.dtype, self.page_shape(g)) for g in range(len(self.groups))]
-
     @property
     def rows_per_page(self) -> int:
         """A page seen as rows of one token's K (or V) for one layer: num_kv_heads * head_dim elements."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.page_size_bytes // (self.num_kv_heads * self.head_dim * elem)
-
-    def token_rows(self, pool: PagePool) -> torch.Tensor:
-        """The whole pool as (num_blocks * rows_per_page, num_kv_heads * head_dim) rows (no copy).
-
-        Row `block * rows_per_page + (slot * 2 + kv) * block_size + offset` holds K (kv=0) or
-        V (kv=1) of token `offset` of `block` for the group's `slot`-th layer.
-        """
-        width = self.num_kv_heads * self.head_dim
-        return pool.view(self.dtype, (self.rows_per_page, width)).reshape(-1, width)
 
     def bind(self, pool: PagePool) -> BoundKV:
         """Each layer's K/V views of `pool` (no copy): the one place they are worked out.
