@@ -6,8 +6,9 @@ A module may import its own room and any room below it, never one above or besid
 (router and worker do not import each other), and no set of modules imports itself in a loop.
 
 Inside `pd.engine`: its rooms point down too (`ENGINE_RANKS`: the model never imports attention,
-runner or scheduler; backends and the runner build on the model, the KV layout and the scheduler's
-output); the rooms above it import only its public parts (`ENGINE_PUBLIC`); what the router reaches
+runner or scheduler; attention imports neither the scheduler nor the CPU kernels (`pd.engine.cpu`,
+whose step executor builds on attention); the runner builds on them all); the rooms above it import
+only its public parts (`ENGINE_PUBLIC`); what the router reaches
 of it imports no torch, and `sample/params.py` (the router builds sampling params too) none at all.
 
 Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
@@ -203,13 +204,15 @@ def test_pd_top_level_holds_only_entry_points():
 
 
 # Inside pd.engine: a module may import its own room and rooms of strictly lower rank.
+# Attention and the scheduler share a rank: neither imports the other. The backends' declarations
+# (attention/capabilities.py, no torch) sit at the bottom: the engine's and the deploy config read them.
 ENGINE_RANKS = {
-    "pd.engine.outputs": 0, "pd.engine.sample.params": 0, "pd.engine.text": 0,
+    "pd.engine.outputs": 0, "pd.engine.sample.params": 0, "pd.engine.text": 0, "pd.engine.attention.capabilities": 0,
     "pd.engine.model": 1,
     "pd.engine.inputs": 1,
-    "pd.engine.config": 2, "pd.engine.kv": 2, "pd.engine.cpu": 2, "pd.engine.sample": 2,
-    "pd.engine.sched": 3,
-    "pd.engine.attention": 4, "pd.engine.step_isolation": 4,
+    "pd.engine.config": 2, "pd.engine.kv": 2, "pd.engine.sample": 2,
+    "pd.engine.sched": 3, "pd.engine.attention": 3,
+    "pd.engine.cpu": 4, "pd.engine.step_isolation": 4,
     "pd.engine.runner": 5,
     "pd.engine.engine": 6,
     "pd.engine": 7,  # the package itself
@@ -219,13 +222,15 @@ ENGINE_RANKS = {
 TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
 # What the rooms above the engine (cluster, router, worker, deploy, pd's entry points) may import of it:
 # the engine, its config, inputs and outputs, tokenizers, sampling params, and the model's config and files (a
-# worker sizes its KV pool from the model's shape before it builds an engine), and step isolation (a
-# worker reads its device-fault latch and tells device errors apart). pd.tools may reach further
+# worker sizes its KV pool from the model's shape before it builds an engine), step isolation (a
+# worker reads its device-fault latch and tells device errors apart) and the attention backends'
+# declarations (the deploy config validates `model.attention_backend` against them). pd.tools may reach further
 # (benchmarks of the kernels).
 ENGINE_PUBLIC = frozenset({
     "pd.engine.engine", "pd.engine.config", "pd.engine.outputs", "pd.engine.sample.params", "pd.engine.step_isolation",
     "pd.engine.model.config", "pd.engine.model.checkpoint", "pd.engine.model.gguf", "pd.engine.kv.layout",
     "pd.engine.inputs",
+    "pd.engine.attention.capabilities",
 })
 
 
@@ -260,6 +265,17 @@ def test_engine_rooms_point_down_and_expose_only_their_public_parts():
     assert not wrong, "imports against the engine's rooms:\n" + "\n".join(wrong)
 
 
+def test_attention_imports_neither_the_scheduler_nor_the_cpu_kernels():
+    graph = _graph()
+    attention = [m for m in graph if _in(m, "pd.engine.attention")]
+    assert "pd.engine.attention.backend" in attention and "pd.engine.attention.metadata" in attention
+    wrong = [f"{m} -> {t}" for m in attention for t in sorted(graph[m])
+             if _in(t, "pd.engine.sched") or _in(t, "pd.engine.cpu") or _in(t, "pd.engine.runner")]
+    assert not wrong, "\n".join(wrong)
+    assert not [m for m in graph["pd.engine.attention.capabilities"] if _in(m, "pd")]
+    assert not _imports_torch(_modules()["pd.engine.attention.capabilities"])
+
+
 def _imports_torch(path: pathlib.Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
@@ -291,12 +307,16 @@ def test_the_engine_room_check_sees_wrong_imports():
     graph = {"pd.engine.model.llama": {"pd.engine.attention.backend", "pd.engine.model.config"},
              "pd.engine.text.tokenizer": {"pd.engine.model.files", "pd.engine.sample.params"},
              "pd.engine.runner.model_runner": {"pd.engine.attention.backend", "pd.engine.engine"},
+             "pd.engine.attention.metadata": {"pd.engine.sched.output", "pd.engine.kv.layout"},
+             "pd.engine.attention.torch_paged": {"pd.engine.cpu.kernels", "pd.engine.attention.capabilities"},
              "pd.router.server": {"pd.engine.text.tokenizer", "pd.engine.cpu.kernels"},
              "pd.worker.wiring": {"pd.engine.engine", "pd.engine.config"},
              "pd.tools.gemm_bench": {"pd.engine.cpu.gemm_tuning"}}
     assert _against_engine_rooms(graph) == ["pd.engine.model.llama -> pd.engine.attention.backend",
                                             "pd.engine.text.tokenizer -> pd.engine.sample.params",
                                             "pd.engine.runner.model_runner -> pd.engine.engine",
+                                            "pd.engine.attention.metadata -> pd.engine.sched.output",
+                                            "pd.engine.attention.torch_paged -> pd.engine.cpu.kernels",
                                             "pd.router.server -> pd.engine.cpu.kernels (not public)"]
 
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, Strict, ValidationError, field_serializer, field_validator, model_validator
 
@@ -36,7 +35,13 @@ from pd.cluster.schema import FieldError, StrictModel, clip, describe
 from pd.cluster.tracing_config import TracingSection
 from pd.cluster.architecture_config import MAX_POSITIONS, ArchitectureSection
 from pd.cluster.config_file import ConfigFileError, one_line, read_config_file
+from pd.engine.attention.capabilities import ATTENTION_BACKENDS, CAPABILITIES, DEFAULT_ATTENTION_BACKEND
 from pd.engine.text.vocab import byte_vocab_problem
+
+if TYPE_CHECKING:
+    BackendName = str
+else:  # the names attention/capabilities.py declares, as a Literal (the schema's enum, the error's list)
+    BackendName = Literal[ATTENTION_BACKENDS]
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_KV_MEMORY_MB = 16 << 20  # 16 TiB per worker: more than any machine has
@@ -97,10 +102,11 @@ class ModelSection(StrictModel):
     name: NonEmpty = Field("pdkv-tiny", max_length=256, description="the model id clients name")
     architecture: ArchitectureSection = Field(default_factory=ArchitectureSection,
                                               description="pd.engine.model.config.ModelConfig fields")
-    attention_backend: Literal["auto", "torch", "fused", "triton"] = Field(
-        "auto", description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
-                            "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
-                            "triton: CUDA only")
+    attention_backend: BackendName = Field(
+        DEFAULT_ATTENTION_BACKEND,
+        description="attention: auto = on CUDA the Triton kernels (where triton is installed), on the CPU "
+                    "the fused C++ kernel where valid (float32, a C++ compiler on the worker); else torch. "
+                    "triton: CUDA only (pd/engine/attention/capabilities.py declares what each runs on)")
     cuda_graphs: bool = Field(True, description="on CUDA, decode steps replay CUDA graphs captured at start "
                                                 "(one per batch-size bucket); false runs every step eagerly")
 
@@ -306,15 +312,13 @@ class DeployConfig(StrictModel):
     def _sections_agree(self) -> DeployConfig:
         if self.scheduler.max_model_len < self.cache.block_size:
             raise FieldError("scheduler.max_model_len", "must be at least one block (cache.block_size)")
-        if self.model.attention_backend == "fused" and (self.model.dtype != "float32" or self.topology.device != "cpu"):
-            raise FieldError("model.attention_backend", "'fused' runs float32 on the CPU only; here "
-                             f"model.dtype is {self.model.dtype} and topology.device is {self.topology.device} "
-                             "(use 'auto' or 'torch')")
-        # (on the CPU only Triton's interpreter runs it, which the tests set up with TRITON_INTERPRET=1)
-        if (self.model.attention_backend == "triton" and self.topology.device != "cuda"
-                and os.environ.get("TRITON_INTERPRET") != "1"):
-            raise FieldError("model.attention_backend", "'triton' runs on CUDA; here topology.device is "
-                             f"{self.topology.device} (use 'auto', 'torch' or 'fused')")
+        # what the backend declares it runs on (attention/capabilities.py; the engine's selector reads the
+        # same), judged here without the worker's machine: device, dtype, block size
+        capabilities = CAPABILITIES.get(self.model.attention_backend)
+        why = capabilities and capabilities.why_not(self.topology.device, self.model.dtype,
+                                                    block_size=self.cache.block_size)
+        if why:
+            raise FieldError("model.attention_backend", f"{why} (topology.device, model.dtype; use 'auto' or 'torch')")
         return self
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from pd.engine.attention.capabilities import DEFAULT_ATTENTION_BACKEND, check_choice
 from pd.engine.model.config import DTYPES, ModelConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -26,10 +27,6 @@ def check_device(device: str) -> None:
                              "use device 'cpu' or run on a GPU node")
         if index and int(index) >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-# auto: "fused" wherever it is valid (float32 on the CPU, the C++ kernel builds), else "torch";
-# fused: the C++ decode kernel, refused at engine start where it is not valid; torch: the reference path;
-# triton: the Triton kernels (CUDA; on the CPU only under TRITON_INTERPRET=1); auto on CUDA: triton.
-ATTENTION_BACKENDS = ("auto", "torch", "fused", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +58,9 @@ class EngineConfig:
     hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
     enable_kv_events: bool = False  # record prefix-cache events for `Engine.kv_event_sink`
     device: str = "cpu"
-    attention_backend: str = "torch"  # see ATTENTION_BACKENDS; the C++ kernel is built on first use
+    # one of attention/capabilities.py ATTENTION_BACKENDS (the deploy config's default too: on CUDA triton, on
+    # the CPU fused where each can run, else torch); the C++ kernel is built on first use
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
     engine_id: str = "engine-0"
     # decode steps replay CUDA graphs (one per batch-size bucket, captured at start) where the device is CUDA
     # and the backend allows it (triton); False: every step eager, for debugging. No effect on the CPU.
@@ -87,8 +86,7 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check_choice(self.attention_backend)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)

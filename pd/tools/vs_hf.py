@@ -179,7 +179,7 @@ def bench_vs_hf_model(model_path: str, num_requests: int, max_new: int, rounds: 
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     try:
         run = side_by_side(eng, hf, prompts, pad_id, max_new, rounds)
-        backend = eng.runner.backend.description
+        backend = eng.runner.description
     finally:
         eng.shutdown()
     lens = [len(p) for p in prompts.values()]

@@ -96,7 +96,7 @@ def test_each_slice_is_published_after_its_layers_and_tokens_match(sampling):
 
 def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
     """The fused kernel runs every layer in one call: its step's slices go when the step is over."""
-    from pd.engine.attention.selector import select_backend
+    from pd.engine.runner.selector import select_backend
 
     if select_backend("auto", torch.device("cpu"), torch.float32) != "fused":
         pytest.skip("the fused CPU kernel cannot be built here")
@@ -107,7 +107,7 @@ def test_a_forward_of_all_layers_at_once_publishes_after_the_step():
         drive = Drive(p, d)
         drive.stream_whole("f", tokens, sampling)
         assert drive.got["f"]["tokens"] == colocated(tokens, sampling)
-        assert p.runner.backend.name == "fused"
+        assert p.runner.backend.capabilities.name == "fused"
         assert all(ran in (0, 2) and slices == {0, 1} for ran, slices in calls if slices)  # whole steps
         assert stats(d)["blocks_recv"] == 2 * -(-100 // 16) and not stats(d)["failures"]
         drive.settle()

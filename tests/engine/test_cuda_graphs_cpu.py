@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.decode_graph_cases import decode_engine, random_chunks
-from pd.engine.runner.cuda_graphs import PAD_SLOT, bucket_for, capture_sizes, plan_step
+from pd.engine.runner.cuda_graphs import bucket_for, capture_sizes, plan_step
 from pd.engine.sched.output import ScheduledChunk
 
 
@@ -49,16 +49,16 @@ def test_bucket_is_the_smallest_capture_size_that_holds_the_batch(max_num_seqs, 
 def test_plan_falls_back_to_eager_and_says_why():
     sizes = capture_sizes(64)
     assert plan_step(5, 5, sizes, graphs_ready=True).bucket == 8
-    assert plan_step(64, 64, sizes, graphs_ready=True).uses_graph
+    assert plan_step(64, 64, sizes, graphs_ready=True).bucket == 64
     prompt = plan_step(5, 40, sizes, graphs_ready=True)
-    assert not prompt.uses_graph and "prompt" in prompt.reason
+    assert prompt.bucket is None and "prompt" in prompt.reason
     big = plan_step(65, 65, sizes, graphs_ready=True)
-    assert not big.uses_graph and "largest bucket" in big.reason
+    assert big.bucket is None and "largest bucket" in big.reason
     off = plan_step(5, 5, sizes, graphs_ready=False)
-    assert not off.uses_graph and "off" in off.reason
+    assert off.bucket is None and "off" in off.reason
     hooked = plan_step(5, 5, sizes, graphs_ready=True, layer_hook=True)
-    assert not hooked.uses_graph and "hook" in hooked.reason
-    assert not plan_step(0, 0, sizes, graphs_ready=True).uses_graph
+    assert hooked.bucket is None and "hook" in hooked.reason
+    assert plan_step(0, 0, sizes, graphs_ready=True).bucket is None
 
 
 @interpreted
@@ -73,7 +73,7 @@ def test_padding_rows_are_harmless_and_stale_tables_cleared():
     assert md.num_padded == 5 and md.num_seqs == 8 and md.logits_indices.tolist() == [0, 1, 2]
     assert md.input_ids[3:].tolist() == [0] * 5 and md.positions[3:].tolist() == [0] * 5
     assert md.seq_lens[3:].tolist() == [0] * 5
-    assert md.slot_mapping[:, 3:].eq(PAD_SLOT).all() and PAD_SLOT < eng.layout.block_size  # the null block
+    assert md.slot_mapping[:, 3:].eq(0).all()  # slot 0 of the null block 0
     for g, table in enumerate(md.block_tables):
         assert table[3:].eq(0).all()
         for i, c in enumerate(chunks):
@@ -93,8 +93,8 @@ def test_padded_bucket_gives_the_same_rows_and_pages_as_the_exact_batch():
     got = padded.runner.forward_hidden(padded.runner.inputs.build(chunks, pad_to=8))
     assert got.shape[0] == 8
     torch.testing.assert_close(got[:5], want, rtol=1e-5, atol=1e-5)
-    rows_a = exact.layout.token_rows(exact.page_pool).view(exact.page_pool.num_blocks, -1)
-    rows_b = padded.layout.token_rows(padded.page_pool).view(padded.page_pool.num_blocks, -1)
+    rows_a = exact.runner.kv.token_rows.view(exact.page_pool.num_blocks, -1)
+    rows_b = padded.runner.kv.token_rows.view(padded.page_pool.num_blocks, -1)
     torch.testing.assert_close(rows_a[1:], rows_b[1:], rtol=1e-5, atol=1e-5)  # (GEMMs of 5 and 8 rows round apart)
 
 
@@ -134,8 +134,8 @@ def test_runner_decode_forward_compiles_with_fullgraph():
     forward = torch.compile(compiled.runner.forward_hidden, fullgraph=True, dynamic=False)
     got = forward(compiled.runner.inputs.build(chunks, pad_to=8))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    rows_a = eager.layout.token_rows(eager.page_pool)
-    rows_b = compiled.layout.token_rows(compiled.page_pool)
+    rows_a = eager.runner.kv.token_rows
+    rows_b = compiled.runner.kv.token_rows
     torch.testing.assert_close(rows_a, rows_b)  # the compiled forward wrote the same K/V
 
 

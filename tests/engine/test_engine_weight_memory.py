@@ -50,10 +50,10 @@ def test_engine_keeps_one_copy_of_the_weights(backend):
     if backend == "fused" and cpu_kernels.load() is None:
         pytest.skip("the C++ kernels do not build here")
     eng = Engine(EngineConfig(model=MODEL, num_blocks=16, attention_backend=backend))
-    assert eng.runner.backend.name == backend
+    assert eng.runner.backend.capabilities.name == backend
     model = build_model(MODEL)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    pages = {eng.layout.token_rows(eng.page_pool).untyped_storage().data_ptr()}
+    pages = {eng.runner.kv.token_rows.untyped_storage().data_ptr()}
     held = weight_storage_bytes(eng, pages)
     assert param_bytes <= held <= 1.1 * param_bytes, (held, param_bytes)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvcache.audit import assert_all_free
 
-from pd.engine.attention.selector import select_backend
+from pd.engine.runner.selector import select_backend
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.model.config import ModelConfig
@@ -42,7 +42,7 @@ def test_triton_backend_engine_gives_the_torch_backends_greedy_tokens():
     assert os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
     expected, torch_eng = _run("torch")
     got, eng = _run("triton")
-    assert eng.runner.backend.name == "triton"
+    assert eng.runner.backend.capabilities.name == "triton"
     assert got == expected
     assert eng.stats()["prefix_cache_hits"] > 0  # c's prompt read a's pages
     assert_all_free(eng.kv_cache_manager)

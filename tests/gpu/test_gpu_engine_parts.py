@@ -112,7 +112,7 @@ def test_engine_on_cuda_runs_triton_graphs_and_device_sampling():
     for graphs in (True, False):
         eng = Engine(EngineConfig(model=SMALL, seed=0, block_size=4, num_blocks=200, max_num_seqs=8,
                                   device="cuda", attention_backend="auto", cuda_graphs=graphs))
-        assert eng.runner.backend.name == "triton" and eng.runner.batched_sampler is not None
+        assert eng.runner.backend.capabilities.name == "triton" and eng.runner.batched_sampler is not None
         assert eng.runner.graphs.graphs_ready == graphs
         outs.append(eng.generate_sync(prompts, params))
         assert_all_free(eng.kv_cache_manager)

@@ -23,7 +23,7 @@ def decode_engine(device: str, cuda_graphs: bool = True, max_num_seqs: int = 16,
     eng = Engine(EngineConfig(model=SMALL, seed=0, block_size=4, num_blocks=96, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=64, max_model_len=32, device=device, dtype=dtype,
                               attention_backend=backend, cuda_graphs=cuda_graphs))
-    rows = eng.layout.token_rows(eng.page_pool)
+    rows = eng.runner.kv.token_rows
     gen = torch.Generator().manual_seed(1)
     rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
     return eng

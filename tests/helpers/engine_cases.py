@@ -31,7 +31,10 @@ def torch_threads(n: int) -> Iterator[int]:
 
 
 def engine_config(model: ModelConfig, **kw) -> EngineConfig:
-    defaults = dict(model=model, seed=11, block_size=4, num_blocks=1200, max_num_batched_tokens=512, max_num_seqs=64)
+    """The engine the tests compare against: the torch reference backend unless `attention_backend` says
+    otherwise (EngineConfig's own default, `auto`, is the fused CPU path where it is valid)."""
+    defaults = dict(model=model, seed=11, block_size=4, num_blocks=1200, max_num_batched_tokens=512, max_num_seqs=64,
+                    attention_backend="torch")
     defaults.update(kw)
     return EngineConfig(**defaults)
 

@@ -31,7 +31,7 @@ def model_config(hybrid: bool) -> ModelConfig:
 
 def engine_config(model: ModelConfig, engine_id: str) -> EngineConfig:
     return EngineConfig(model=model, device=DEVICE, num_blocks=256, block_size=16, engine_id=engine_id,
-                        max_num_batched_tokens=4096)
+                        max_num_batched_tokens=4096, attention_backend="torch")
 
 
 def seeded_pages(num_blocks: int, page_bytes: int, seed: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Side:
 def make_engine(side: Side, role: KVRole | None) -> Engine:
     config = EngineConfig(model=MODEL, seed=5, block_size=BLOCK_SIZE, num_blocks=side.num_blocks,
                           max_num_batched_tokens=512, max_num_seqs=side.max_num_seqs,
-                          kv_load_failure_policy=side.policy, engine_id=side.engine_id)
+                          kv_load_failure_policy=side.policy, engine_id=side.engine_id, attention_backend="torch")
     connector = None
     if role is not None:
         groups = KVLayout(MODEL, BLOCK_SIZE).kv_cache_groups()

@@ -17,7 +17,7 @@ from triton import knobs
 
 from pd.engine.attention import triton_launch
 from pd.engine.attention.triton_decode import _decode_kernel, paged_decode
-from pd.engine.attention.triton_kv_write import layer_kv_views, write_kv
+from pd.engine.attention.triton_kv_write import write_kv
 from triton_cases import DEVICE, assert_close, make_case, run_reference, run_triton, step_tensors
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,9 +83,10 @@ def test_triton_decode_reads_only_the_window_and_the_written_positions():
     clean, _ = run_triton(case, layer=1)
     poisoned = case.pool
     layout = case.layout
-    views = layout.group_views(poisoned)
-    views[0][0].fill_(float("nan"))
-    views[1][0].fill_(float("nan"))  # the null block, in both groups' shapes
+    bound = layout.bind(poisoned)
+    bound.token_rows.view(poisoned.num_blocks, -1)[0].fill_(float("nan"))  # the null block
+    window = bound.layers[1]
+    assert window.window == 12
     meta = step_tensors(case, 1)
     bs = layout.block_size
     for i, seq in enumerate(case.seqs):
@@ -94,7 +95,7 @@ def test_triton_decode_reads_only_the_window_and_the_written_positions():
             positions = range(j * bs, (j + 1) * bs)
             for row, pos in enumerate(positions):
                 if pos >= seq_len or pos < seq_len - 12:  # after the token or behind the window
-                    views[1][block, 0, :, row].fill_(float("nan"))  # K and V of the window layer
+                    window.cache[block, :, row].fill_(float("nan"))  # K and V of the window layer
     got, _ = run_triton(case, layer=1, pool=poisoned)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, clean, atol=0, rtol=0)
@@ -103,8 +104,8 @@ def test_triton_decode_reads_only_the_window_and_the_written_positions():
 def test_triton_padding_rows_are_harmless():
     """A CUDA-graph bucket's padding rows: slot -1 writes nothing, sequence length 0 yields zeros, not NaN."""
     case = make_case(2, 2, 64, "bfloat16", 16, None, steps=[(5, 1)], seed=7)
-    layer_cache = case.layout.group_views(case.pool)[0][:, 0]
-    k_cache, v_cache = layer_kv_views(layer_cache)
+    layer = case.layout.bind(case.pool).layers[case.layout.groups[0].layer_indices[0]]
+    k_cache, v_cache = layer.k, layer.v
     before = case.pool.buffer.clone()
     write_kv(case.k, case.v, k_cache, v_cache, torch.tensor([-1], device=DEVICE))
     assert torch.equal(case.pool.buffer, before)
@@ -116,14 +117,13 @@ def test_triton_padding_rows_are_harmless():
 
 def test_triton_rejects_mismatched_shapes():
     case = make_case(2, 2, 64, "float32", 16, None, steps=[(5, 1)], seed=1)
-    k_cache, v_cache = layer_kv_views(case.layout.group_views(case.pool)[0][:, 0])
+    layer = case.layout.bind(case.pool).layers[0]
+    k_cache, v_cache = layer.k, layer.v
     with pytest.raises(ValueError, match="KV heads"):
         paged_decode(torch.randn(1, 3, 64, device=DEVICE), k_cache, v_cache, torch.ones(1, 1, dtype=torch.int32),
                      torch.ones(1, dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="slots"):
         write_kv(case.k, case.v, k_cache, v_cache, torch.empty(0, dtype=torch.long))
-    with pytest.raises(ValueError, match="page view"):
-        layer_kv_views(k_cache)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter runs the CPU suite; CUDA compiles the kernels")

@@ -2,7 +2,7 @@
 
 `masked_attention` (pd/engine/model/llama.py) over a sequence's contiguous K/V,
 with the causal and window masks `DenseAttention` builds, is what a paged
-layer must compute; `KVLayout.token_rows` documents where a token's K/V live in
+layer must compute; `BoundKV.token_rows` (`KVLayout.bind`) documents where a token's K/V live in
 the pool. The reference (and through test_triton_kernels.py the Triton kernels)
 must agree with both.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.engine.attention.triton_kv_write import layer_kv_views, write_kv
+from pd.engine.attention.triton_kv_write import write_kv
 from pd.engine.attention.triton_reference import paged_decode_reference, paged_prefill_reference
 from pd.engine.model.llama import masked_attention
 from triton_cases import DEVICE, make_case, step_tensors
@@ -24,8 +24,8 @@ def test_triton_reference_matches_dense_masked_attention(window, group):
     length, chunk = 40, 9
     case = make_case(2, group, 64, "float32", 4, window, steps=[(0, length)], seed=11, drop_evicted=False)
     layer = 1 if window else 0
-    g, slot = case.layout.layer_to_group[layer]
-    k_cache, v_cache = layer_kv_views(case.layout.group_views(case.pool)[g][:, slot])
+    bound = case.layout.bind(case.pool).layers[layer]
+    g, k_cache, v_cache = bound.group, bound.k, bound.v
     meta = step_tensors(case, g)
     write_kv(case.k, case.v, k_cache, v_cache, meta.slot_mapping)
     pos = torch.arange(length, device=DEVICE)
@@ -45,10 +45,10 @@ def test_triton_kv_write_lands_in_the_documented_token_rows():
     """Token at (block b, offset o) of layer slot s: K at row b * rows_per_page + 2 * s * bs + o, V one bs later."""
     case = make_case(2, 2, 64, "bfloat16", 5, 7, steps=[(3, 4), (11, 1)], seed=2)
     layout = case.layout
-    rows = layout.token_rows(case.pool)
+    rows = layout.bind(case.pool).token_rows
     for layer in range(2):
-        g, slot = layout.layer_to_group[layer]
-        k_cache, v_cache = layer_kv_views(layout.group_views(case.pool)[g][:, slot])
+        bound = layout.bind(case.pool).layers[layer]
+        g, slot, k_cache, v_cache = bound.group, bound.slot, bound.k, bound.v
         meta = step_tensors(case, g)
         write_kv(case.k, case.v, k_cache, v_cache, meta.slot_mapping)
         bs = layout.block_size

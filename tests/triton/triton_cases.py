@@ -20,7 +20,7 @@ import torch
 from triton import knobs
 
 from pd.engine.attention.triton_decode import paged_decode
-from pd.engine.attention.triton_kv_write import layer_kv_views, write_kv
+from pd.engine.attention.triton_kv_write import write_kv
 from pd.engine.attention.triton_prefill import paged_prefill
 from pd.engine.attention.triton_reference import paged_decode_reference, paged_prefill_reference, write_kv_reference
 from pd.engine.kv.layout import KVLayout
@@ -82,8 +82,8 @@ def make_case(num_kv_heads: int, group: int, head_dim: int, dtype: str, block_si
     per_group = sum(need) + 1
     num_blocks = 1 + per_group * len(layout.groups)
     pool = PagePool(num_blocks, layout.page_size_bytes, device=DEVICE, shareable=False)
-    for view in layout.group_views(pool):  # old context: random values everywhere
-        view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype))
+    rows = layout.bind(pool).token_rows  # old context: random values everywhere
+    rows.copy_(torch.randn(rows.shape, generator=gen).to(rows.dtype))
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     seqs = []
@@ -144,9 +144,8 @@ def run_triton(case: Case, layer: int, pool: PagePool | None = None, prompts_for
                kernels: Kernels = TRITON) -> tuple[torch.Tensor, PagePool]:
     """KV write, then decode for 1-token sequences and prompt attention for the rest (or prompts for all)."""
     pool = clone_pool(case.pool) if pool is None else pool
-    g, slot = case.layout.layer_to_group[layer]
-    window = case.layout.groups[g].window
-    k_cache, v_cache = layer_kv_views(case.layout.group_views(pool)[g][:, slot])
+    bound = case.layout.bind(pool).layers[layer]
+    g, window, k_cache, v_cache = bound.group, bound.window, bound.k, bound.v
     meta = step_tensors(case, g)
     kernels.write(case.k, case.v, k_cache, v_cache, meta.slot_mapping)
     scale = case.layout.head_dim ** -0.5

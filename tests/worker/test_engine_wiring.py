@@ -43,7 +43,7 @@ def test_attention_backend_auto_is_fused_where_valid_and_matches_torch():
         assert engine_config_for(spec).attention_backend == backend
         engine, connector = build_engine(spec)
         assert connector is None
-        assert engine.runner.backend.name == ("torch" if backend == "torch" else "fused")
+        assert engine.runner.backend.capabilities.name == ("torch" if backend == "torch" else "fused")
         tokens[backend] = engine.generate_sync({"r": prompt}, greedy)["r"]
         assert_all_free(engine.kv_cache_manager)
     assert tokens["auto"] == tokens["fused"] == tokens["torch"]
@@ -51,13 +51,13 @@ def test_attention_backend_auto_is_fused_where_valid_and_matches_torch():
 
 def test_attention_backend_auto_falls_back_and_fused_is_refused_where_invalid():
     engine = Engine(engine_config(FULL_MODEL, attention_backend="auto", dtype="bfloat16", num_blocks=64))
-    assert engine.runner.backend.name == "torch" and engine.layout.dtype == torch.bfloat16
+    assert engine.runner.backend.capabilities.name == "torch" and engine.layout.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="attention_backend 'fused' is not usable: .*float32"):
         Engine(engine_config(FULL_MODEL, attention_backend="fused", dtype="bfloat16", num_blocks=64))
     # the deploy config refuses what it can judge without the worker's machine: dtype and device
-    with pytest.raises(ConfigError, match="model.attention_backend: 'fused' runs float32 on the CPU only"):
+    with pytest.raises(ConfigError, match="model.attention_backend: 'fused' runs float32; here the dtype is float16"):
         DeployConfig.from_dict({"model": {"attention_backend": "fused", "dtype": "float16"}})
-    with pytest.raises(ConfigError, match="model.attention_backend: 'fused' runs float32 on the CPU only"):
+    with pytest.raises(ConfigError, match="model.attention_backend: 'fused' runs on cpu; here the device is cuda"):
         DeployConfig.from_dict({"model": {"attention_backend": "fused"}, "topology": {"device": "cuda"}})
     with pytest.raises(ConfigError, match=r"model.attention_backend: must be one of 'auto', 'torch', 'fused' or "
                                           r"'triton'"):
@@ -74,11 +74,12 @@ def test_triton_backend_and_cuda_graphs_pass_through_the_deploy_config(monkeypat
     config = engine_config_for(spec)
     assert (config.attention_backend, config.cuda_graphs) == ("triton", False)
     engine, _ = build_engine(spec)
-    assert engine.runner.backend.name == "triton" and not engine.runner.graphs.enabled
+    assert engine.runner.backend.capabilities.name == "triton" and not engine.runner.graphs.enabled
     assert engine.generate_sync({"r": [3, 4, 5]}, SamplingParams(max_tokens=2, ignore_eos=True))["r"]
     assert_all_free(engine.kv_cache_manager)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ConfigError, match="model.attention_backend: 'triton' runs on CUDA"):
+    with pytest.raises(ConfigError, match="model.attention_backend: 'triton' runs on cuda .*interpreter.*; here the "
+                                          "device is cpu"):
         DeployConfig.from_dict({"model": {"attention_backend": "triton"}})
 
 
@@ -97,7 +98,7 @@ def test_model_dtype_is_honoured_for_a_checkpoint(tmp_path):
         try:
             assert engine.model_config.dtype == "bfloat16" and engine.layout.dtype == torch.bfloat16
             assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}
-            assert engine.runner.backend.name == "torch"  # auto: the kernel is float32 only
+            assert engine.runner.backend.capabilities.name == "torch"  # auto: the kernel is float32 only
             if connector is not None:  # peers of another dtype are refused by the handshake
                 assert connector.config.model_id.endswith("|bfloat16|{}")
             out = engine.generate_sync({"r": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=3, ignore_eos=True))

@@ -28,13 +28,30 @@ import array
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from pd.engine.kv.layout import KVLayout
-from pd.engine.sched.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
+
+
+class StepChunk(Protocol):
+    """What the builder reads of a chunk (the scheduler's `ScheduledChunk`; attention does not import
+    the scheduler): tokens [start, start + len(token_ids)) of one sequence."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def block_ids(self) -> Sequence[Sequence[int]]: ...  # per KV cache group
+
+    @property
+    def needs_logits(self) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +172,7 @@ class StepInputBuilder:
         self._device = self._host if on_host else _Buffers(capacity, groups, self.device)
         self._copied: torch.cuda.Event | None = None  # the previous step's host-to-device copies
 
-    def build(self, chunks: Sequence[ScheduledChunk], pad_to: int | None = None) -> StepMetadata:
+    def build(self, chunks: Sequence[StepChunk], pad_to: int | None = None) -> StepMetadata:
         """The step's metadata. `pad_to`: a step of decode tokens only is padded to this many rows (a
         captured graph's bucket): each padding row is a sequence of its own with token 0 at position 0,
         its K/V going to slot 0 of the null block (which no attention reads), sequence length 0 and a

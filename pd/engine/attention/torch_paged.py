@@ -2,14 +2,15 @@
 
 Each step, `prepare` turns the step metadata (attention/metadata.py) into a plan: per KV cache
 group the rows each new token's K/V goes to, and per attention sub-batch the gathered block tables
-and masks. Decode tokens (one query each) are batched: either all of them through a kernel (the CPU
-backend's C++ paged decode, `decode_in_kernel`), or in a few sub-batches of similar context length
-so padding stays small. Each prefill chunk is its own
-sub-batch, so padding never grows with the longest prompt of the step; a
-chunk that starts at position 0 attends to its own fresh K/V directly.
+and masks. Decode tokens (one query each) are batched in a few sub-batches of similar context length
+so padding stays small. Each prefill chunk is its own sub-batch, so padding never grows with the
+longest prompt of the step; a chunk that starts at position 0 attends to its own fresh K/V directly.
 
 Sliding-window groups gather only the blocks that can fall inside the window
 (the evicted ones hold the null block 0 and would be masked anyway).
+
+`plan` and `attend` take the sequences to plan and an output to fill, so that a backend which attends
+some of a step's tokens with its own kernel plans the others here (the CPU's, pd/engine/cpu/).
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import dataclasses
 
 import torch
 
+from pd.engine.attention.capabilities import CAPABILITIES, BackendCapabilities
 from pd.engine.attention.metadata import StepMetadata
-from pd.engine.kv.layout import KVLayout
-from pd.engine.kv.page_pool import PagePool
-from pd.engine.model.llama import CausalLM, masked_attention
+from pd.engine.kv.layout import BoundKV
+from pd.engine.model.llama import masked_attention
 
 
 @dataclasses.dataclass
@@ -41,15 +42,6 @@ class _SubBatch:
     # A prompt chunk starting at position 0 ([first, last) of the step's tokens): its keys are exactly
     # this step's K/V, so attention runs on them directly, without reading the pages back.
     fresh: tuple[int, int] | None = None
-
-
-@dataclasses.dataclass
-class _FusedDecode:
-    """Decode tokens handled by the fused kernel: no gather, no padding."""
-
-    token_index: torch.Tensor  # (B,) flat index of each decode token
-    key_end: torch.Tensor  # (B,) context length including the new token
-    groups: list[tuple[torch.Tensor, torch.Tensor]]  # per group: (block table (B, W), first key position (B,))
 
 
 class Workspace:
@@ -84,22 +76,15 @@ class TorchPagedBackend:
 
     Its per-step plan (`prepare`) groups decode tokens into sub-batches of similar context length and
     gives each prompt chunk its own; it is made on the host from `metadata.host`, then moved to the
-    device once. The model it runs is the engine's model, unchanged."""
+    device once."""
 
-    name = "torch"
-    # decode tokens through the C++ paged-decode kernel instead of torch sub-batches (the CPU backend)
-    decode_in_kernel = False
+    capabilities: BackendCapabilities = CAPABILITIES["torch"]
 
-    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
-        self.model = model
-        self.layout = layout
-        self.group_views = layout.group_views(page_pool)
+    def __init__(self, kv: BoundKV):
+        self.kv = kv
+        self.layout = kv.layout
         self.workspace = Workspace()
-        # Per group, each block's K and V of one layer as rows: (num_blocks, layers * 2, bs * H * D).
-        self.group_rows = [v.reshape(v.shape[0], v.shape[1] * 2, -1) for v in self.group_views]
-        self.token_rows = layout.token_rows(page_pool)  # the pool as rows of one token's K or V
         self.sub_batches: list[_SubBatch] = []
-        self.fused: _FusedDecode | None = None
         self.slot_rows: list[torch.Tensor] = []
         self._identity = False
 
@@ -107,26 +92,20 @@ class TorchPagedBackend:
     def description(self) -> str:
         return "torch"
 
-    def run_step(self, metadata: StepMetadata) -> torch.Tensor | None:
-        return None
-
-    def greedy_tokens(self, hidden: torch.Tensor, num_ids: int) -> list[int | None]:
-        return [None] * hidden.shape[0]
-
     def prepare(self, metadata: StepMetadata) -> None:
-        layout = self.layout
+        self.plan(metadata, [i for i, n in enumerate(metadata.host.query_lens) if n == 1])
+
+    def plan(self, metadata: StepMetadata, decode: list[int]) -> None:
+        """Plans the step's K/V writes, the decode sequences `decode` (chunk indices) in sub-batches of
+        similar context length and every prompt chunk (more than one token) in its own."""
         host = metadata.host
         starts, counts = list(host.starts), list(host.query_lens)
-        # Row of each new token's K in slot 0 of its group; layer slot s adds 2*s*bs (V: one more bs).
-        self.slot_rows = [blocks * layout.rows_per_page + metadata.slot_offsets for blocks in metadata.slot_blocks]
+        # Row of each new token's K in slot 0 of its group; a layer adds its `first_row` (V: one more bs).
+        self.slot_rows = [blocks * self.kv.rows_per_page + metadata.slot_offsets for blocks in metadata.slot_blocks]
         first_token = host.query_start_loc[:-1]
         tables = list(host.block_tables)
         self.sub_batches = []
-        self.fused = None
-        decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: -starts[i])
-        if self.decode_in_kernel and decode:
-            self.fused = self._build_fused(decode, starts, tables, first_token)
-            decode = []
+        decode = sorted(decode, key=lambda i: -starts[i])
         while decode:
             longest = starts[decode[0]] + 1
             bucket = [i for i in decode if (starts[i] + 1) * DECODE_BUCKET_RATIO >= longest]
@@ -137,9 +116,9 @@ class TorchPagedBackend:
                 self.sub_batches.append(self._build([i], starts, counts, tables, first_token))
         # One sub-batch whose queries are exactly the step's tokens in order: no scatter needed.
         num_tokens = metadata.num_tokens
-        self._identity = (self.fused is None and len(self.sub_batches) == 1 and self.sub_batches[0].valid is None
+        self._identity = (len(self.sub_batches) == 1 and self.sub_batches[0].valid is None
                           and bool((self.sub_batches[0].out_index == torch.arange(num_tokens)).all()))
-        device = self.token_rows.device
+        device = self.kv.token_rows.device
         if device.type != "cpu":  # the plan is made on the host; the pages live on the device
             for sb in self.sub_batches:
                 sb.q_index, sb.out_index = sb.q_index.to(device), sb.out_index.to(device)
@@ -147,22 +126,6 @@ class TorchPagedBackend:
                 for gb in sb.groups:
                     gb.table, gb.mask = gb.table.to(device), gb.mask.to(device)
                     gb.unwritten = None if gb.unwritten is None else gb.unwritten.to(device)
-
-    def kernel_decode(self, q: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, key_start: torch.Tensor,
-                      key_end: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode queries (B, Hq, D) over keys [key_start, key_end) of their block tables, where
-        `decode_in_kernel` is set (a subclass's kernel)."""
-        raise NotImplementedError
-
-    def _build_fused(self, members: list[int], starts: list[int], tables: list[torch.Tensor],
-                     first_token: torch.Tensor) -> _FusedDecode:
-        idx = torch.tensor(members)
-        key_end = torch.tensor([starts[i] + 1 for i in members])
-        per_group = []
-        for g, grp in enumerate(self.layout.groups):
-            key_start = torch.zeros_like(key_end) if grp.window is None else torch.clamp(key_end - grp.window, min=0)
-            per_group.append((tables[g][idx].contiguous(), key_start))
-        return _FusedDecode(token_index=first_token[idx], key_end=key_end, groups=per_group)
 
     def _build(self, members: list[int], seq_starts: list[int], seq_counts: list[int], tables: list[torch.Tensor],
                first_token: torch.Tensor) -> _SubBatch:
@@ -205,36 +168,38 @@ class TorchPagedBackend:
                          fresh=fresh)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: StepMetadata) -> None:
-        g, slot = self.layout.layer_to_group[layer]
-        bs = self.layout.block_size
-        rows = self.slot_rows[g] + 2 * slot * bs
-        width = self.token_rows.shape[1]
-        self.token_rows.index_copy_(0, rows, k.reshape(-1, width).to(self.token_rows.dtype))
-        self.token_rows.index_copy_(0, rows + bs, v.reshape(-1, width).to(self.token_rows.dtype))
+        lkv = self.kv.layers[layer]
+        rows = self.slot_rows[lkv.group] + lkv.first_row
+        token_rows = self.kv.token_rows
+        width = token_rows.shape[1]
+        token_rows.index_copy_(0, rows, k.reshape(-1, width).to(token_rows.dtype))
+        token_rows.index_copy_(0, rows + self.layout.block_size, v.reshape(-1, width).to(token_rows.dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 metadata: StepMetadata) -> torch.Tensor:
         """Writes the step's K/V, then reads them back through the pages with the context."""
         self.write_kv(k, v, layer, metadata)
-        g, slot = self.layout.layer_to_group[layer]
-        layer_cache = self.group_views[g][:, slot]  # (num_blocks, 2, bs, H, D)
+        return self.attend(q, k, v, layer, None)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               out: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the planned sub-batches' queries, written into `out` (None: a new tensor, or q
+        itself when the plan covers the step's tokens in order); the step's K/V are in the pages."""
+        lkv = self.kv.layers[layer]
+        g = lkv.group
         bs = self.layout.block_size
-        k_rows = self.group_rows[g][:, 2 * slot]
-        v_rows = self.group_rows[g][:, 2 * slot + 1]
+        k_rows, v_rows = lkv.k_rows, lkv.v_rows
         h, d = k.shape[1], k.shape[2]
-        out = q if self._identity else torch.empty_like(q)
-        if self.fused is not None:
-            table, key_start = self.fused.groups[g]
-            out[self.fused.token_index] = self.kernel_decode(
-                q[self.fused.token_index], layer_cache, table, key_start, self.fused.key_end, d ** -0.5)
+        identity = out is None and self._identity
+        if out is None:
+            out = q if identity else torch.empty_like(q)
         for sb in self.sub_batches:
             gb = sb.groups[g]
             if sb.fresh is not None:
                 lo, hi = sb.fresh
-                window = self.layout.groups[g].window
-                mask = None if window is None else gb.mask[:, :, : hi - lo]
+                mask = None if lkv.window is None else gb.mask[:, :, : hi - lo]
                 res = masked_attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], mask, causal=True)
-                if self._identity:
+                if identity:
                     return res.reshape(q.shape)
                 out[lo:hi] = res[0]
                 continue
@@ -249,7 +214,7 @@ class TorchPagedBackend:
                 keys.view(b, s_len, -1).masked_fill_(gb.unwritten, 0.0)
                 values.view(b, s_len, -1).masked_fill_(gb.unwritten, 0.0)
             res = masked_attention(q[sb.q_index], keys.view(b, s_len, h, d), values.view(b, s_len, h, d), gb.mask)
-            if self._identity:
+            if identity:
                 return res.reshape(q.shape)
             out[sb.out_index] = res[sb.valid] if sb.valid is not None else res.reshape(-1, *q.shape[1:])
         return out

@@ -1,13 +1,12 @@
 """The Triton attention backend: K/V written through the slot mapping, attention read through the block
 tables, by the kernels of triton_kv_write.py, triton_decode.py and triton_prefill.py.
 
-Each layer's K and V are strided views of the page pool, sliced per call from one base tensor (the pool
-as token rows, `KVLayout.token_rows`): views of one tensor are what `torch.compile` can trace writes
-through, and a CUDA graph replays them at the same addresses. A step of decode tokens only takes the
-decode kernel (one query per sequence); any other step takes the prompt kernel, whose varlen chunks
-cover decode tokens too (a chunk of one). Nothing here reads a tensor's value on the host, and
-`prepare` has nothing to plan: the kernels read positions, slots and tables straight from the step
-metadata, so a decode step can be captured in a CUDA graph as it is.
+Each layer's K and V are the strided views of the page pool bound once by `KVLayout.bind` (`LayerKV.k`,
+`.v`, views of the pool's one storage): a CUDA graph replays them at the same addresses. A step of
+decode tokens only takes the decode kernel (one query per sequence); any other step takes the prompt
+kernel, whose varlen chunks cover decode tokens too (a chunk of one). Nothing here reads a tensor's
+value on the host, and `prepare` has nothing to plan: the kernels read positions, slots and tables
+straight from the step metadata, so a decode step can be captured in a CUDA graph as it is.
 
 `use_reference(True)` swaps the kernels for their plain-torch reference (triton_reference.py), with
 the same arguments: what `torch.compile(fullgraph=True)` traces on the CPU to check that the decode
@@ -21,10 +20,9 @@ from collections.abc import Callable
 import torch
 
 from pd.engine.attention import triton_reference
+from pd.engine.attention.capabilities import CAPABILITIES, BackendCapabilities
 from pd.engine.attention.metadata import StepMetadata
-from pd.engine.kv.layout import KVLayout
-from pd.engine.kv.page_pool import PagePool
-from pd.engine.model.llama import CausalLM
+from pd.engine.kv.layout import BoundKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,21 +58,14 @@ class TritonBackend:
     """Paged attention through the Triton kernels (see the module docstring).
 
     Guarantees: K/V land only in `metadata.slot_mapping`'s slots; `forward` and `write_kv` read no tensor
-    value on the host (a decode step is graph-capturable); the model it runs is the engine's, unchanged.
+    value on the host (a decode step is graph-capturable, `capabilities.graph_safe`).
     """
 
-    name = "triton"
-    # a decode step's forward may be captured in a CUDA graph and replayed over the same metadata buffers
-    graph_safe = True
+    capabilities: BackendCapabilities = CAPABILITIES["triton"]
 
-    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool):
-        self.model = model
-        self.layout = layout
-        # (num_blocks, rows_per_page, Hkv, D): layer slot s of a group holds K at rows [2s*bs, (2s+1)*bs) of a
-        # page and V at the next block size of rows
-        self.pages = layout.token_rows(page_pool).view(page_pool.num_blocks, layout.rows_per_page,
-                                                       layout.num_kv_heads, layout.head_dim)
-        self.scale = layout.head_dim ** -0.5
+    def __init__(self, kv: BoundKV):
+        self.kv = kv
+        self.scale = kv.layout.head_dim ** -0.5
         self.ops = triton_ops()
 
     def use_reference(self, on: bool) -> None:
@@ -89,32 +80,20 @@ class TritonBackend:
     def prepare(self, metadata: StepMetadata) -> None:
         """Nothing to plan: the kernels read the metadata's tensors."""
 
-    def run_step(self, metadata: StepMetadata) -> torch.Tensor | None:
-        return None
-
-    def greedy_tokens(self, hidden: torch.Tensor, num_ids: int) -> list[int | None]:
-        return [None] * hidden.shape[0]
-
-    def _layer_cache(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        g, slot = self.layout.layer_to_group[layer]
-        bs = self.layout.block_size
-        return (g, self.pages[:, 2 * slot * bs:(2 * slot + 1) * bs],
-                self.pages[:, (2 * slot + 1) * bs:(2 * slot + 2) * bs])
-
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: StepMetadata) -> None:
-        g, k_cache, v_cache = self._layer_cache(layer)
-        self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping[g])
+        lkv = self.kv.layers[layer]
+        self.ops.write_kv(k, v, lkv.k, lkv.v, metadata.slot_mapping[lkv.group])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 metadata: StepMetadata) -> torch.Tensor:
-        g, k_cache, v_cache = self._layer_cache(layer)
-        self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping[g])
-        window = self.layout.groups[g].window
+        lkv = self.kv.layers[layer]
+        g = lkv.group
+        self.ops.write_kv(k, v, lkv.k, lkv.v, metadata.slot_mapping[g])
         if metadata.decode_only:
-            return self.ops.decode(q, k_cache, v_cache, metadata.block_tables[g], metadata.seq_lens, self.scale,
-                                   window)
-        return self.ops.prefill(q, k_cache, v_cache, metadata.block_tables[g], metadata.seq_lens,
-                                metadata.query_start_loc, metadata.max_query_len, self.scale, window)
+            return self.ops.decode(q, lkv.k, lkv.v, metadata.block_tables[g], metadata.seq_lens, self.scale,
+                                   lkv.window)
+        return self.ops.prefill(q, lkv.k, lkv.v, metadata.block_tables[g], metadata.seq_lens,
+                                metadata.query_start_loc, metadata.max_query_len, self.scale, lkv.window)
 
 
 def why_not_triton(device: torch.device) -> str | None:

@@ -42,14 +42,6 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
              + dims[None, :] * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
-def layer_kv_views(layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer from its page view (num_blocks, 2, block_size, Hkv, D): two strided views, no copy."""
-    if layer_cache.dim() != 5 or layer_cache.shape[1] != 2:
-        raise ValueError(f"expected a layer's page view (num_blocks, 2, block_size, Hkv, D), got "
-                         f"{tuple(layer_cache.shape)}")
-    return layer_cache[:, 0], layer_cache[:, 1]
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v (T, Hkv, D) at `slot_mapping` (T,) (block * block_size + row; < 0 = skip) in the caches."""

@@ -12,7 +12,7 @@
 
 Built on first use with torch's cpp_extension (needs a C++ compiler; the build is cached under
 ~/.cache/pdkv/kernels, see `build_directory()`). When the build fails, `load()` returns None and the
-engine keeps the torch backend, which is the reference (pd/engine/attention/selector.py).
+engine keeps the torch backend, which is the reference (pd/engine/runner/selector.py).
 """
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ groups that exist are created, full first). A page holds one block's K and V
 for every layer of one group: shape (layers_in_group, 2, block_size,
 num_kv_heads, head_dim). Groups with fewer layers use a prefix of the page,
 whose size is set by the largest group.
+
+`KVLayout.bind(pool)` is the one place where each layer's K and V views of a page pool are worked out:
+the runner binds them once, over the pool the engine allocated, and every attention backend and the CPU
+step executor read the same `LayerKV` views.
 """
 from __future__ import annotations
 
@@ -22,6 +26,37 @@ class KVGroupLayout:
 
     layer_indices: tuple[int, ...]
     window: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's K and V in the page pool: views, no copy (see `KVLayout.bind`)."""
+
+    group: int  # its KV cache group (the block tables and slots it reads)
+    slot: int  # its place among the group's layers
+    window: int | None  # its attention window (None: full attention)
+    cache: torch.Tensor  # (num_blocks, 2, block_size, Hkv, D): K then V of each page
+    k: torch.Tensor  # (num_blocks, block_size, Hkv, D), strided
+    v: torch.Tensor  # (num_blocks, block_size, Hkv, D), strided
+    k_rows: torch.Tensor  # (num_blocks, block_size * Hkv * D): each page's K as one row (for gathers)
+    v_rows: torch.Tensor
+    first_row: int  # in `BoundKV.token_rows`, page row of this layer's first K (its V: block_size rows on)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundKV:
+    """A page pool with each layer's K/V views bound once (`KVLayout.bind`).
+
+    Guarantees: every view shares the pool's memory (no copy) and keeps its address for the pool's life;
+    token t of block b of `layers[i]` has its K at `token_rows[b * rows_per_page + layers[i].first_row + t]`
+    (`rows_per_page` here: the pool's page, which may be larger than the layout's).
+    """
+
+    layout: KVLayout
+    pool: PagePool
+    token_rows: torch.Tensor  # (num_blocks * rows_per_page, Hkv * D): the whole pool as rows of one token's K or V
+    layers: tuple[LayerKV, ...]
+    rows_per_page: int  # a page of the pool as rows of one token's K or V
 
 
 class KVLayout:
@@ -54,26 +89,41 @@ class KVLayout:
     def page_shape(self, group_idx: int) -> tuple[int, ...]:
         return (len(self.groups[group_idx].layer_indices), 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def group_views(self, pool: PagePool) -> list[torch.Tensor]:
-        """Per group, the whole pool typed as (num_blocks, *page_shape) (no copy)."""
-        if pool.page_size_bytes < self.page_size_bytes:
-            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, layout needs {self.page_size_bytes}")
-        return [pool.view(self.dtype, self.page_shape(g)) for g in range(len(self.groups))]
-
     @property
     def rows_per_page(self) -> int:
         """A page seen as rows of one token's K (or V) for one layer: num_kv_heads * head_dim elements."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.page_size_bytes // (self.num_kv_heads * self.head_dim * elem)
 
-    def token_rows(self, pool: PagePool) -> torch.Tensor:
-        """The whole pool as (num_blocks * rows_per_page, num_kv_heads * head_dim) rows (no copy).
+    def bind(self, pool: PagePool) -> BoundKV:
+        """Each layer's K/V views of `pool` (no copy): the one place they are worked out.
 
-        Row `block * rows_per_page + (slot * 2 + kv) * block_size + offset` holds K (kv=0) or
-        V (kv=1) of token `offset` of `block` for the group's `slot`-th layer.
-        """
+        Every view is cut from one typed tensor over the pool's storage that is not itself a view (one
+        `_base`, the whole storage): what `torch.compile` can trace writes through, and a CUDA graph
+        replays at the same addresses."""
         width = self.num_kv_heads * self.head_dim
-        return pool.view(self.dtype, (self.rows_per_page, width)).reshape(-1, width)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if pool.page_size_bytes < self.page_size_bytes or pool.page_size_bytes % (width * elem):
+            raise ValueError(f"page pool pages are {pool.page_size_bytes} bytes, the layout needs "
+                             f"{self.page_size_bytes} in rows of {width * elem} bytes")
+        buffer = pool.buffer
+        offset = buffer.storage_offset()  # (bytes: the buffer is uint8)
+        if offset % elem:
+            raise ValueError(f"the page pool starts at byte {offset}, not on a {self.dtype} boundary")
+        bs, nb = self.block_size, pool.num_blocks
+        rows = pool.page_size_bytes // (width * elem)
+        pages = torch.empty(0, dtype=self.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), offset // elem, (nb, rows, self.num_kv_heads, self.head_dim),
+            (rows * width, width, self.head_dim, 1))
+        layers = []
+        for layer in range(len(self.layer_to_group)):
+            g, slot = self.layer_to_group[layer]
+            first = 2 * slot * bs
+            k, v = pages[:, first:first + bs], pages[:, first + bs:first + 2 * bs]
+            cache = pages[:, first:first + 2 * bs].view(nb, 2, bs, self.num_kv_heads, self.head_dim)
+            layers.append(LayerKV(g, slot, self.groups[g].window, cache, k, v, k.reshape(nb, -1), v.reshape(nb, -1),
+                                  first))
+        return BoundKV(self, pool, pages.view(-1, width), tuple(layers), rows)
 
     def kv_cache_groups(self):
         """kvcache `KVCacheGroupSpec`s, one per group, layer names "layers.N"."""

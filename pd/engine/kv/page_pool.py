@@ -105,11 +105,12 @@ def _map_private(num_blocks: int, page_size_bytes: int) -> torch.Tensor:
     """Zeroed private memory starting on a 2 MiB boundary, marked for transparent huge pages."""
     nbytes = num_blocks * page_size_bytes
     mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
+    start = -torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
     if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes // _HUGE_PAGE * _HUGE_PAGE)
         except OSError:  # THP disabled or unsupported: ordinary pages, same contents
             pass
-    return raw[start:start + nbytes].view(num_blocks, page_size_bytes)
+    # (a storage that starts at the aligned byte, not a view into a larger one: the layers' K/V views
+    # are then plain views of one storage from its start, which torch.compile traces, kv/layout.py)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start).view(num_blocks, page_size_bytes)

@@ -8,9 +8,9 @@ addresses and fixed shapes. So:
 - the inputs live in the step metadata's persistent buffers (attention/metadata.py,
   the one builder of step inputs, with fixed-width block tables): each step writes
   its rows at the front and `build(chunks, pad_to=bucket)` pads the rest of its
-  bucket with harmless rows (token 0 at position 0, K/V written to slot
-  `PAD_SLOT` of the null block 0, which no attention reads, sequence length 0,
-  a block table of null blocks); their outputs are dropped;
+  bucket with harmless rows (token 0 at position 0, K/V written to slot 0
+  of the null block 0, which no attention reads, sequence length 0, a block
+  table of null blocks); their outputs are dropped;
 - `capture_sizes` gives the buckets: 1, 2, 4, 8, then every 8 up to 256 and
   every 16 beyond, capped at `max_num_seqs` (the cap itself is a bucket, so
   every batch the scheduler can form fits one);
@@ -38,7 +38,6 @@ from pd.engine.attention.metadata import StepInputBuilder, StepMetadata
 
 logger = logging.getLogger(__name__)
 
-PAD_SLOT = 0  # row 0 of the null block 0: written by padding rows, never read by attention
 SMALL_BUCKETS = (1, 2, 4, 8)
 FINE_STEP, FINE_UNTIL, COARSE_STEP = 8, 256, 16
 
@@ -67,10 +66,6 @@ class GraphPlan:
 
     bucket: int | None
     reason: str
-
-    @property
-    def uses_graph(self) -> bool:
-        return self.bucket is not None
 
 
 def plan_step(num_seqs: int, num_tokens: int, sizes: Sequence[int], graphs_ready: bool,

@@ -1,11 +1,15 @@
 """The model runner: one forward pass per engine step over the page pool, and the step's tokens.
 
 Per step it writes the scheduler's chunks into the step metadata (attention/metadata.py, persistent
-buffers on the engine's device), lets the attention backend plan the step, and runs it: the whole
-layer stack in one backend call where the backend does that (`run_step`), else the per-layer path of
-`backend.model` with the backend's attention. The rows that end a sequence then get their tokens:
-greedy rows from the backend where it can pick them without the full logits, every other row from
-the logits and the sampler, under the request's `SamplingParams`.
+buffers on the engine's device) and runs it: through the step executor where one applies (the CPU's,
+cpu/step_executor.py: the whole layer stack in one kernel call), else through the model's per-layer
+path, each layer's attention by the attention backend (attention/backend.py: K/V write plus attention,
+planned once a step by `prepare`). The rows that end a sequence then get their tokens: greedy rows from
+the step executor where it can pick them without the full logits, every other row from the logits and
+the sampler, under the request's `SamplingParams`.
+
+The page pool's per-layer K/V views are bound once, here, when the runner meets the pool the engine
+allocated (`KVLayout.bind`); the backend and the executor read those.
 
 The runner keeps each request's sampling params and random generator from the step that first
 schedules it (`SchedulerOutput.new_requests`) until the step after it finishes
@@ -13,13 +17,13 @@ schedules it (`SchedulerOutput.new_requests`) until the step after it finishes
 
 On a GPU (`RunnerOptions`): a decode step whose batch fits a bucket replays a CUDA graph captured at
 start over the step metadata's buffers (runner/cuda_graphs.py; only for a backend that plans nothing on
-the host, `graph_safe`: the Triton backend), every other step runs eagerly; and the tokens are sampled
-on the device (sample/batched.py) with one device-to-host copy a step. On the CPU the step runs eagerly
-and the tokens come from sample/sampler.py, as before.
+the host, `capabilities.graph_safe`: the Triton backend), every other step runs eagerly; and the tokens
+are sampled on the device (sample/batched.py) with one device-to-host copy a step. On the CPU the step
+runs eagerly and the tokens come from sample/sampler.py.
 
-The runner holds one model: the backend's (`self.model` is `backend.model`). A backend that lays out its
-own copy of the weights (the CPU backend's panels) is then the only holder of them once the engine drops
-the model it loaded: no second full copy stays alive.
+The runner holds one model (`self.model`): the model as given, or the step executor's copy of it over
+weights re-laid for its kernels (the CPU's packed panels). The executor is then the only holder of those
+weights once the engine drops the model it loaded: no second full copy stays alive.
 """
 from __future__ import annotations
 
@@ -30,11 +34,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pd.engine.attention.backend import AttentionBackend
+from pd.engine.attention.capabilities import DEFAULT_ATTENTION_BACKEND
 from pd.engine.attention.metadata import StepCapacity, StepInputBuilder, StepMetadata
-from pd.engine.attention.selector import build_backend
 from pd.engine.kv.layout import KVLayout
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.llama import CausalLM
+from pd.engine.runner import selector
 from pd.engine.runner.cuda_graphs import DecodeGraphs
 from pd.engine.sample.batched import BatchedSampler, RowRng, make_row_rng
 from pd.engine.sample.params import SamplingParams
@@ -63,15 +68,17 @@ class RunnerOptions:
 
 
 class ModelRunner:
-    """Owns the step metadata builder, the attention backend and the requests' sampling state.
+    """Owns the step metadata builder, the attention backend, the step executor (where one goes with
+    the backend) and the requests' sampling state.
 
     Guarantees: a step writes K/V only into the slots of the chunks' own positions; `next_tokens`
     returns one token per chunk with `needs_logits`, in chunk order, each below `num_ids` (the ids the
-    tokenizer can decode); `self.model` is the backend's model (the model as given, never changed, or
-    the backend's own copy of it over re-laid weights); a graph replays only a pure decode step.
+    tokenizer can decode); `self.model` is the model as given, never changed, or the step executor's
+    copy of it over re-laid weights; a graph replays only a pure decode step.
     """
 
-    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool, attention_backend: str = "torch",
+    def __init__(self, model: CausalLM, layout: KVLayout, page_pool: PagePool,
+                 attention_backend: str = DEFAULT_ATTENTION_BACKEND,
                  capacity: StepCapacity | None = None, num_ids: int | None = None,
                  options: RunnerOptions | None = None):
         options = options or RunnerOptions()
@@ -83,10 +90,14 @@ class ModelRunner:
             raise ValueError(f"the tokenizer's vocabulary ({num_ids} ids) must be positive and at most the model's "
                              f"({vocab})")
         self.num_ids = vocab if num_ids is None else num_ids
-        self.backend: AttentionBackend = build_backend(attention_backend, model, layout, page_pool)
-        del model  # the backend's model is the one the runner keeps (see the module docstring)
+        self.kv = layout.bind(page_pool)  # each layer's K/V views: bound once, here
+        runners = selector.build(attention_backend, model, self.kv)
+        del model  # the runners' model is the one the runner keeps (see the module docstring)
+        self.backend: AttentionBackend = runners.backend
+        self.executor: selector.StepExecutor | None = runners.executor
+        self.model: CausalLM = runners.model
         # (fixed-width tables wherever a graph could replay the step: on the CPU too, so tests see its inputs)
-        graphs = options.cuda_graphs and getattr(self.backend, "graph_safe", False)
+        graphs = options.cuda_graphs and self.backend.capabilities.graph_safe
         self.inputs = StepInputBuilder(layout, self.device, capacity, fixed_table_width=graphs)
         self.graphs = DecodeGraphs(self.inputs, self.forward_hidden, self.inputs.capacity.max_num_seqs, graphs)
         self.graph_report = self.graphs.capture()  # (after the warm-up of each bucket; says why when it does not)
@@ -95,8 +106,9 @@ class ModelRunner:
         self.requests: dict[str, RequestSampling] = {}
 
     @property
-    def model(self) -> CausalLM:
-        return self.backend.model
+    def description(self) -> str:
+        """What runs a step, in words (for logs and benchmark reports)."""
+        return self.executor.description if self.executor is not None else self.backend.description
 
     # ------------------------------------------------------------------ requests
     def update_requests(self, sched: SchedulerOutput) -> None:
@@ -116,34 +128,27 @@ class ModelRunner:
         hidden = self.final_hidden(chunks, on_layer)
         rows = [self.requests[c.request_id] for c in chunks if c.needs_logits]
         if self.batched_sampler is not None:  # on the device: one host copy, of the tokens
-            logits = self.backend.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
             return self.batched_sampler.sample(logits, [r.params for r in rows], [r.rng for r in rows])
         tokens: list[int | None] = [None] * hidden.shape[0]
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
+        if greedy and self.executor is not None:
             picked = hidden if len(greedy) == len(tokens) else hidden[torch.tensor(greedy)]
-            for i, token in zip(greedy, self.backend.greedy_tokens(picked, self.num_ids), strict=True):
+            for i, token in zip(greedy, self.executor.greedy_tokens(picked, self.num_ids), strict=True):
                 tokens[i] = token
         rest = [i for i, t in enumerate(tokens) if t is None]
         if rest:
             picked = hidden if len(rest) == len(tokens) else hidden[torch.tensor(rest)]
-            drawn = sample(self.backend.model.compute_logits(picked), [rows[i].params for i in rest],
+            drawn = sample(self.model.compute_logits(picked), [rows[i].params for i in rest],
                            [rows[i].generator for i in rest], self.num_ids)
             for i, token in zip(rest, drawn, strict=True):
                 tokens[i] = token
         return [t for t in tokens if t is not None]  # (every row has its token by now)
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Float32 logits, one row per chunk with `needs_logits`, in chunk order."""
-        hidden = self.final_hidden(chunks)
-        if not hidden.shape[0]:
-            return torch.empty((0, self.model.config.vocab_size))
-        return self.backend.model.compute_logits(hidden)
-
     def final_hidden(self, chunks: Sequence[ScheduledChunk], on_layer: Callable[[int], None] | None = None
                      ) -> torch.Tensor:
         """The final-norm hidden states (R, hidden) of the chunks with `needs_logits`, in chunk order.
-        `on_layer(i)`: called once layer i's K/V are in the pages, on the per-layer path (a backend
+        `on_layer(i)`: called once layer i's K/V are in the pages, on the per-layer path (a step executor
         that runs every layer in one call tells its caller when the step is over)."""
         if not chunks:
             return torch.empty((0, self.model.config.hidden_size))
@@ -157,18 +162,15 @@ class ModelRunner:
 
     def forward_hidden(self, metadata: StepMetadata) -> torch.Tensor:
         """The final-norm hidden states of every token of the step (padding rows included), through the
-        backend's per-layer path: what a decode graph captures. It reads its inputs only from the
-        metadata's tensors (no host sync for a `graph_safe` backend), and runs the model's forward without
+        per-layer path: what a decode graph captures. It reads its inputs only from the metadata's tensors
+        (no host sync for a backend with `capabilities.graph_safe`), and runs the model's forward without
         its inference-mode wrapper, which `torch.compile` cannot trace, under no_grad instead."""
-        backend = self.backend
         with torch.no_grad():
-            return _FORWARD(backend.model, metadata.input_ids, metadata.positions, backend, metadata)
+            return _FORWARD(self.model, metadata.input_ids, metadata.positions, self.backend, metadata)
 
     def _run(self, metadata: StepMetadata, on_layer: Callable[[int], None] | None) -> torch.Tensor:
-        backend = self.backend
-        backend.prepare(metadata)
-        hidden = backend.run_step(metadata)
-        if hidden is not None:
-            return hidden
-        hidden = backend.model(metadata.input_ids, metadata.positions, backend, metadata, on_layer)
+        if self.executor is not None and self.executor.applies(metadata):
+            return self.executor.run_step(metadata)
+        self.backend.prepare(metadata)
+        hidden = self.model(metadata.input_ids, metadata.positions, self.backend, metadata, on_layer)
         return hidden[metadata.logits_indices]

@@ -27,10 +27,10 @@ def intra_op_threads(request):
 def test_fused_decode_logits_match_reference(name, intra_op_threads):
     case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=1)
     runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
-    assert runner.backend.name == "fused"
+    assert runner.backend.capabilities.name == "fused"
     for pos in range(max(map(len, prompts))):
         chunks = [ScheduledChunk(str(i), [p[pos]], pos, tables[i], True) for i, p in enumerate(prompts) if pos < len(p)]
-        rows = runner.execute(chunks)
+        rows = runner.model.compute_logits(runner.final_hidden(chunks))
         for row, c in zip(rows, chunks):
             assert torch.allclose(row, refs[int(c.request_id)][pos], atol=1e-5, rtol=0)
 
@@ -55,7 +55,7 @@ def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
     reference, whichever split the decode-only steps use."""
     case = FusedRunnerCase.build(MODELS[name], (3, 30, 45), seed=2)
     runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
-    runner.backend.panel_split_max_rows = split
+    runner.executor.panel_split_max_rows = split
     # Chunk sizes per step and prompt (0: the prompt has ended): 1-token chunks beside prompt chunks,
     # chunks that end inside a block and ones that cross several.
     plan = [(3, 5, 1), (1, 11, 6), (1, 1, 17), (1, 13, 1), (1, 0, 20)]
@@ -67,8 +67,8 @@ def test_fused_prompt_chunks_match_reference(name, split, intra_op_threads):
             if n:
                 chunks.append(ScheduledChunk(str(i), prompts[i][done[i]:done[i] + n], done[i], tables[i], True))
                 done[i] += n
-        assert runner.backend.applies(runner.inputs.build(chunks))
-        rows = runner.execute(chunks)
+        assert runner.executor.applies(runner.inputs.build(chunks))
+        rows = runner.model.compute_logits(runner.final_hidden(chunks))
         assert rows.shape[0] == len(chunks)
         for row, c in zip(rows, chunks):
             end = c.start + len(c.token_ids) - 1
@@ -83,11 +83,11 @@ def test_fused_prompt_rows_only_where_small():
     model = build_model(cfg, seed=9)
     layout = KVLayout(cfg, 4)
     runner = ModelRunner(model, layout, PagePool(80, layout.page_size_bytes), attention_backend="fused")
-    fused = runner.backend
+    fused = runner.executor
     table = tuple([list(range(1, 40))] * len(layout.groups))
     small = [ScheduledChunk("a", list(range(10)), 0, table, False)]
     assert fused.applies(runner.inputs.build(small))
-    assert runner.execute(small).shape == (0, cfg.vocab_size)
+    assert runner.model.compute_logits(runner.final_hidden(small)).shape == (0, cfg.vocab_size)
     fused.prompt_max_rows = 9
     assert not fused.applies(runner.inputs.build(small))
     fused.prompt_max_rows, fused.prompt_max_keys = 10, 99

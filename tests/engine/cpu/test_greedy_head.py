@@ -113,7 +113,7 @@ def test_engine_tokens_are_the_same_with_the_screen_on_and_off(backend, monkeypa
     for setting in ("on", "off"):
         monkeypatch.setenv("PDKV_GREEDY_SCREEN", setting)
         engine = Engine(engine_config(FULL_MODEL, attention_backend=backend))
-        assert (getattr(engine.runner.backend, "greedy_head", None) is not None) == (setting == "on" and backend == "fused")
+        assert (getattr(engine.runner.executor, "greedy_head", None) is not None) == (setting == "on" and backend == "fused")
         engine.add_request("sampled", [5, 6, 7, 8], seeded)
         runs.append((_decode(engine, prompts, greedy), engine))
     (on, engine_on), (off, _) = runs

@@ -73,22 +73,22 @@ def test_the_cpu_backend_packs_its_own_copy_and_leaves_the_model_as_built(tied):
     ref_logits = model.reference_logits(list(range(20)))
     layout = KVLayout(cfg, 4)
     runner = ModelRunner(model, layout, PagePool(40, layout.page_size_bytes), attention_backend="fused")
-    backend = runner.backend
-    # the runner keeps the backend's copy only (the engine holds the weights once)
-    assert backend.packed_gemm and runner.model is backend.model and backend.model is not model
+    executor = runner.executor
+    # the runner keeps the step executor's copy only (the engine holds the weights once)
+    assert executor.packed_gemm and runner.model is executor.model and executor.model is not model
     assert [type(m) for m in model.modules()] == modules
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == params
     after = model.state_dict()
     assert after.keys() == before.keys()
     for name, value in before.items():
         assert torch.equal(after[name], value), name
-    copy = backend.model
+    copy = executor.model
     assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     linears = [m for m in copy.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 7 * cfg.num_layers + 1
     storages = {m.packed.untyped_storage().data_ptr() for m in linears}
     assert len(storages) == 1  # one buffer, shared with decode_layers' weights
-    assert backend.weights[1].untyped_storage().data_ptr() in storages
+    assert executor.weights[1].untyped_storage().data_ptr() in storages
     assert isinstance(copy.model.embed_tokens, PackedEmbedding) == tied
     assert not any(t.is_meta for t in list(copy.parameters()) + list(copy.buffers()))
     assert copy.state_dict().keys() == before.keys()
@@ -104,6 +104,6 @@ def test_unpackable_shapes_keep_the_plain_fused_path():
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = Engine(engine_config(cfg)).generate_sync(prompts, params)
     eng = Engine(engine_config(cfg, attention_backend="fused"))
-    assert eng.runner.backend.name == "fused" and not eng.runner.backend.packed_gemm
+    assert eng.runner.backend.capabilities.name == "fused" and not eng.runner.executor.packed_gemm
     assert eng.generate_sync(prompts, params) == want
     assert_all_free(eng.kv_cache_manager)

@@ -95,13 +95,13 @@ def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
     outs, logits = [], []
     for setting in ("on", "off"):
         engine = _q4_engine(monkeypatch, setting)
-        fused = engine.runner.backend
-        assert fused.name == "fused"
+        fused = engine.runner.executor
+        assert engine.runner.backend.capabilities.name == "fused" and fused is not None
         assert (len(fused.q4) == 8 * FULL_MODEL.num_layers and all(t.numel() for t in fused.q4)) == (setting == "on")
         # one step of prompt chunks (rows <= 64) straight through the runner, then the engine's own run
         tables = ([1, 2, 3],)
         chunk = ScheduledChunk("a", list(range(3, 12)), 0, tables, True)
-        logits.append(engine.runner.execute([chunk]))
+        logits.append(engine.runner.model.compute_logits(engine.runner.final_hidden([chunk])))
         engine.page_pool.buffer.zero_()
         outs.append(engine.generate_sync(prompts, greedy))
         assert_all_free(engine.kv_cache_manager)

@@ -85,10 +85,10 @@ def test_both_decode_splits_match_the_reference(name, split, threads):
     the threads sharing each projection): the logits of both match the dense reference."""
     case = FusedRunnerCase.build(MODELS[name], (5, 21, 40), seed=2)
     runner, prompts, tables, refs = case.runner, case.prompts, case.tables, case.refs
-    runner.backend.panel_split_max_rows = split
+    runner.executor.panel_split_max_rows = split
     for pos in range(max(map(len, prompts))):
         chunks = [ScheduledChunk(str(i), [p[pos]], pos, tables[i], True) for i, p in enumerate(prompts) if pos < len(p)]
-        for row, c in zip(runner.execute(chunks), chunks, strict=True):
+        for row, c in zip(runner.model.compute_logits(runner.final_hidden(chunks)), chunks, strict=True):
             assert torch.allclose(row, refs[int(c.request_id)][pos], atol=1e-5, rtol=0)
 
 
@@ -99,7 +99,7 @@ def test_both_decode_splits_give_the_same_tokens():
     outputs = []
     for split in (0, 1 << 20):
         eng = Engine(engine_config(cfg, attention_backend="fused"))
-        eng.runner.backend.panel_split_max_rows = split
+        eng.runner.executor.panel_split_max_rows = split
         outputs.append(eng.generate_sync(prompts, params))
         assert_all_free(eng.kv_cache_manager)
     assert outputs[0] == outputs[1]

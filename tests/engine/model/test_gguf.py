@@ -57,7 +57,8 @@ def test_gguf_equals_transformers_gguf_loader(tmp_path, cache_dir, tokenizer_par
         assert torch.equal(tensor, reference.state_dict()[name]), name
     assert ("lm_head.weight" in converted) == (kind == "qwen2")  # tied embeddings stay tied
 
-    engine = Engine(EngineConfig(model_path=str(path), block_size=4, num_blocks=128))
+    # (the torch backend: the loaded model's own weights are compared below, not the fused path's panels)
+    engine = Engine(EngineConfig(model_path=str(path), block_size=4, num_blocks=128, attention_backend="torch"))
     prompt = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(CORPUS[1]).ids
     got = engine.generate_sync({"a": prompt}, SamplingParams(max_tokens=12, ignore_eos=True))["a"]
     assert_all_free(engine.kv_cache_manager)

@@ -30,7 +30,7 @@ def _run_chunked(cfg, lengths, chunk, block_size=4, dtype_tol=1e-5):
     model = build_model(cfg, seed=3)
     layout = KVLayout(cfg, block_size)
     tables, num_blocks = _tables(lengths, layout, block_size)
-    runner = ModelRunner(model, layout, PagePool(num_blocks, layout.page_size_bytes))
+    runner = ModelRunner(model, layout, PagePool(num_blocks, layout.page_size_bytes), attention_backend="torch")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     done = [0] * len(prompts)
@@ -42,7 +42,7 @@ def _run_chunked(cfg, lengths, chunk, block_size=4, dtype_tol=1e-5):
             if n:
                 chunks.append(ScheduledChunk(str(i), p[done[i]:done[i] + n], done[i], tables[i], True))
                 done[i] += n
-        logits = runner.execute(chunks)
+        logits = runner.model.compute_logits(runner.final_hidden(chunks))
         for row, c in zip(logits, chunks):
             ref = model.reference_logits(prompts[int(c.request_id)][: c.start + len(c.token_ids)])[-1]
             worst = max(worst, (ref - row).abs().max().item())
@@ -59,13 +59,13 @@ def test_every_position_matches_in_one_prefill():
     cfg = HYBRID
     model = build_model(cfg, seed=9)
     layout = KVLayout(cfg, 4)
-    runner = ModelRunner(model, layout, PagePool(40, layout.page_size_bytes))
+    runner = ModelRunner(model, layout, PagePool(40, layout.page_size_bytes), attention_backend="torch")
     prompt = list(range(50, 80))
     tables = (list(range(1, 9)), list(range(9, 17)))
     # decode one token at a time: each step's logits row is the reference row at that position
     ref = model.reference_logits(prompt)
     for pos in range(len(prompt)):
-        row = runner.execute([ScheduledChunk("r", [prompt[pos]], pos, tables, True)])[0]
+        row = runner.model.compute_logits(runner.final_hidden([ScheduledChunk("r", [prompt[pos]], pos, tables, True)]))[0]
         assert torch.allclose(row, ref[pos], atol=1e-5, rtol=0)
 
 
@@ -101,9 +101,9 @@ def test_stale_nan_bytes_in_unwritten_slots_do_not_leak():
     layout = KVLayout(cfg, 4)
     pool = PagePool(20, layout.page_size_bytes)
     pool.buffer.view(torch.float32).fill_(float("nan"))
-    runner = ModelRunner(model, layout, pool)
+    runner = ModelRunner(model, layout, pool, attention_backend="torch")
     prompt = list(range(10, 17))  # 7 tokens: the second block's last slot is never written
     tables = ([3, 5],)
-    runner.execute([ScheduledChunk("a", prompt[:5], 0, tables, True)])
-    row = runner.execute([ScheduledChunk("a", prompt[5:], 5, tables, True)])[0]
+    runner.model.compute_logits(runner.final_hidden([ScheduledChunk("a", prompt[:5], 0, tables, True)]))
+    row = runner.model.compute_logits(runner.final_hidden([ScheduledChunk("a", prompt[5:], 5, tables, True)]))[0]
     assert torch.allclose(row, model.reference_logits(prompt)[-1], atol=1e-5, rtol=0)

@@ -113,8 +113,8 @@ def test_greedy_tokens_equal_transformers(converted, hf_model, backend):
     engine = Engine(EngineConfig(model_path=str(converted), block_size=16, num_blocks=128, max_model_len=2048,
                                  attention_backend=backend))
     assert engine.model_config.dtype == "float32" and engine.model_config.tie_word_embeddings
-    fused = engine.runner.backend
-    if fused.name == "fused" and cpu_kernels.load().q4_gemm_available():
+    fused = engine.runner.executor
+    if fused is not None and cpu_kernels.load().q4_gemm_available():
         # every layer matrix of this GGUF is Q4_1: all 120 are held as exact 4-bit codes (packed_q4.py),
         # and greedy rows take the int8-screened exact argmax (greedy_head.py): the tokens below are theirs
         assert len(fused.q4) == 8 * 30 and all(t.numel() for t in fused.q4)
