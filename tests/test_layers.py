@@ -141,16 +141,16 @@ def test_runtime_reaches_the_rigs_only_through_the_config_doors():
 def test_the_connector_checks_see_wrong_imports():
     """Both connector checks on a made-up graph: a contract module importing the ZMQ implementation,
     the no-op connector importing a link, an engine module importing a rig, a door that went stale."""
-    graph = {"connectors.base": {"connectors.metrics", "connectors.zmq.wire"},
+    graph = {"connectors.base": {"connectors.metrics", "connectors.zmq.control.wire"},
              "connectors.params": {"connectors.noop"},
              "connectors.noop": {"connectors.base", "connectors.links.faults"},
-             "connectors.zmq.wire": {"connectors.base"},
+             "connectors.zmq.control.wire": {"connectors.base"},
              "pd.engine.engine": {"connectors.links.fault_link"},
              "pd.tools.planner_bench": {"connectors.links.emulated_link"},
-             "connectors.links.fault_link": {"connectors.zmq.wire"},
+             "connectors.links.fault_link": {"connectors.zmq.control.wire"},
              **{door: set(rigs) for door, rigs in LINK_DOORS.items()}}
     graph["pd.worker.faults"] = {"connectors.links.faults"}
-    assert sorted(_against_contract(graph)) == ["connectors.base -> connectors.zmq.wire",
+    assert sorted(_against_contract(graph)) == ["connectors.base -> connectors.zmq.control.wire",
                                                 "connectors.noop -> connectors.links.faults",
                                                 "connectors.params -> connectors.noop"]
     assert _against_link_doors(graph) == ["connectors.noop -> connectors.links.faults",

@@ -38,8 +38,8 @@ def _fill(pool, seed: int) -> None:
 
 
 def _staging(staged: bool):
-    from connectors.zmq.page_access import DEFAULT_STAGING
-    from connectors.zmq.staging_ring import StagingShape
+    from connectors.zmq.paths.page_access import DEFAULT_STAGING
+    from connectors.zmq.paths.staging_ring import StagingShape
 
     return StagingShape(stage_host_pools=True) if staged else DEFAULT_STAGING
 
@@ -52,7 +52,7 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, stage
 
     torch.set_num_threads(1)
     from pd.engine.kv.page_pool import PagePool
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
 
     pool = PagePool(num_blocks + 1, page_bytes)
     _fill(pool, 1)
@@ -106,8 +106,8 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     import torch
 
-    from connectors.zmq.consumer import Consumer, RemoteAddr
-    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+    from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+    from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
 
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,

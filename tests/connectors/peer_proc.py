@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from connectors.zmq.page_access import digest  # noqa: E402
+from connectors.zmq.paths.page_access import digest  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 from connectors.zmq.connector import ZmqConnector, ZmqConnectorConfig  # noqa: E402
 from kvcache import (BlockHasher, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402

@@ -10,13 +10,14 @@ import time
 import pytest
 import torch
 
-from connectors.zmq import device_path, framing, wire
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.consumer_session import data_mode
-from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.paths import ipc_mapping as device_path
+from connectors.zmq.control import framing, wire
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.consumer.consumer_session import data_mode
+from connectors.zmq.producer.producer import Producer, ProducerConfig
 from connectors.zmq.transfer_settings import TransferSettings
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control.wire import MsgType
 from connectors.links.link_shape import LinkShape
 from pd.engine.kv.page_pool import PagePool
 
@@ -104,7 +105,7 @@ def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog
                     dst_pool)
     cons.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="connectors.zmq.pull_stream"):
+        with caplog.at_level(logging.WARNING, logger="connectors.zmq.consumer.pull_stream"):
             src, dst = list(range(1, 21)), list(range(39, 19, -1))
             prod.add_lease("r", src)
             job = cons.load("r", RemoteAddr("P", "127.0.0.1", prod.port), "r", src, dst)

@@ -15,11 +15,11 @@ import torch
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultPlan
 from connectors.metrics import FailureCause
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.page_access import PageAccess, page_runs
-from connectors.zmq.producer import Producer, ProducerConfig
-from connectors.zmq.staging_ring import StagingRing, StagingShape
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.paths.page_access import PageAccess, page_runs
+from connectors.zmq.producer.producer import Producer, ProducerConfig
+from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
 from pd.engine.kv.page_pool import PagePool
 
 SECRET = b"staging-test-secret-0123456789"

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from connectors.zmq.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
-from connectors.zmq.page_access import PageAccess
+from connectors.zmq.paths.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
+from connectors.zmq.paths.page_access import PageAccess
 from pd.engine.kv.page_pool import PagePool
 
 

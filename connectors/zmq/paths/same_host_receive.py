@@ -20,12 +20,12 @@ from collections.abc import Callable
 import numpy as np
 
 from connectors.metrics import FailureCause
-from connectors.zmq import framing, wire
-from connectors.zmq.device_path import MappedPool
-from connectors.zmq.loads import PullPart
-from connectors.zmq.page_access import PageAccess, digest
-from connectors.zmq.shm import ShmSegment
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control import framing, wire
+from connectors.zmq.paths.ipc_mapping import MappedPool
+from connectors.zmq.consumer.loads import PullPart
+from connectors.zmq.paths.page_access import PageAccess, digest
+from connectors.zmq.paths.shm_segment import ShmSegment
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 FINAL_CREDIT = wire.encode(MsgType.CREDIT, half=0)  # map and cuda_ipc: unpins the pull's lease
 

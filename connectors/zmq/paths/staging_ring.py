@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from connectors.pages import KVPages
-from connectors.zmq.cuda_staging import fences_for, gather_pages, scatter_pages
+from connectors.zmq.paths.cuda_staging import fences_for, gather_pages, scatter_pages
 
 MIB = 1024 * 1024
 

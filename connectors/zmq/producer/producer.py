@@ -32,21 +32,22 @@ import time
 import torch
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import device_path, framing, wire
-from connectors.zmq.data_listener import DataListener, ListenerLimits
-from connectors.zmq.leases import LeaseTable, PullRefused, ServedPull
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.paths import ipc_mapping as device_path
+from connectors.zmq.control import framing, wire
+from connectors.zmq.producer.data_listener import DataListener, ListenerLimits
+from connectors.zmq.producer.leases import LeaseTable, PullRefused, ServedPull
 from connectors.metrics import LeaseEnd, TransferMetrics
-from connectors.zmq.page_access import PageAccess
-from connectors.zmq.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
+from connectors.zmq.paths.page_access import PageAccess
+from connectors.zmq.producer.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
 from connectors.pages import KVPages
 from connectors.params import valid_trace_context
-from connectors.zmq.peer_log import WarnLimiter, quote
-from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
-from connectors.zmq.shm import ShmSegment
-from connectors.zmq.side_guard import SideChannelGuard
-from connectors.zmq.stream import StreamPublisher
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.peer_log import WarnLimiter, quote
+from connectors.zmq.control.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
+from connectors.zmq.paths.shm_segment import ShmSegment
+from connectors.zmq.control.side_guard import SideChannelGuard
+from connectors.zmq.streaming.publisher import StreamPublisher
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

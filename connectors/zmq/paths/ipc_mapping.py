@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from connectors.pages import KVPages
-from connectors.zmq.cuda_staging import MAX_RUN_COPIES, fences_for
+from connectors.zmq.paths.cuda_staging import MAX_RUN_COPIES, fences_for
 
 logger = logging.getLogger(__name__)
 

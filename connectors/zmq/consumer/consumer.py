@@ -25,16 +25,16 @@ import time
 
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import wire
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.consumer_session import SessionState, RemoteSession, data_mode, side_socket
-from connectors.zmq.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import wire
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.consumer.consumer_session import SessionState, RemoteSession, data_mode, side_socket
+from connectors.zmq.consumer.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
-from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.stream_load import StreamedLoad, StreamLoads
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.consumer.pull_stream import PullStream
+from connectors.zmq.streaming.stream_load import StreamedLoad, StreamLoads
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 _U64 = 1 << 64

@@ -20,7 +20,7 @@ import secrets
 import numpy as np
 import torch
 
-from connectors.zmq.cuda_staging import HostPin
+from connectors.zmq.paths.cuda_staging import HostPin
 
 SHM_DIR = "/dev/shm"
 

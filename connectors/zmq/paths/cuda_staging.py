@@ -20,7 +20,7 @@ Only transfer threads ever block on the host (on their own side stream's
 events, e.g. before a pinned staging half is refilled); the engine thread
 never calls a synchronize here.
 
-`connectors.zmq.staging_ring.StagingRing` owns one transfer thread's pinned
+`connectors.zmq.paths.staging_ring.StagingRing` owns one transfer thread's pinned
 staging slots and side stream; `HostPin` page-locks memory this process did not
 allocate as pinned (a shared-memory segment), so copies to and from it are DMA.
 """

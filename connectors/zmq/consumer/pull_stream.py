@@ -26,16 +26,18 @@ import time
 import numpy as np
 import xxhash
 
-from connectors.zmq import framing, same_host_receive, wire
-from connectors.zmq.device_path import DeviceUnavailable, MappedPool
-from connectors.zmq.loads import PullPart
+from connectors.zmq.control import framing
+from connectors.zmq.paths import same_host_receive
+from connectors.zmq.control import wire
+from connectors.zmq.paths.ipc_mapping import DeviceUnavailable, MappedPool
+from connectors.zmq.consumer.loads import PullPart
 from connectors.metrics import FailureCause
-from connectors.zmq.page_access import DEFAULT_STAGING, PageAccess, digest
+from connectors.zmq.paths.page_access import DEFAULT_STAGING, PageAccess, digest
 from connectors.pages import KVPages
-from connectors.zmq.session import ClientSession
-from connectors.zmq.shm import ShmSegment, map_pool
-from connectors.zmq.staging_ring import StagingShape
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.session import ClientSession
+from connectors.zmq.paths.shm_segment import ShmSegment, map_pool
+from connectors.zmq.paths.staging_ring import StagingShape
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the destination page, so bytes are never copied in user space. On a CUDA pool
 each stream owns a `StagingRing` (pinned slots and a side stream): pages are
 gathered device-to-host a chunk at a time, later chunks' copies queued while
 the current one is sent, and landed host-to-device asynchronously while the
-next chunk is received (`connectors.zmq.staging_ring`). Copies are batched per
+next chunk is received (`connectors.zmq.paths.staging_ring`). Copies are batched per
 contiguous run or one index gather, never per page.
 
 Invariant: an instance is used by one thread only (its stream's thread).
@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from connectors.pages import KVPages
-from connectors.zmq.staging_ring import StagingRing, StagingShape
+from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
 
 DEFAULT_STAGING = StagingShape()
 

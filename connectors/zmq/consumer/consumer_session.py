@@ -14,12 +14,12 @@ import secrets
 
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import wire
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.loads import LoadHandle, RemoteAddr
-from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.session import ClientSession
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import wire
+from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.consumer.loads import LoadHandle, RemoteAddr
+from connectors.zmq.consumer.pull_stream import PullStream
+from connectors.zmq.control.session import ClientSession
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import struct
 import threading
 import time
 
-from connectors.zmq import wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.control.wire import MsgType
 
 _KEY_LABEL = b"pdkv session key"
 
