@@ -14,7 +14,7 @@ from connectors.zmq.paths import ipc_mapping as device_path
 from connectors.zmq.control import framing, wire
 from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.consumer.consumer_session import data_mode
+from connectors.zmq.paths.choice import choose_path
 from connectors.zmq.producer.producer import Producer, ProducerConfig
 from connectors.zmq.transfer_settings import TransferSettings
 from connectors.zmq.control.wire import MsgType
@@ -38,18 +38,21 @@ def _welcome(host: str = HOST, device: bool | None = True, shm: bool = True) -> 
 
 @pytest.mark.parametrize("path, welcome, pool, want", [
     ("auto", _welcome(), "cuda", "cuda_ipc"),  # same node, both on GPUs
-    ("auto", _welcome(), "cpu", "map"),  # our pool is on the CPU: nothing to copy device to device
-    ("auto", _welcome(device=False), "cuda", "shm"),  # the producer offers no device pool
-    ("auto", _welcome(device=None), "cuda", "shm"),  # an older producer
+    ("auto", _welcome(), "cpu", "shm_mapped"),  # our pool is on the CPU: nothing to copy device to device
+    ("auto", _welcome(device=False), "cuda", "shm_staged"),  # the producer offers no device pool
+    ("auto", _welcome(device=None), "cuda", "shm_staged"),  # an older producer
     ("auto", _welcome(host="host-b"), "cuda", "tcp"),  # another node
     ("cuda_ipc", _welcome(device=False), "cuda", "cuda_ipc"),  # asked for: tried, and falls back if it fails
     ("cuda_ipc", _welcome(host="host-b"), "cuda", "tcp"),  # another node: no device path at all
     ("tcp", _welcome(), "cuda", "tcp"),
-    ("shm", _welcome(), "cuda", "shm"),
+    ("shm", _welcome(), "cuda", "shm_staged"),  # the user's shm: staged for a GPU pool ...
+    ("shm", _welcome(), "cpu", "shm_mapped"),  # ... the producer's pool mapped for a CPU one
+    ("shm", _welcome(shm=False), "cpu", "tcp"),  # the producer offers no shared memory
+    ("shm_staged", _welcome(), "cpu", "shm_staged"),
 ])
 def test_the_handshake_picks_the_device_path_only_on_one_node(path, welcome, pool, want):
-    mode, count = data_mode(_cfg(path), welcome, HOST, pool, "P")
-    assert mode == want and count >= 1
+    choice = choose_path(DataPath(path), welcome, HOST, pool, 4, 1)
+    assert choice.path.value == want and choice.streams == (4 if want == "tcp" else 1) and choice.why
 
 
 def test_transfer_settings_accept_cuda_ipc_but_not_behind_an_emulated_link():
@@ -111,9 +114,9 @@ def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog
             job = cons.load("r", RemoteAddr("P", "127.0.0.1", prod.port), "r", src, dst)
             assert job.done.wait(20) and job.result.ok, job.result
         assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        why = [r.getMessage() for r in caplog.records if "device path (CUDA IPC)" in r.getMessage()]
-        assert why and "not a GPU" in why[0] and why[0].endswith("using map"), why
-        assert cons.data_paths()["P"] == ["map"]  # same host, CPU pools: the mapped host path
+        why = [r.getMessage() for r in caplog.records if "data path cuda_ipc" in r.getMessage()]
+        assert why and "not a GPU" in why[0] and why[0].endswith("falling back to shm_mapped"), why
+        assert cons.data_paths()["P"] == ["shm_mapped"]  # same host, CPU pools: the mapped host path
         released: set[str] = set()
         deadline = time.monotonic() + 10
         while "r" not in released and time.monotonic() < deadline:  # D's DONE ends P's lease

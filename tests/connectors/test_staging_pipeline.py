@@ -135,7 +135,7 @@ def test_staged_pipeline_lands_every_byte_over_real_sockets(data_path):
             result = _load(prod, cons, remote, f"r{n}", src, dst)
             assert result.ok, result
             assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        assert cons.data_paths()["P"] == ["tcp" if data_path == "tcp" else "shm"]
+        assert cons.data_paths()["P"] == [data_path]
     finally:
         _close(prod, link, cons)
 

@@ -189,8 +189,8 @@ def test_many_concurrent_loads_all_land_exactly(path):
         for job, src, dst in jobs:
             assert job.done.wait(20) and job.result.ok, job.result
             assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        modes = {s.mode for session in cons._sessions.values() for s in session.streams}
-        assert modes == {{"shm": "map", "shm_staged": "shm"}.get(path, path)}
+        paths = {s.path.value for session in cons._sessions.values() for s in session.streams}
+        assert paths == {{"shm": "shm_mapped"}.get(path, path)}  # the user's shm, for a CPU pool: mapped
         deadline = time.monotonic() + 5
         released: set[str] = set()
         while len(released) < 24 and time.monotonic() < deadline:
