@@ -17,7 +17,7 @@ from connectors.metrics import FailureCause
 from connectors.zmq.paths.page_access import digest
 from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.producer.producer import Producer, ProducerConfig
-from connectors.zmq.consumer.loads import PullPart
+from connectors.zmq.paths.base import PullPart
 from connectors.zmq.consumer.pull_stream import PullStream
 from connectors.zmq.control.session import ClientSession
 from connectors.zmq.paths.staging_ring import StagingShape

@@ -30,7 +30,8 @@ from connectors.zmq.control import wire
 from connectors.zmq.consumer.consumer_config import ConsumerConfig
 from connectors.zmq.paths.choice import choose_path, log_choice
 from connectors.zmq.consumer.consumer_session import SessionState, RemoteSession, side_socket
-from connectors.zmq.consumer.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
+from connectors.zmq.consumer.loads import LoadHandle, LoadResult, RemoteAddr
+from connectors.zmq.paths.base import PullPart
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.zmq.consumer.pull_stream import PullStream

@@ -24,12 +24,11 @@ import time
 
 from connectors.metrics import FailureCause
 from connectors.pages import KVPages
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing, wire
 from connectors.zmq.control.peer_log import quote
 from connectors.zmq.control.session import ClientSession
 from connectors.zmq.control.wire import MalformedMessage, MsgType
-from connectors.zmq.paths.base import PathName, PathReceiver, PathUnavailable, Refused
+from connectors.zmq.paths.base import PathName, PathReceiver, PathUnavailable, PullPart, Refused
 from connectors.zmq.paths.choice import RECEIVERS
 from connectors.zmq.paths.page_access import DEFAULT_STAGING, PageAccess
 from connectors.zmq.paths.staging_ring import StagingShape

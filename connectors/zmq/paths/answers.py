@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import socket
 
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing, wire
 from connectors.zmq.control.wire import MalformedMessage, MsgType
-from connectors.zmq.paths.base import Refused
+from connectors.zmq.paths.base import PullPart, Refused
 
 
 def expect(conn: socket.socket, want: MsgType, xfer: int) -> dict:

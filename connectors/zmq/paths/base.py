@@ -23,10 +23,11 @@ import abc
 import dataclasses
 import enum
 import socket
+from collections.abc import Callable
 from typing import ClassVar
 
+from connectors.metrics import FailureCause
 from connectors.pages import KVPages
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing
 from connectors.zmq.paths.page_access import PageAccess
 
@@ -38,6 +39,26 @@ class PathName(str, enum.Enum):
     SHM_MAPPED = "shm_mapped"
     SHM_STAGED = "shm_staged"
     CUDA_IPC = "cuda_ipc"
+
+
+@dataclasses.dataclass(slots=True)
+class PullPart:
+    """A slice of one load that travels on one stream: what a path lands."""
+
+    remote_request_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    on_done: Callable[[PullPart], None]
+    bad_block_ids: list[int] = dataclasses.field(default_factory=list)
+    cause: FailureCause | None = None  # None: all pages landed and verified
+    xfer: int = 0  # set once its PULL started to go out
+    unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
+    expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
+    trace_context: str | None = None  # its load's, sent in the PULL
+
+    def fail(self, cause: FailureCause) -> None:
+        self.cause = cause
+        self.bad_block_ids = list(self.dst_block_ids)
 
 
 class Refused(Exception):

@@ -16,11 +16,10 @@ import torch
 
 from connectors.metrics import FailureCause
 from connectors.pages import KVPages
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing, wire
 from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.paths import answers, ipc_mapping
-from connectors.zmq.paths.base import PathName, PathReceiver, PathServer
+from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PullPart
 from connectors.zmq.paths.page_access import PageAccess
 from connectors.zmq.paths.shm_mapped import FINAL_CREDIT, await_credit
 from connectors.zmq.paths.tcp import NO_SHM

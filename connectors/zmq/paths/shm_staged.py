@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 
 from connectors.metrics import FailureCause
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing, wire
 from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.paths import answers
-from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PathUnavailable
+from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PathUnavailable, PullPart
 from connectors.zmq.paths.page_access import PageAccess, digest
 from connectors.zmq.paths.shm_mapped import await_credit
 from connectors.zmq.paths.shm_segment import ShmSegment, pin_for_pool

@@ -14,10 +14,9 @@ import time
 import xxhash
 
 from connectors.metrics import FailureCause
-from connectors.zmq.consumer.loads import PullPart
 from connectors.zmq.control import framing, wire
 from connectors.zmq.paths import answers
-from connectors.zmq.paths.base import PathName, PathReceiver, PathServer
+from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PullPart
 from connectors.zmq.paths.page_access import PageAccess, digest
 
 NO_SHM = {"shm_name": "", "shm_bytes": 0, "chunk_pages": 0}  # ATTACHED of a path without a segment
