@@ -39,8 +39,7 @@ def _fill(pool, seed: int) -> None:
 
 
 def _staging(staged: bool):
-    from connectors.zmq.paths.page_access import DEFAULT_STAGING
-    from connectors.zmq.paths.staging_ring import StagingShape
+    from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
     return StagingShape(stage_host_pools=True) if staged else DEFAULT_STAGING
 

@@ -21,7 +21,7 @@ from connectors.zmq.control import framing, wire
 from connectors.zmq.control.session import ProducerSession
 from connectors.zmq.control.wire import MsgType
 from connectors.zmq.paths import cuda_staging, ipc_mapping, shm_segment
-from connectors.zmq.paths.page_access import PageAccess, digest
+from connectors.zmq.paths.page_access import InPlacePages, digest
 from connectors.zmq.producer.data_stream import DataStreams
 from connectors.zmq.producer.leases import LeaseTable
 from connectors.zmq.producer.producer import Producer, ProducerConfig
@@ -64,7 +64,7 @@ def test_shm_staged_lands_byte_exact_when_cuda_refuses_to_page_lock(monkeypatch,
         prod.shutdown()
 
 
-class _SpyAccess(PageAccess):
+class _SpyAccess(InPlacePages):
     """The pool's pages as the producer reads them, counting the pages it hashes."""
 
     hashed = 0
@@ -78,7 +78,7 @@ def _pull_once(pool: PagePool, monkeypatch, checksums: bool) -> tuple[dict, dict
     """One cuda_ipc stream of a real producer stream loop, over a real socket: (ATTACHED, PAGES, pages
     hashed by the producer). Only the pool's IPC export is faked (a CPU pool has none)."""
     monkeypatch.setattr(ipc_mapping, "export_pool", lambda p: {"fake": b"export"})
-    monkeypatch.setattr("connectors.zmq.producer.data_stream.PageAccess", _SpyAccess)
+    monkeypatch.setattr("connectors.zmq.producer.data_stream.page_access_for", lambda pool, staging: _SpyAccess(pool))
     _SpyAccess.hashed = 0
     leases = LeaseTable(30.0, TransferMetrics())
     leases.add("r", [3, 4, 7])  # not sealed: nothing ran `seal_pending` yet

@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from connectors.zmq.paths.choice import DataPath
-from connectors.zmq.paths.page_access import DEFAULT_STAGING
-from connectors.zmq.paths.staging_ring import StagingShape
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
 
 @dataclasses.dataclass(frozen=True)

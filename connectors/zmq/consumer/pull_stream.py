@@ -29,9 +29,9 @@ from connectors.zmq.control.peer_log import quote
 from connectors.zmq.control.session import ClientSession
 from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.paths.base import PathName, PathReceiver, PathUnavailable, PullPart, Refused
-from connectors.zmq.paths.choice import RECEIVERS
-from connectors.zmq.paths.page_access import DEFAULT_STAGING, PageAccess
-from connectors.zmq.paths.staging_ring import StagingShape
+from connectors.zmq.paths.choice import RECEIVERS, page_access_for
+from connectors.zmq.paths.page_access import PageAccess
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class PullStream:
         access = None
         try:
             self._connect()
-            access = PageAccess(self._pool, self._staging)
+            access = page_access_for(self._pool, self._staging)
             with self._send_lock:
                 self._ready = True
         except Exception as e:  # noqa: BLE001 -- the stream thread reports any failure to open as a dead stream

@@ -14,8 +14,10 @@ and only calls these methods. The paths, one module each:
 - `cuda_ipc`: same node, CUDA pools: the consumer copies device to device out of the producer's
   pool, mapped through CUDA IPC.
 
-How a CUDA pool's pages reach host memory on the tcp and shm_staged paths (the pinned staging
-ring, `staging_ring.py`) sits one level below, in `page_access.PageAccess`.
+How a stream's pool pages reach host memory on the tcp, shm_mapped and shm_staged paths is the
+second small interface, one level below (`page_access.PageAccess`, chosen once per stream by
+`choice.page_access_for`): in place for a CPU pool (`InPlacePages`), through the pinned staging
+ring for a CUDA pool (`staging_ring.StagedPages`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Which data path a consumer's streams take: chosen once per producer session from this side's
 `data_path` setting and the producer's WELCOME (`choose_path`), then per stream at ATTACH
-(`receiver_for` / `server_for`); a stream whose path cannot attach falls back along
-`PathReceiver.fallback`, and says why in the log.
+(`RECEIVERS` / `server_for`); a stream whose path cannot attach falls back along
+`PathReceiver.fallback`, and says why in the log. How a stream reaches its pool's pages in host
+memory (in place, or through the pinned staging ring) is chosen once too: `page_access_for`.
 
 The setting's words (what a deployment writes) and the paths' words (what the code and the
 logs say) differ on purpose where one word covers two paths:
@@ -26,9 +27,10 @@ import socket
 from connectors.pages import KVPages
 from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, ServeSettings
 from connectors.zmq.paths.cuda_ipc import CudaIpcReceiver, CudaIpcServer
-from connectors.zmq.paths.page_access import PageAccess
+from connectors.zmq.paths.page_access import InPlacePages, PageAccess
 from connectors.zmq.paths.shm_mapped import ShmMappedReceiver, ShmMappedServer
 from connectors.zmq.paths.shm_staged import ShmStagedReceiver, ShmStagedServer
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagedPages, StagingShape
 from connectors.zmq.paths.tcp import TcpReceiver, TcpServer
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,14 @@ def log_choice(choice: PathChoice, wanted: DataPath, engine_id: str) -> None:
         level = logging.WARNING
     logger.log(level, "KV data path to %s: %s (data_path %s: %s), %d stream(s)", engine_id, choice.path.value,
                wanted.value, choice.why, choice.streams)
+
+
+def page_access_for(pool: KVPages, staging: StagingShape = DEFAULT_STAGING) -> PageAccess:
+    """How a stream reaches the pool's pages in host memory: a CPU pool's in place, a CUDA pool's
+    (or a CPU pool's staged on purpose, in tests and --staged benchmarks) through the staging ring."""
+    if pool.device.type == "cpu" and not staging.stage_host_pools:
+        return InPlacePages(pool)
+    return StagedPages(pool, staging)
 
 
 def server_for(attach: dict, conn: socket.socket, pool: KVPages, access: PageAccess,

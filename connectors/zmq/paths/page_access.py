@@ -1,18 +1,19 @@
-"""Host-memory access to a KVPages's pages for the data streams.
+"""Host-memory access to a KVPages's pages for the data streams: one small interface
+(`PageAccess`), two implementations, chosen once per stream (`paths.choice.page_access_for`).
 
-On a CPU pool the pages *are* host memory: senders hand page views to
-`sendmsg` (one view per run of consecutive blocks) and receivers `recv_into`
-the destination page, so bytes are never copied in user space. On a CUDA pool
-each stream owns a `StagingRing` (pinned slots and a side stream): pages are
-gathered device-to-host a chunk at a time, later chunks' copies queued while
-the current one is sent, and landed host-to-device asynchronously while the
-next chunk is received (`connectors.zmq.paths.staging_ring`). Copies are batched per
-contiguous run or one index gather, never per page.
+- `InPlacePages` (a CPU pool): the pages *are* host memory: senders hand page views to
+  `sendmsg` (one view per run of consecutive blocks) and receivers `recv_into` the destination
+  page, so bytes are never copied in user space;
+- `StagedPages` (a CUDA pool, `staging_ring.py`): pages move through the pinned staging ring,
+  a chunk at a time, device-to-host copies of later chunks queued while the current one is
+  sent, host-to-device landings queued while the next chunk is received.
 
+Copies are batched per contiguous run or one index gather, never per page.
 Invariant: an instance is used by one thread only (its stream's thread).
 """
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,9 +21,6 @@ import torch
 import xxhash
 
 from connectors.pages import KVPages
-from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
-
-DEFAULT_STAGING = StagingShape()
 
 
 def digest(view) -> int:
@@ -41,104 +39,100 @@ def page_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-class PageAccess:
-    """A data stream's view of a pool's pages as host memory: in place (`on_host`) or staged."""
+class PageAccess(abc.ABC):
+    """A data stream's view of a pool's pages as host memory.
 
-    def __init__(self, pool: KVPages, staging: StagingShape = DEFAULT_STAGING):
+    Guarantees: `send_views` yields the pages' bytes in order; what `landing` hands out is
+    in the pool once `commit` (then `settle`) returned; after `settle` no copy into the pool
+    that this access queued is still running."""
+
+    on_host: bool  # the pages are host memory, used in place
+    staging_pages: int  # at most this many pages are landed or sent per chunk
+
+    def __init__(self, pool: KVPages):
         self.pool = pool
         self.page_bytes = pool.page_size_bytes
-        self.on_host = pool.device.type == "cpu" and not staging.stage_host_pools
-        self._ring: StagingRing | None = None
-        self._landing_rows: torch.Tensor | None = None
-        if self.on_host:
-            self._host = pool.buffer.numpy()  # shares memory with the pool
-            self._flat = memoryview(self._host).cast("B")  # the pool's bytes, for cheap page views
-            self.staging_pages = 1 << 30  # no staging limit: pages are used in place
-        else:
-            self._ring = StagingRing(pool, staging)
-            self.staging_pages = self._ring.rows
-
-    @property
-    def ring(self) -> StagingRing:
-        assert self._ring is not None, "a staged access"
-        return self._ring
-
-    def _host_views(self, block_ids: list[int]) -> list[memoryview]:
-        """CPU pool: each page as a byte slice of the pool itself (no copy, no numpy)."""
-        flat, size = self._flat, self.page_bytes
-        return [flat[b * size : (b + 1) * size] for b in block_ids]
 
     # ------------------------------------------------------------------ send side
+    @abc.abstractmethod
     def send_views(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
-        """The pages' bytes in order, as lists of byte views for one `sendmsg` each.
+        """The pages' bytes in order, as lists of byte views for one `sendmsg` each; the views
+        of a list stay valid until the generator is resumed."""
 
-        In place: one list, one view per run of consecutive blocks (fewer, larger
-        iovecs). Staged: one list per chunk, one view of its whole slot; the
-        views of a list stay valid until the generator is resumed."""
-        if self.on_host:
-            flat, size = self._flat, self.page_bytes
-            yield [flat[b * size : (b + n) * size] for b, n in page_runs(block_ids)]
-            return
-        for _, rows in self.ring.gather_chunks(block_ids):
-            yield [memoryview(rows.numpy()).cast("B")]
-
+    @abc.abstractmethod
     def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
-        """dst[i] = page(block_ids[i]) for host rows `dst` (shared-memory staging); done on return."""
-        if self.on_host:
-            # row by row: torch's index_select/index_copy_ are far slower than memcpy here
-            out = dst.numpy()
-            for i, b in enumerate(block_ids):
-                np.copyto(out[i], self._host[b])
-            return
-        self.ring.gather_into(block_ids, dst)
+        """dst[i] = page(block_ids[i]) for host rows `dst` (a shared-memory half); done on return."""
 
     # ------------------------------------------------------------------ receive side
+    @abc.abstractmethod
     def landing(self, block_ids: list[int]) -> list[np.ndarray]:
-        """Where to put these pages' bytes: the pool itself in place, a staging slot otherwise
-        (then `commit` lands them)."""
-        if self.on_host:
-            return [self._host[b] for b in block_ids]
-        self._landing_rows = self.ring.landing_rows(len(block_ids))
-        rows = self._landing_rows.numpy()
-        return [rows[i] for i in range(len(block_ids))]
+        """Where to put these pages' bytes (then `commit` lands them)."""
 
     def landing_views(self, block_ids: list[int]) -> list[memoryview]:
         """`landing` as byte memoryviews (what `recvmsg_into` fills)."""
-        if self.on_host:
-            return self._host_views(block_ids)
         return [v.data.cast("B") for v in self.landing(block_ids)]
 
+    @abc.abstractmethod
     def commit(self, block_ids: list[int]) -> None:
-        """Lands pages put where `landing` said: staged, a queued host-to-device copy (async;
-        the next `landing` may already receive into another slot). `settle` waits for it."""
-        if self.on_host:
-            return
-        rows, self._landing_rows = self._landing_rows, None
-        assert rows is not None and rows.shape[0] == len(block_ids), "commit follows landing"
-        self.ring.land(rows, block_ids)
+        """Lands pages put where `landing` said (perhaps queued: `settle` waits for it)."""
 
+    @abc.abstractmethod
     def copy_in(self, src: torch.Tensor, block_ids: list[int]) -> None:
-        """page(block_ids[i]) = src[i] for host rows `src` (shared-memory staging). Staged, the
-        copy is queued: `src` stays untouched until `settle` returns."""
-        if self.on_host:
-            rows = src.numpy()
-            for i, b in enumerate(block_ids):
-                np.copyto(self._host[b], rows[i])
-            return
-        self.ring.land(src, block_ids)
+        """page(block_ids[i]) = src[i] for host rows `src` (a shared-memory half); `src` stays
+        untouched until `settle` returns."""
 
+    @abc.abstractmethod
     def settle(self) -> None:
         """Returns once no copy into the pool that this access queued is still running."""
-        if self._ring is not None:
-            self._landing_rows = None
-            self._ring.settle()
+
+    @abc.abstractmethod
+    def page_digests(self, block_ids: list[int]) -> list[int]:
+        """Checksums of pool pages as they are now."""
+
+
+class InPlacePages(PageAccess):
+    """A CPU pool's pages used in place: no staging, no copy in user space."""
+
+    on_host = True
+    staging_pages = 1 << 30  # no staging limit: pages are used in place
+
+    def __init__(self, pool: KVPages):
+        super().__init__(pool)
+        self._host = pool.buffer.numpy()  # shares memory with the pool
+        self._flat = memoryview(self._host).cast("B")  # the pool's bytes, for cheap page views
+
+    def _host_views(self, block_ids: list[int]) -> list[memoryview]:
+        """Each page as a byte slice of the pool itself (no copy, no numpy)."""
+        flat, size = self._flat, self.page_bytes
+        return [flat[b * size : (b + 1) * size] for b in block_ids]
+
+    def send_views(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        # one list, one view per run of consecutive blocks (fewer, larger iovecs)
+        flat, size = self._flat, self.page_bytes
+        yield [flat[b * size : (b + n) * size] for b, n in page_runs(block_ids)]
+
+    def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
+        # row by row: torch's index_select/index_copy_ are far slower than memcpy here
+        out = dst.numpy()
+        for i, b in enumerate(block_ids):
+            np.copyto(out[i], self._host[b])
+
+    def landing(self, block_ids: list[int]) -> list[np.ndarray]:
+        return [self._host[b] for b in block_ids]
+
+    def landing_views(self, block_ids: list[int]) -> list[memoryview]:
+        return self._host_views(block_ids)
+
+    def commit(self, block_ids: list[int]) -> None:
+        pass  # the bytes were received into the pool itself
+
+    def copy_in(self, src: torch.Tensor, block_ids: list[int]) -> None:
+        rows = src.numpy()
+        for i, b in enumerate(block_ids):
+            np.copyto(self._host[b], rows[i])
+
+    def settle(self) -> None:
+        pass  # every copy was synchronous
 
     def page_digests(self, block_ids: list[int]) -> list[int]:
-        """Checksums of pool pages as they are now (staged: chunk by chunk through the ring)."""
-        if self.on_host:
-            return [digest(v) for v in self._host_views(block_ids)]
-        out: list[int] = []
-        for _, rows in self.ring.gather_chunks(block_ids):
-            host = rows.numpy()
-            out.extend(digest(host[i]) for i in range(host.shape[0]))
-        return out
+        return [digest(v) for v in self._host_views(block_ids)]

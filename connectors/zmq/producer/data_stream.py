@@ -24,7 +24,7 @@ from connectors.zmq.control.peer_log import WarnLimiter
 from connectors.zmq.control.session import ProducerSession
 from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.paths.base import PathServer, PathUnavailable, ServeSettings
-from connectors.zmq.paths.choice import server_for
+from connectors.zmq.paths.choice import page_access_for, server_for
 from connectors.zmq.paths.page_access import PageAccess
 from connectors.zmq.paths.tcp import NO_SHM
 from connectors.zmq.producer.leases import Lease, LeaseTable, PullRefused, ServedPull
@@ -85,7 +85,7 @@ class DataStreams:
         server = None
         try:
             conn.settimeout(self.config.io_timeout_s)
-            access = PageAccess(self.pool, self.config.staging)
+            access = page_access_for(self.pool, self.config.staging)
             server = server_for(attach, conn, self.pool, access, self._settings)
             try:
                 fields = server.attached()

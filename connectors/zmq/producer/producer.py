@@ -27,7 +27,7 @@ from connectors.zmq.producer.data_listener import DataListener, ListenerLimits
 from connectors.zmq.producer.data_stream import DataStreams
 from connectors.zmq.producer.leases import LeaseTable
 from connectors.metrics import LeaseEnd, TransferMetrics
-from connectors.zmq.paths.page_access import PageAccess
+from connectors.zmq.paths.choice import page_access_for
 from connectors.zmq.producer.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
 from connectors.pages import KVPages
 from connectors.zmq.control.peer_log import WarnLimiter, quote
@@ -62,7 +62,7 @@ class Producer:
         self._warn = WarnLimiter(logger)  # what strangers can trigger is rate-limited
         self._threads: list[threading.Thread] = []
         self.data_streams = DataStreams(config, pool, self.leases, self.metrics, self._stop)
-        self._seal_access = PageAccess(pool, config.staging)
+        self._seal_access = page_access_for(pool, config.staging)
         self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics,  # streamed leases
                                       config.max_watchers)
         self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
