@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from connectors.zmq.paths import ipc_mapping as device_path
+from connectors.zmq.paths import ipc_mapping
 from connectors.zmq.control import framing, wire
 from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
 from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
@@ -79,22 +79,22 @@ def _export(**over) -> dict:
     (_export(buffer_offset=-1), "does not fit its allocation"),
 ])
 def test_a_bad_export_is_refused_with_its_reason(export, reason):
-    with pytest.raises(device_path.DeviceUnavailable, match=reason):
-        device_path.check_export(export, PagePool(10, 4096))
-    assert device_path.check_export(_export(), PagePool(10, 4096))["num_blocks"] == 10
+    with pytest.raises(ipc_mapping.DeviceUnavailable, match=reason):
+        ipc_mapping.check_export(export, PagePool(10, 4096))
+    assert ipc_mapping.check_export(_export(), PagePool(10, 4096))["num_blocks"] == 10
 
 
 def test_a_cpu_pool_is_never_exported_or_mapped():
     pool = PagePool(4, 256)
-    with pytest.raises(device_path.DeviceUnavailable, match="not a GPU"):
-        device_path.export_pool(pool)
+    with pytest.raises(ipc_mapping.DeviceUnavailable, match="not a GPU"):
+        ipc_mapping.export_pool(pool)
     if not torch.cuda.is_available():
-        with pytest.raises(device_path.DeviceUnavailable, match="CUDA is not available"):
-            device_path.MappedPool(_export(page_bytes=256, storage_bytes=4 * 256, num_blocks=4), pool)
+        with pytest.raises(ipc_mapping.DeviceUnavailable, match="CUDA is not available"):
+            ipc_mapping.MappedPool(_export(page_bytes=256, storage_bytes=4 * 256, num_blocks=4), pool)
 
 
 def test_paired_runs_need_both_sides_consecutive():
-    assert device_path.paired_runs([4, 5, 6, 9], [10, 11, 20, 21]) == [(4, 10, 2), (6, 20, 1), (9, 21, 1)]
+    assert ipc_mapping.paired_runs([4, 5, 6, 9], [10, 11, 20, 21]) == [(4, 10, 2), (6, 20, 1), (9, 21, 1)]
 
 
 def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog):
