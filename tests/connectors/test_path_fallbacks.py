@@ -2,6 +2,8 @@
 
 - shm_staged: where CUDA refuses to page-lock the shared segment (`cudaHostRegister` fails), the
   stream copies through the pageable segment and says so once; the pages still land byte-exact;
+- shm_mapped: a producer whose pool is not in shared memory says so in its ATTACHED answer, and
+  the stream falls back to shm_staged on a new connection, logging why;
 - cuda_ipc: a producer computes no page digest for a consumer that does not check device pages
   (`device_checksums` off), and the ones it sends a checking consumer are the pages' own.
 """
@@ -59,6 +61,31 @@ def test_shm_staged_lands_byte_exact_when_cuda_refuses_to_page_lock(monkeypatch,
         assert len(tried) >= 2  # both sides tried to page-lock their mapping of the segment
         said = [r for r in caplog.records if "refused to page-lock" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]  # once per process, however many segments
+    finally:
+        cons.shutdown()
+        prod.shutdown()
+
+
+def test_shm_on_a_pool_that_cannot_be_mapped_falls_back_to_the_staged_segment(caplog):
+    src_pool, dst_pool = PagePool(32, PAGE, shareable=False), PagePool(32, PAGE)
+    assert src_pool.shared_path is None
+    src_pool.buffer.random_(0, 256, generator=torch.Generator().manual_seed(14))
+    prod = Producer(ProducerConfig(engine_id="P", secret=SECRET, compat_hash="c"), src_pool)
+    prod.start()
+    cons = Consumer(ConsumerConfig(engine_id="D", secret=SECRET, compat_hash="c", data_path=DataPath.SHM), dst_pool)
+    cons.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="connectors.zmq"):
+            src, dst = [3, 4, 5, 9], [20, 1, 2, 7]
+            prod.add_lease("r", src)
+            job = cons.load("r", RemoteAddr("P", "127.0.0.1", prod.port), "r", src, dst)
+            assert job.done.wait(20) and job.result.ok, job.result
+        assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
+        assert cons.data_paths()["P"] == ["shm_staged"]
+        said = [r.getMessage() for r in caplog.records]
+        assert any("KV data path to P: shm_mapped (data_path shm: same host" in m for m in said), said
+        assert any("data path shm_mapped" in m and "not in shared memory" in m
+                   and m.endswith("falling back to shm_staged") for m in said), said
     finally:
         cons.shutdown()
         prod.shutdown()

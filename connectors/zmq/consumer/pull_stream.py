@@ -182,7 +182,7 @@ class PullStream:
         while True:
             try:
                 return self._attach()
-            except (OSError, ValueError, PathUnavailable) as e:  # (MalformedMessage is a ValueError)
+            except PathUnavailable as e:  # (a broken connection is no reason to try another path)
                 fallback = RECEIVERS[self.path].fallback(self._pool)
                 if fallback is None:
                     raise
@@ -212,7 +212,10 @@ class PullStream:
         if msg.get("unavailable"):
             raise PathUnavailable(f"the producer: {quote(msg['unavailable'], 200)}")
         receiver = RECEIVERS[self.path](sock, self._pool, self._spin_s, self._device_checksums)
-        receiver.open(msg)
+        try:
+            receiver.open(msg)
+        except (OSError, ValueError) as e:  # e.g. /proc not readable, a segment of the wrong size
+            raise PathUnavailable(str(e)) from e
         self._receiver = receiver
 
     def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:

@@ -89,7 +89,8 @@ class DataStreams:
             server = server_for(attach, conn, self.pool, access, self._settings)
             try:
                 fields = server.attached()
-            except PathUnavailable as e:  # said to the consumer, which falls back on a new connection
+            except (PathUnavailable, OSError, ValueError) as e:  # said to the consumer: it falls back on a new
+                # connection (OSError: e.g. no room in /dev/shm for a segment)
                 logger.info("KV producer %s: no %s path for a consumer: %s", self.config.engine_id,
                             server.name.value, e)
                 framing.send_frame(conn, wire.encode(MsgType.ATTACHED, **NO_SHM, unavailable=str(e)))
