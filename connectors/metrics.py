@@ -71,7 +71,7 @@ class TransferMetrics:
         self.refused: Counter[str] = Counter()
         self.malformed_frames = 0
         self.accept_backoffs = 0  # a listener paused at the fd limit (EMFILE and the like)
-        self.stream_parts_published = 0  # producer: parts of streamed prefills published (connectors.zmq.stream)
+        self.stream_parts_published = 0  # producer: parts of streamed prefills published (streaming/publisher.py)
         self.stream_parts_received = 0  # consumer: published parts pulled, landed and verified
         self._latencies: deque[float] = deque(maxlen=keep_latencies)
         self._load_bucket_counts = [0] * (len(LOAD_BUCKETS_S) + 1)  # per bucket, the last one past every bound

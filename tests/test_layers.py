@@ -12,9 +12,10 @@ only its public parts (`ENGINE_PUBLIC`); what the router reaches
 of it imports no torch, and `sample/params.py` (the router builds sampling params too) none at all.
 
 Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
-implementation lives in `connectors.zmq`; the rigs (emulated and faulty links, fault plans) in
-`connectors.links`, which the runtime reaches only through the doors in `LINK_DOORS`, each the place
-where a config (the fault plan, `transfer.emulated_link`) selects a rig.
+implementation lives in `connectors.zmq` (its rooms import each other only as `ZMQ_ROOM_IMPORTS`
+says); the rigs (emulated and faulty links, fault plans) in `connectors.links`, which the runtime
+reaches only through the doors in `LINK_DOORS`, each the place where a config (the fault plan,
+`transfer.emulated_link`) selects a rig.
 """
 from __future__ import annotations
 
@@ -142,21 +143,68 @@ def test_runtime_reaches_the_rigs_only_through_the_config_doors():
 def test_the_connector_checks_see_wrong_imports():
     """Both connector checks on a made-up graph: a contract module importing the ZMQ implementation,
     the no-op connector importing a link, an engine module importing a rig, a door that went stale."""
-    graph = {"connectors.base": {"connectors.metrics", "connectors.zmq.wire"},
+    graph = {"connectors.base": {"connectors.metrics", "connectors.zmq.control.wire"},
              "connectors.params": {"connectors.noop"},
              "connectors.noop": {"connectors.base", "connectors.links.faults"},
-             "connectors.zmq.wire": {"connectors.base"},
+             "connectors.zmq.control.wire": {"connectors.base"},
              "pd.engine.engine": {"connectors.links.fault_link"},
              "pd.tools.planner_bench": {"connectors.links.emulated_link"},
-             "connectors.links.fault_link": {"connectors.zmq.wire"},
+             "connectors.links.fault_link": {"connectors.zmq.control.wire"},
              **{door: set(rigs) for door, rigs in LINK_DOORS.items()}}
     graph["pd.worker.faults"] = {"connectors.links.faults"}
-    assert sorted(_against_contract(graph)) == ["connectors.base -> connectors.zmq.wire",
+    assert sorted(_against_contract(graph)) == ["connectors.base -> connectors.zmq.control.wire",
                                                 "connectors.noop -> connectors.links.faults",
                                                 "connectors.params -> connectors.noop"]
     assert _against_link_doors(graph) == ["connectors.noop -> connectors.links.faults",
                                           "pd.engine.engine -> connectors.links.fault_link",
                                           "pd.worker.faults no longer imports connectors.links.fault_link (stale door)"]
+
+
+# Inside `connectors.zmq`: what each room may import of the others. Control (wire, framing, handshake,
+# sessions) is shared by both sides and imports no other room; the data paths build on control alone,
+# so a path never reaches into the producer's or the consumer's state; the producer and the consumer
+# do not import each other.
+ZMQ_ROOM_IMPORTS = {
+    "connectors.zmq.control": set(),
+    "connectors.zmq.paths": {"connectors.zmq.control"},
+    "connectors.zmq.producer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
+    "connectors.zmq.consumer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
+}
+
+
+def _zmq_room(module: str) -> str | None:
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[:2] == ["connectors", "zmq"] else None
+
+
+def _against_zmq_rooms(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in graph.items():
+        room = _zmq_room(module)
+        if room not in ZMQ_ROOM_IMPORTS:
+            continue
+        for target in targets:
+            other = _zmq_room(target) or (target if _in(target, "connectors.zmq") else None)
+            if other is not None and other != room and other not in ZMQ_ROOM_IMPORTS[room]:
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_zmq_rooms_import_only_what_they_may():
+    rooms = {_zmq_room(m) for m in _graph()} - {None}
+    assert set(ZMQ_ROOM_IMPORTS) <= rooms and "connectors.zmq.streaming" in rooms
+    wrong = _against_zmq_rooms(_graph())
+    assert not wrong, "imports against connectors.zmq's rooms:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_zmq_room_check_sees_wrong_imports():
+    graph = {"connectors.zmq.paths.tcp": {"connectors.zmq.control.wire", "connectors.zmq.consumer.loads"},
+             "connectors.zmq.control.wire": {"connectors.zmq.connector"},
+             "connectors.zmq.producer.producer": {"connectors.zmq.consumer.consumer", "connectors.zmq.paths.tcp"},
+             "connectors.zmq.connector": {"connectors.zmq.producer.producer"}}
+    assert sorted(_against_zmq_rooms(graph)) == ["connectors.zmq.control.wire -> connectors.zmq.connector",
+                                                 "connectors.zmq.paths.tcp -> connectors.zmq.consumer.loads",
+                                                 "connectors.zmq.producer.producer -> connectors.zmq.consumer.consumer"]
 
 
 def test_no_import_loops():

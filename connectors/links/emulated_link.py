@@ -33,7 +33,7 @@ import threading
 import time
 
 from connectors.links.link_shape import LinkShape
-from connectors.zmq import framing
+from connectors.zmq.control import framing
 
 logger = logging.getLogger(__name__)
 

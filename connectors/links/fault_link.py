@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import zmq
 
-from connectors.zmq import framing, wire
+from connectors.zmq.control import framing, wire
 from connectors.links.fault_points import LINK_POINTS  # noqa: F401 - re-exported: the points this link fires
 from connectors.links.faults import FaultAction, FaultPlan
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

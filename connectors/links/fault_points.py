@@ -7,7 +7,7 @@ so a config can check a fault plan's point names without loading zmq.
 """
 from __future__ import annotations
 
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control.wire import MsgType
 
 LINK_POINTS = frozenset({f"side.{t.value}" for t in MsgType} | {f"data.{t.value}" for t in MsgType}
                         | {"data.page_bytes"})

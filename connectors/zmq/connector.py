@@ -24,18 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 from connectors.base import ConnectorMetadata, KVConnector, KVConnectorWorker, LeaseReport
-from connectors.zmq.consumer import Consumer
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.loads import LoadResult, RemoteAddr
-from connectors.zmq.cuda_staging import StreamFences, fences_for
+from connectors.zmq.consumer.consumer import Consumer
+from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.consumer.loads import LoadResult, RemoteAddr
+from connectors.zmq.paths.cuda_staging import StreamFences, fences_for
 from connectors.links.emulated_link import EmulatedLink
 from connectors.links.link_shape import LinkShape
-from connectors.zmq.handshake import CompatInfo
-from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices
+from connectors.zmq.control.handshake import CompatInfo
+from connectors.zmq.streaming.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
 from connectors.params import TransferParams
-from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.producer.producer import Producer, ProducerConfig
 from connectors.zmq.scheduler import GroupLayout, ZmqConnectorMetadata, ZmqConnectorScheduler
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class ZmqConnectorConfig:
     # Tests and benchmarks only: the producer's side channel and data port are reached through an
     # `EmulatedLink` of this shape (and shared memory is not offered, so the bytes cross it).
     emulated_link: LinkShape | None = None
-    # KV streaming (`connectors.zmq.stream`): "chunk", a producer publishes a streamed request's
+    # KV streaming (`connectors.zmq.streaming.publisher`): "chunk", a producer publishes a streamed request's
     # blocks after each prefill step of at most `stream_chunk_tokens` tokens; "layer", each step's
     # blocks slice by slice of at most `stream_layer_parts` per page as the forward's layers run
-    # (`connectors.zmq.layer_slices`); "off", at its end.
+    # (`connectors.zmq.streaming.layer_slices`); "off", at its end.
     streaming: str = "off"
     stream_chunk_tokens: int = 256
     stream_layer_parts: int = 6

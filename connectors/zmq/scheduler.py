@@ -21,13 +21,13 @@ Streamed requests (`streaming: true` in the params, `transfer.streaming: chunk`)
   (`prefill_stream_chunk`); after each step (`on_prefill_progress`) the blocks
   it completed, per group by position (sliding-window groups: only those the
   final window keeps; state groups: only at the end), are published to the
-  producer (`connectors.zmq.stream`), the rest in `request_finished`. A
+  producer (`connectors.zmq.streaming.publisher`), the rest in `request_finished`. A
   streamed request that ends badly fails its stream (the consumer is told);
 - decode side: the external tokens are the prompt past the local prefix hit;
   the load names its destination blocks by (group, position) and pulls each
-  part as it is published (`connectors.zmq.stream_load`); an abort cancels it.
+  part as it is published (`connectors.zmq.streaming.stream_load`); an abort cancels it.
 
-Layer streaming (`transfer.streaming: layer`, `connectors.zmq.layer_slices`):
+Layer streaming (`transfer.streaming: layer`, `connectors.zmq.streaming.layer_slices`):
 every block id this half hands the worker half or the producer is a transfer
 unit (a page's layer slice), and a streamed prefill step's blocks are
 published slice by slice while the forward runs (`layer_hook`): slice k as
@@ -42,8 +42,8 @@ from typing import Any
 from collections.abc import Callable
 
 from connectors.base import ConnectorMetadata, ConnectorOutput, KVConnectorScheduler
-from connectors.zmq.layer_slices import LayerClock, units
-from connectors.zmq.loads import RemoteAddr
+from connectors.zmq.streaming.layer_slices import LayerClock, units
+from connectors.zmq.consumer.loads import RemoteAddr
 from connectors.params import (InvalidKVParams, RemotePrefill, TransferParams, make_remote_prefill_params,
                                make_stream_params, parse_remote_prefill, trace_context_of, wants_remote_decode,
                                wants_remote_prefill, wants_stream)

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 # a whole transfer may take: waiting longer only delays the fallback to local recompute.
 MAX_STEP_TIMEOUT_S = 5.0
 HEARTBEATS_PER_LEASE = 6  # a consumer renews its lease this many times per lease period
-# what a deployment may choose (connectors.zmq.consumer_config.DataPath)
+# what a deployment may choose (connectors.zmq.consumer.consumer_config.DataPath)
 DataPathName = Literal["auto", "tcp", "shm", "cuda_ipc"]
 DATA_PATHS = get_args(DataPathName)
-StreamingName = Literal["off", "chunk", "layer"]  # KV streaming (connectors.zmq.stream, .layer_slices)
+StreamingName = Literal["off", "chunk", "layer"]  # KV streaming (connectors.zmq.streaming.publisher, .layer_slices)
 STREAMING_MODES = get_args(StreamingName)
 
 
@@ -65,7 +65,7 @@ class TransferSettings:
     def connector_config(self, *, engine_id: str, role: KVRole, secret: str | bytes, model_id: str,
                          host: str) -> ZmqConnectorConfig:
         """The ZMQ connector's full config for one engine of the deployment."""
-        from connectors.zmq.consumer_config import DataPath
+        from connectors.zmq.consumer.consumer_config import DataPath
         from connectors.zmq.connector import ZmqConnectorConfig
 
         return ZmqConnectorConfig(

@@ -10,7 +10,8 @@ the same run, alternating, on the same noisy machine.
     python -m pd.tools.transfer_bench --blocks 64 --page-kib 256 --reps 30 --json
     python -m pd.tools.transfer_bench --staged --paths tcp,shm,shm_staged   # through the staging ring
 
-Reported per data path: GB/s of a bulk pull (median), raw socket GB/s, their
+Reported per data path (the `data_path` setting, and the path its streams took: `shm` is
+shm_mapped for these CPU pools, shm_staged with --staged): GB/s of a bulk pull (median), raw socket GB/s, their
 ratio, one-block latency (`load()` called -> page landed and verified by the
 stream thread; the engine polls for it, so no waiter wake-up is included) and
 the raw socket's one-block round trip (4-byte request -> page received).
@@ -38,8 +39,7 @@ def _fill(pool, seed: int) -> None:
 
 
 def _staging(staged: bool):
-    from connectors.zmq.page_access import DEFAULT_STAGING
-    from connectors.zmq.staging_ring import StagingShape
+    from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
     return StagingShape(stage_host_pools=True) if staged else DEFAULT_STAGING
 
@@ -52,7 +52,7 @@ def _producer_main(num_blocks: int, page_bytes: int, shm_chunk_bytes: int, stage
 
     torch.set_num_threads(1)
     from pd.engine.kv.page_pool import PagePool
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
 
     pool = PagePool(num_blocks + 1, page_bytes)
     _fill(pool, 1)
@@ -106,8 +106,8 @@ def _measure(path: str, args, ports, pool) -> dict:
 
     import torch
 
-    from connectors.zmq.consumer import Consumer, RemoteAddr
-    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
+    from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+    from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
 
     page = args.page_kib * 1024
     cons = Consumer(ConsumerConfig(engine_id=f"bench-D-{path}", secret=SECRET, compat_hash=COMPAT,
@@ -145,6 +145,7 @@ def _measure(path: str, args, ports, pool) -> dict:
     ref = torch.randint(0, 256, (args.blocks + 1, page), dtype=torch.uint8, generator=g)
     if not all(torch.equal(pool.buffer[d], ref[s]) for s, d in zip(src, dst, strict=True)):
         raise RuntimeError(f"{path}: landed pages differ from the source")
+    taken = sorted(set(cons.data_paths().get("bench-P", [])))  # what the setting became (after any fallback)
     cons.shutdown()
     raw.sock.close()
     nbytes = args.blocks * page
@@ -152,6 +153,7 @@ def _measure(path: str, args, ports, pool) -> dict:
     raw_gbps = nbytes / statistics.median(raw_bulk) / 1e9
     return {
         "path": path,
+        "taken": taken,
         "blocks": args.blocks,
         "page_bytes": page,
         "gbps": round(gbps, 3),
@@ -222,7 +224,8 @@ def main(argv=None) -> None:
             if args.json:
                 print(json.dumps(r), flush=True)
             else:
-                print(f"{path:4s} {r['gbps']:6.2f} GB/s  raw socket {r['raw_gbps']:6.2f} GB/s  "
+                print(f"{path:4s} ({'/'.join(r['taken'])}) {r['gbps']:6.2f} GB/s  "
+                      f"raw socket {r['raw_gbps']:6.2f} GB/s  "
                       f"ratio {r['ratio']:.2f}   "
                       f"one block {r['latency_us']:7.1f} us  raw round trip {r['raw_latency_us']:7.1f} us "
                       f"(x{r['latency_ratio']:.2f}, median of {r['runs']} runs)", flush=True)

@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 
 from connectors.metrics import TransferMetrics
-from connectors.zmq.side_guard import SideChannelGuard
+from connectors.zmq.control.side_guard import SideChannelGuard
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pd.cluster.kv_wire import EventBatch, curve_keys, encode_batch, encode_heartbeat, event_key
 from pd.worker.kv_gate import ZAP_DOMAIN, SubscriberGate

@@ -8,7 +8,8 @@ P served D's pull of them.
     pdkv.kv_serve        P sending the pages, as one interval over the lease's pulls: a child of D's
                          `pdkv.kv_pull` when D's PULL carried its trace context (W3C traceparent,
                          validated by the connector), linked to the lease span; else a child of it.
-                         `pdkv.kv.num_bytes`, `num_blocks`, `num_pulls`, `data_path` (tcp | shm | map)
+                         `pdkv.kv.num_bytes`, `num_blocks`, `num_pulls`,
+                         `data_path` (tcp | shm_mapped | shm_staged | cuda_ipc)
 
 The connector reports each ended lease (`connectors.base.LeaseReport`, on the engine's thread); the
 spans are written then, from the connector's own times, so none is ever left open. P's trace

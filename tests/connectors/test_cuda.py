@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
 from pd.engine.kv.page_pool import PagePool
-from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.producer.producer import Producer, ProducerConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

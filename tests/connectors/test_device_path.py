@@ -10,13 +10,14 @@ import time
 import pytest
 import torch
 
-from connectors.zmq import device_path, framing, wire
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.consumer_session import data_mode
-from connectors.zmq.producer import Producer, ProducerConfig
+from connectors.zmq.paths import ipc_mapping
+from connectors.zmq.control import framing, wire
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
+from connectors.zmq.paths.choice import choose_path
+from connectors.zmq.producer.producer import Producer, ProducerConfig
 from connectors.zmq.transfer_settings import TransferSettings
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control.wire import MsgType
 from connectors.links.link_shape import LinkShape
 from pd.engine.kv.page_pool import PagePool
 
@@ -37,18 +38,21 @@ def _welcome(host: str = HOST, device: bool | None = True, shm: bool = True) -> 
 
 @pytest.mark.parametrize("path, welcome, pool, want", [
     ("auto", _welcome(), "cuda", "cuda_ipc"),  # same node, both on GPUs
-    ("auto", _welcome(), "cpu", "map"),  # our pool is on the CPU: nothing to copy device to device
-    ("auto", _welcome(device=False), "cuda", "shm"),  # the producer offers no device pool
-    ("auto", _welcome(device=None), "cuda", "shm"),  # an older producer
+    ("auto", _welcome(), "cpu", "shm_mapped"),  # our pool is on the CPU: nothing to copy device to device
+    ("auto", _welcome(device=False), "cuda", "shm_staged"),  # the producer offers no device pool
+    ("auto", _welcome(device=None), "cuda", "shm_staged"),  # an older producer
     ("auto", _welcome(host="host-b"), "cuda", "tcp"),  # another node
     ("cuda_ipc", _welcome(device=False), "cuda", "cuda_ipc"),  # asked for: tried, and falls back if it fails
     ("cuda_ipc", _welcome(host="host-b"), "cuda", "tcp"),  # another node: no device path at all
     ("tcp", _welcome(), "cuda", "tcp"),
-    ("shm", _welcome(), "cuda", "shm"),
+    ("shm", _welcome(), "cuda", "shm_staged"),  # the user's shm: staged for a GPU pool ...
+    ("shm", _welcome(), "cpu", "shm_mapped"),  # ... the producer's pool mapped for a CPU one
+    ("shm", _welcome(shm=False), "cpu", "tcp"),  # the producer offers no shared memory
+    ("shm_staged", _welcome(), "cpu", "shm_staged"),
 ])
 def test_the_handshake_picks_the_device_path_only_on_one_node(path, welcome, pool, want):
-    mode, count = data_mode(_cfg(path), welcome, HOST, pool, "P")
-    assert mode == want and count >= 1
+    choice = choose_path(DataPath(path), welcome, HOST, pool, 4, 1)
+    assert choice.path.value == want and choice.streams == (4 if want == "tcp" else 1) and choice.why
 
 
 def test_transfer_settings_accept_cuda_ipc_but_not_behind_an_emulated_link():
@@ -75,22 +79,22 @@ def _export(**over) -> dict:
     (_export(buffer_offset=-1), "does not fit its allocation"),
 ])
 def test_a_bad_export_is_refused_with_its_reason(export, reason):
-    with pytest.raises(device_path.DeviceUnavailable, match=reason):
-        device_path.check_export(export, PagePool(10, 4096))
-    assert device_path.check_export(_export(), PagePool(10, 4096))["num_blocks"] == 10
+    with pytest.raises(ipc_mapping.DeviceUnavailable, match=reason):
+        ipc_mapping.check_export(export, PagePool(10, 4096))
+    assert ipc_mapping.check_export(_export(), PagePool(10, 4096))["num_blocks"] == 10
 
 
 def test_a_cpu_pool_is_never_exported_or_mapped():
     pool = PagePool(4, 256)
-    with pytest.raises(device_path.DeviceUnavailable, match="not a GPU"):
-        device_path.export_pool(pool)
+    with pytest.raises(ipc_mapping.DeviceUnavailable, match="not a GPU"):
+        ipc_mapping.export_pool(pool)
     if not torch.cuda.is_available():
-        with pytest.raises(device_path.DeviceUnavailable, match="CUDA is not available"):
-            device_path.MappedPool(_export(page_bytes=256, storage_bytes=4 * 256, num_blocks=4), pool)
+        with pytest.raises(ipc_mapping.DeviceUnavailable, match="CUDA is not available"):
+            ipc_mapping.MappedPool(_export(page_bytes=256, storage_bytes=4 * 256, num_blocks=4), pool)
 
 
 def test_paired_runs_need_both_sides_consecutive():
-    assert device_path.paired_runs([4, 5, 6, 9], [10, 11, 20, 21]) == [(4, 10, 2), (6, 20, 1), (9, 21, 1)]
+    assert ipc_mapping.paired_runs([4, 5, 6, 9], [10, 11, 20, 21]) == [(4, 10, 2), (6, 20, 1), (9, 21, 1)]
 
 
 def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog):
@@ -104,15 +108,15 @@ def test_an_unmappable_device_path_falls_back_to_the_host_path_byte_exact(caplog
                     dst_pool)
     cons.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="connectors.zmq.pull_stream"):
+        with caplog.at_level(logging.WARNING, logger="connectors.zmq.consumer.pull_stream"):
             src, dst = list(range(1, 21)), list(range(39, 19, -1))
             prod.add_lease("r", src)
             job = cons.load("r", RemoteAddr("P", "127.0.0.1", prod.port), "r", src, dst)
             assert job.done.wait(20) and job.result.ok, job.result
         assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        why = [r.getMessage() for r in caplog.records if "device path (CUDA IPC)" in r.getMessage()]
-        assert why and "not a GPU" in why[0] and why[0].endswith("using map"), why
-        assert cons.data_paths()["P"] == ["map"]  # same host, CPU pools: the mapped host path
+        why = [r.getMessage() for r in caplog.records if "data path cuda_ipc" in r.getMessage()]
+        assert why and "not a GPU" in why[0] and why[0].endswith("falling back to shm_mapped"), why
+        assert cons.data_paths()["P"] == ["shm_mapped"]  # same host, CPU pools: the mapped host path
         released: set[str] = set()
         deadline = time.monotonic() + 10
         while "r" not in released and time.monotonic() < deadline:  # D's DONE ends P's lease

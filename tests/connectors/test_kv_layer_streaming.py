@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from connectors.zmq.connector import KVRole
-from connectors.zmq.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices, units
+from connectors.zmq.streaming.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices, units
 from pd.engine.model.config import ModelConfig
 from pd.engine.engine import Engine
 from pd.engine.kv.layout import KVLayout

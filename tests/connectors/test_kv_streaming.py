@@ -347,9 +347,9 @@ def test_p_fails_a_streamed_request_it_would_preempt_and_d_recomputes():
 def test_a_watch_naming_a_request_twice_is_answered_once():
     """An authenticated peer's WATCH listing one request many times gets one PUBLISHED, not one per name."""
     from connectors.metrics import TransferMetrics
-    from connectors.zmq.leases import LeaseTable
-    from connectors.zmq.session import ProducerSession
-    from connectors.zmq.stream import StreamPublisher
+    from connectors.zmq.producer.leases import LeaseTable
+    from connectors.zmq.control.session import ProducerSession
+    from connectors.zmq.streaming.publisher import StreamPublisher
 
     metrics = TransferMetrics()
     leases = LeaseTable(10.0, metrics)
@@ -367,8 +367,8 @@ def test_a_watch_naming_a_request_twice_is_answered_once():
 
 def _publisher(max_watchers: int = 4096):
     from connectors.metrics import TransferMetrics
-    from connectors.zmq.leases import LeaseTable
-    from connectors.zmq.stream import StreamPublisher
+    from connectors.zmq.producer.leases import LeaseTable
+    from connectors.zmq.streaming.publisher import StreamPublisher
 
     metrics = TransferMetrics()
     leases = LeaseTable(10.0, metrics)
@@ -376,7 +376,7 @@ def _publisher(max_watchers: int = 4096):
 
 
 def _session(name: bytes):
-    from connectors.zmq.session import ProducerSession
+    from connectors.zmq.control.session import ProducerSession
 
     return ProducerSession(name * 16, b"k" * 32, name, "decode-" + name.decode(), 0.0)
 
@@ -384,7 +384,7 @@ def _session(name: bytes):
 def test_a_watched_request_cannot_be_taken_or_ended_by_another_session():
     """The first live session that WATCHes a request owns its stream: another authenticated peer's
     WATCH gets nothing and diverts nothing, and its DONE ends neither the stream nor the lease."""
-    from connectors.zmq import wire
+    from connectors.zmq.control import wire
 
     publisher, leases, metrics = _publisher()
     try:
@@ -529,8 +529,8 @@ def test_streaming_config_and_params_are_checked_at_the_edge():
 
 
 def test_published_frames_are_bound_to_their_session():
-    from connectors.zmq import wire
-    from connectors.zmq.session import ClientSession, ProducerSession
+    from connectors.zmq.control import wire
+    from connectors.zmq.control.session import ClientSession, ProducerSession
 
     key, sid = b"k" * 32, b"s" * 16
     producer, consumer = ProducerSession(sid, key, b"c", "decode-0", 0.0), ClientSession(sid, key)

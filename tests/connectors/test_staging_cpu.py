@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from connectors.zmq.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
-from connectors.zmq.page_access import PageAccess
+from connectors.zmq.paths.cuda_staging import MAX_RUN_COPIES, StreamFences, fences_for, gather_pages, plan_copies, scatter_pages
+from connectors.zmq.paths.choice import page_access_for
 from pd.engine.kv.page_pool import PagePool
 
 
@@ -84,6 +84,6 @@ def test_page_access_cpu_path_round_trips_through_a_host_tensor():
     dst = PagePool(16, 128)
     ids_src, ids_dst = [3, 4, 5, 9], [15, 1, 2, 7]
     rows = torch.zeros((4, 128), dtype=torch.uint8)
-    PageAccess(src).copy_out(ids_src, rows)
-    PageAccess(dst).copy_in(rows, ids_dst)
+    page_access_for(src).copy_out(ids_src, rows)
+    page_access_for(dst).copy_in(rows, ids_dst)
     assert torch.equal(dst.buffer[ids_dst], src.buffer[ids_src])

@@ -15,11 +15,12 @@ import torch
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultPlan
 from connectors.metrics import FailureCause
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.page_access import PageAccess, page_runs
-from connectors.zmq.producer import Producer, ProducerConfig
-from connectors.zmq.staging_ring import StagingRing, StagingShape
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.paths.choice import page_access_for
+from connectors.zmq.paths.page_access import page_runs
+from connectors.zmq.producer.producer import Producer, ProducerConfig
+from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
 from pd.engine.kv.page_pool import PagePool
 
 SECRET = b"staging-test-secret-0123456789"
@@ -57,7 +58,7 @@ def test_gathered_chunks_come_in_order_and_no_later_copy_overwrites_a_yielded_sl
 
 def test_landing_slots_rotate_and_land_byte_exact():
     src, dst = _filled(32, 3), PagePool(32, PAGE)
-    access = PageAccess(dst, StagingShape(chunk_bytes=2 * PAGE, slots=2, stage_host_pools=True))
+    access = page_access_for(dst, StagingShape(chunk_bytes=2 * PAGE, slots=2, stage_host_pools=True))
     assert not access.on_host and access.staging_pages == 2
     ids = [5, 9, 10, 30, 2]
     slots = []
@@ -78,7 +79,7 @@ def test_in_place_sends_one_view_per_run_of_consecutive_pages():
     pool = _filled(32, 4)
     ids = [3, 4, 5, 9, 10, 1]
     assert page_runs(ids) == [(3, 3), (9, 2), (1, 1)]
-    (views,) = list(PageAccess(pool).send_views(ids))
+    (views,) = list(page_access_for(pool).send_views(ids))
     assert [len(v) for v in views] == [3 * PAGE, 2 * PAGE, PAGE]
     assert b"".join(bytes(v) for v in views) == pool.buffer[ids].numpy().tobytes()
 
@@ -86,11 +87,11 @@ def test_in_place_sends_one_view_per_run_of_consecutive_pages():
 def test_staged_sends_one_view_per_chunk():
     pool = _filled(32, 5)
     ids = list(range(1, 8))
-    access = PageAccess(pool, StagingShape(chunk_bytes=3 * PAGE, slots=2, stage_host_pools=True))
+    access = page_access_for(pool, StagingShape(chunk_bytes=3 * PAGE, slots=2, stage_host_pools=True))
     sent = [bytes(views[0]) for views in access.send_views(ids) if len(views) == 1]
     assert [len(b) for b in sent] == [3 * PAGE, 3 * PAGE, PAGE]
     assert b"".join(sent) == pool.buffer[ids].numpy().tobytes()
-    assert access.page_digests(ids) == PageAccess(pool).page_digests(ids)
+    assert access.page_digests(ids) == page_access_for(pool).page_digests(ids)
 
 
 STAGED = StagingShape(chunk_bytes=3 * PAGE, slots=2, stage_host_pools=True)
@@ -135,7 +136,7 @@ def test_staged_pipeline_lands_every_byte_over_real_sockets(data_path):
             result = _load(prod, cons, remote, f"r{n}", src, dst)
             assert result.ok, result
             assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        assert cons.data_paths()["P"] == ["tcp" if data_path == "tcp" else "shm"]
+        assert cons.data_paths()["P"] == [data_path]
     finally:
         _close(prod, link, cons)
 

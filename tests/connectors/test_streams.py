@@ -10,18 +10,18 @@ import time
 import pytest
 import torch
 
-from connectors.zmq import framing, wire
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
+from connectors.zmq.control import framing, wire
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
 from connectors.metrics import FailureCause
-from connectors.zmq.page_access import digest
+from connectors.zmq.paths.page_access import digest
 from pd.engine.kv.page_pool import PagePool
-from connectors.zmq.producer import Producer, ProducerConfig
-from connectors.zmq.loads import PullPart
-from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.session import ClientSession
-from connectors.zmq.staging_ring import StagingShape
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.producer.producer import Producer, ProducerConfig
+from connectors.zmq.paths.base import PullPart
+from connectors.zmq.consumer.pull_stream import PullStream
+from connectors.zmq.control.session import ClientSession
+from connectors.zmq.paths.staging_ring import StagingShape
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 SECRET = b"stream-tests-secret-0123456789"
 PAGE = 4096

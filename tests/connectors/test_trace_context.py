@@ -11,11 +11,11 @@ import torch
 
 from connectors.params import KV_TRACE_CONTEXT_KEY
 from connectors.params import MAX_TRACE_CONTEXT_LEN, valid_trace_context
-from connectors.zmq import wire
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.producer import Producer, ProducerConfig
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.producer.producer import Producer, ProducerConfig
+from connectors.zmq.control.wire import MsgType
 from pd.engine.kv.page_pool import PagePool
 
 SECRET = b"trace-context-secret-0123456789"

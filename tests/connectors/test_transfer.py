@@ -8,12 +8,12 @@ import pytest
 import zmq
 
 from tests.helpers.kvpeer import BLOCK_SIZE, SECRET, PeerProc
-from connectors.zmq import framing, wire
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.handshake import CompatInfo
+from connectors.zmq.control import framing, wire
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.control.handshake import CompatInfo
 from pd.engine.kv.page_pool import PagePool
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control.wire import MsgType
 
 BS = BLOCK_SIZE
 

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import framing, wire
-from connectors.zmq.leases import LeaseTable, PullRefused
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import framing, wire
+from connectors.zmq.producer.leases import LeaseTable, PullRefused
 from connectors.metrics import TransferMetrics
 from connectors.noop import NoopConnector
 from connectors.params import InvalidKVParams, TransferParams, make_remote_prefill_params, parse_remote_prefill
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.scheduler import GroupLayout, ZmqConnectorScheduler
 
 
@@ -175,10 +175,10 @@ def test_many_concurrent_loads_all_land_exactly(path):
 
     import torch
 
-    from connectors.zmq.consumer import Consumer, RemoteAddr
-    from connectors.zmq.consumer_config import ConsumerConfig
+    from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+    from connectors.zmq.consumer.consumer_config import ConsumerConfig
     from pd.engine.kv.page_pool import PagePool
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
 
     secret = b"concurrency-secret-0123456789"
     src_pool, dst_pool = PagePool(200, 4096), PagePool(200, 4096)
@@ -201,8 +201,8 @@ def test_many_concurrent_loads_all_land_exactly(path):
         for job, src, dst in jobs:
             assert job.done.wait(20) and job.result.ok, job.result
             assert torch.equal(dst_pool.buffer[dst], src_pool.buffer[src])
-        modes = {s.mode for session in cons._sessions.values() for s in session.streams}
-        assert modes == {{"shm": "map", "shm_staged": "shm"}.get(path, path)}
+        paths = {s.path.value for session in cons._sessions.values() for s in session.streams}
+        assert paths == {{"shm": "shm_mapped"}.get(path, path)}  # the user's shm, for a CPU pool: mapped
         deadline = time.monotonic() + 5
         released: set[str] = set()
         while len(released) < 24 and time.monotonic() < deadline:

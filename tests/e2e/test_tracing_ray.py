@@ -144,7 +144,7 @@ def _check_lease_and_serve(spans: list[ReceivedSpan], p: ReceivedSpan, pull: Rec
     assert (serve.attributes["pdkv.kv.num_blocks"], serve.attributes["pdkv.kv.num_bytes"]) == \
         (pull.attributes["pdkv.kv.num_blocks"], pull.attributes["pdkv.kv.num_bytes"]) == \
         (lease.attributes["pdkv.kv.num_blocks_sent"], lease.attributes["pdkv.kv.num_bytes_sent"])
-    assert serve.attributes["pdkv.kv.data_path"] in ("tcp", "shm", "map")
+    assert serve.attributes["pdkv.kv.data_path"] in ("tcp", "shm_mapped", "shm_staged")
     assert serve.attributes["pdkv.kv.num_pulls"] == lease.attributes["pdkv.kv.num_pulls"] >= 1
     assert lease.start_ns <= serve.start_ns <= serve.end_ns <= lease.end_ns
 

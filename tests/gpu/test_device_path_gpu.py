@@ -11,9 +11,9 @@ from tests.helpers.gpu_cases import SECRET, PeerProc, pull_and_check_pages, seed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 
-from connectors.zmq.consumer import Consumer  # noqa: E402
-from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
-from connectors.zmq.loads import RemoteAddr  # noqa: E402
+from connectors.zmq.consumer.consumer import Consumer  # noqa: E402
+from connectors.zmq.consumer.consumer_config import ConsumerConfig  # noqa: E402
+from connectors.zmq.consumer.loads import RemoteAddr  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256
@@ -41,8 +41,8 @@ def test_device_path_between_processes_is_byte_exact(data_path, checksums):
 
 def test_the_pinned_shm_segment_and_staging_ring_are_byte_exact_in_one_process():
     """shm and tcp CUDA -> CUDA with chunks smaller than a load: every slot reused several times."""
-    from connectors.zmq.producer import Producer, ProducerConfig
-    from connectors.zmq.staging_ring import StagingShape
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
+    from connectors.zmq.paths.staging_ring import StagingShape
 
     shape = StagingShape(chunk_bytes=4 * PAGE_BYTES, slots=3)
     src_pool = PagePool(NUM_BLOCKS, PAGE_BYTES, device="cuda")
@@ -73,7 +73,7 @@ def test_the_pinned_shm_segment_and_staging_ring_are_byte_exact_in_one_process()
 def test_a_cuda_streams_shm_segment_is_page_locked_until_closed():
     """Unlocked, every copy between a GPU and the segment went through the driver's bounce buffer,
     synchronously: shm ran at 2.04 GB/s against tcp's 4.98 on an H200. Both sides now lock it."""
-    from connectors.zmq.shm import ShmSegment
+    from connectors.zmq.paths.shm_segment import ShmSegment
 
     seg = ShmSegment.create(4, 64 * 1024)
     try:

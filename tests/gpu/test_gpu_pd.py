@@ -21,8 +21,8 @@ from tests.helpers.gpu_cases import (DEVICE, SECRET, SKIP_REASON, PeerProc, engi
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason=SKIP_REASON)]
 
-from connectors.zmq.consumer import Consumer
-from connectors.zmq.consumer_config import ConsumerConfig  # noqa: E402
+from connectors.zmq.consumer.consumer import Consumer
+from connectors.zmq.consumer.consumer_config import ConsumerConfig  # noqa: E402
 from pd.engine.kv.page_pool import PagePool  # noqa: E402
 
 NUM_BLOCKS = 256

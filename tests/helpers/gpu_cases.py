@@ -77,8 +77,8 @@ class PeerProc:
 def pull_and_check_pages(cons, pool, port: int, src: list[int], dst: list[int], seed: int) -> None:
     """D pulls the peer's pages `src` into `dst` of `pool`: the load succeeds, the landed bytes are the
     peer's seeded pages, and no other page was touched."""
-    from connectors.zmq.cuda_staging import fences_for
-    from connectors.zmq.loads import RemoteAddr
+    from connectors.zmq.paths.cuda_staging import fences_for
+    from connectors.zmq.consumer.loads import RemoteAddr
 
     job = cons.load("r", RemoteAddr("P", "127.0.0.1", port), "r", src, dst)
     assert job.done.wait(60), "load did not finish"

@@ -35,9 +35,9 @@ def _wait_quit() -> None:
 
 
 def serve_pages(a: dict) -> None:
-    from connectors.zmq.cuda_staging import fences_for
+    from connectors.zmq.paths.cuda_staging import fences_for
     from pd.engine.kv.page_pool import PagePool
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
 
     pool = PagePool(a["num_blocks"], a["page_bytes"], device=DEVICE)
     pool.buffer.copy_(seeded_pages(a["num_blocks"], a["page_bytes"], a["seed"]).to(DEVICE, non_blocking=True))

@@ -17,7 +17,7 @@ import traceback
 import torch
 
 from connectors.params import TransferParams
-from connectors.zmq.page_access import digest
+from connectors.zmq.paths.page_access import digest
 from pd.engine.kv.page_pool import PagePool
 from connectors.zmq.connector import ZmqConnector, ZmqConnectorConfig
 from kvcache import (BlockHasher, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,

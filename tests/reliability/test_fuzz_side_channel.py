@@ -20,8 +20,8 @@ import msgpack
 import pytest
 import zmq
 
-from connectors.zmq import wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.control.wire import MsgType
 from rel_pair import Pair, Side, prompt, reference
 
 FIELD_VALUES = [None, True, -1, 0, (1 << 64) - 1, 3.5, "", "x" * 300, b"", b"\x00" * 40, [], [1, -2], ["a"], {}, {"a": 1}]

@@ -224,7 +224,7 @@ def test_heartbeats_are_signed_and_shaped():
 
 def test_connections_to_the_stream_are_capped_before_any_handshake():
     """A stranger's TCP connections each hold an fd for up to the handshake timeout: past
-    MAX_CONNECTIONS the newest are shut at once (connectors.zmq.side_guard), so however many a peer
+    MAX_CONNECTIONS the newest are shut at once (connectors.zmq.control.side_guard), so however many a peer
     opens, the publisher holds a bounded number."""
     from pd.worker.kv_events import HANDSHAKE_TIMEOUT_MS, MAX_CONNECTIONS, KVEventPublisher
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from connectors.zmq.consumer import RemoteAddr
+from connectors.zmq.consumer.consumer import RemoteAddr
 from connectors.metrics import FailureCause
 from rel_pair import Pair, Side, free_port, make_engine, prompt, reference
 from connectors.zmq.connector import KVRole

@@ -17,12 +17,12 @@ import time
 
 import zmq
 
-from connectors.zmq import framing, wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import framing, wire
+from connectors.zmq.control.wire import MsgType
 
 CHILD = textwrap.dedent("""
     import json, os, resource, sys, time
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
     from pd.engine.kv.page_pool import PagePool
 
     def cpu():
@@ -139,7 +139,7 @@ def test_emfile_on_the_listeners_costs_no_cpu_at_idle(fault_record):
 def test_the_side_channel_caps_its_connections():
     """libzmq has no connection cap: the producer's guard shuts connections past
     `max_side_connections`; the ones it kept are answered."""
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
     from pd.engine.kv.page_pool import PagePool
 
     p = Producer(ProducerConfig(engine_id="p-cap", secret=b"cap-secret-0123456789", compat_hash="c" * 64,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from connectors.zmq.consumer import Consumer, RemoteAddr
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.handshake import CompatInfo
+from connectors.zmq.consumer.consumer import Consumer, RemoteAddr
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.control.handshake import CompatInfo
 from pd.engine.kv.page_pool import PagePool
-from connectors.zmq.producer import ProducerConfig
+from connectors.zmq.producer.producer import ProducerConfig
 from connectors.zmq.connector import KVRole, ZmqConnectorConfig
 from pd.cluster.config import ConfigError, DeployConfig
 from pd.worker.wiring import _model_id

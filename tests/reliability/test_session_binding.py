@@ -15,10 +15,10 @@ import time
 import msgpack
 import zmq
 
-from connectors.zmq import framing, wire
+from connectors.zmq.control import framing, wire
 from connectors.links.fault_link import LINK_POINTS, FaultLink
 from connectors.links.faults import FaultPlan
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 from rel_pair import Pair, Side, prompt, reference
 
 
@@ -135,7 +135,7 @@ def test_a_captured_handshake_replayed_does_nothing(fault_record):
 
 
 def test_an_idle_session_expires_oldest_first():
-    from connectors.zmq.session import SessionTable
+    from connectors.zmq.control.session import SessionTable
 
     table = SessionTable(max_sessions=3, idle_s=0.3)
     first, second, third = (table.open(bytes([i]) * 32, b"id%d" % i, f"d{i}") for i in range(3))

@@ -16,8 +16,8 @@ import time
 import pytest
 import zmq
 
-from connectors.zmq import wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.control.wire import MsgType
 from pd.tools.junk_connections import TRICKLE, JunkHolder
 from rel_pair import Pair, Side, prompt, reference
 

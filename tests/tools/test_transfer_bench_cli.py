@@ -17,5 +17,6 @@ def test_bench_reports_every_path_from_exact_pages(extra, paths):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["path"] for r in rows] == paths
+    assert [r["taken"] for r in rows] == [["tcp"], ["shm_staged" if extra else "shm_mapped"]]  # the code's words
     for r in rows:
         assert r["blocks"] == 12 and r["page_bytes"] == 16 * 1024 and r["gbps"] > 0 and r["raw_gbps"] > 0

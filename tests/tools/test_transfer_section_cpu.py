@@ -9,7 +9,7 @@ from pd.tools.gpu_check.transfer_peer import fill
 
 def _section(**paths_over) -> dict:
     paths = {"tcp": {"gbps": 20.0, "ms": 26.8, "byte_exact": True, "streams": ["tcp"] * 4},
-             "shm": {"gbps": 30.0, "ms": 17.9, "byte_exact": True, "streams": ["shm"]},
+             "shm": {"gbps": 30.0, "ms": 17.9, "byte_exact": True, "streams": ["shm_staged"]},
              "cuda_ipc": {"gbps": 800.0, "ms": 0.67, "byte_exact": True, "streams": ["cuda_ipc"]},
              "cuda_ipc_checked": {"gbps": 16.0, "ms": 33.5, "byte_exact": True, "streams": ["cuda_ipc"]}}
     paths.update(paths_over)
@@ -69,8 +69,8 @@ def test_a_cpu_dry_run_moves_every_path_exact_through_a_producer_process():
     paths = section["paths"]
     assert set(paths) == {"tcp", "shm", "cuda_ipc", "cuda_ipc_checked", "cuda_ipc_scattered"}
     assert all(r.get("byte_exact") is True and r["loads"] == 1 for r in paths.values()), paths
-    assert set(paths["tcp"]["streams"]) == {"tcp"} and paths["shm"]["streams"] == ["map"]
-    assert paths["cuda_ipc"]["streams"] == ["map"]  # fell back: a CPU pool has nothing to export
+    assert set(paths["tcp"]["streams"]) == {"tcp"} and paths["shm"]["streams"] == ["shm_mapped"]
+    assert paths["cuda_ipc"]["streams"] == ["shm_mapped"]  # fell back: a CPU pool has nothing to export
     assert transfer.transfer_ok(section) and "baseline" not in section
     assert section["ratios"]["host_tcp_vs_pinned_serial"] is None  # no GPU: no baseline, said so
     assert any("(target >= 0.7: unmeasured)" in line for line in transfer.render_transfer(section))

@@ -101,7 +101,7 @@ def measure_plain_d2d(src: torch.Tensor, ids: list[int], dst_ids: list[int], rep
 
 def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
     """GB/s of the staging ring's D2H pass over one load, contiguous vs scattered ids."""
-    from connectors.zmq.staging_ring import StagingRing, StagingShape
+    from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
     from pd.engine.kv.page_pool import PagePool
 
     pool = PagePool(num_blocks, PAGE_BYTES, device="cuda")
@@ -118,7 +118,7 @@ def measure_staging_gather(num_blocks: int, reps: int = 5) -> dict:
 def _stage_times(pool, ids: list[int], raw_port: int, reps: int = 3) -> dict:
     """The host path's stages one at a time on the load's bytes: D2H through the ring, the wire
     (a raw loopback socket, process to process, pinned to pinned), H2D through the ring."""
-    from connectors.zmq.staging_ring import StagingRing, StagingShape
+    from connectors.zmq.paths.staging_ring import StagingRing, StagingShape
 
     ring = StagingRing(pool, StagingShape())
     nbytes = len(ids) * pool.page_size_bytes
@@ -181,9 +181,9 @@ class _Peer:
 
 def _measure_path(run: TransferRun, peer: _Peer, pool, ref: torch.Tensor, path: str, checksums: bool, secret: bytes,
                   ids: list[int], dst_ids: list[int]) -> dict:
-    from connectors.zmq.consumer import Consumer
-    from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-    from connectors.zmq.loads import RemoteAddr
+    from connectors.zmq.consumer.consumer import Consumer
+    from connectors.zmq.consumer.consumer_config import ConsumerConfig, DataPath
+    from connectors.zmq.consumer.loads import RemoteAddr
 
     cons = Consumer(ConsumerConfig(engine_id="check-D", secret=secret, compat_hash="gpu-check",
                                    data_path=DataPath(path), transfer_timeout_s=60.0, device_checksums=checksums),

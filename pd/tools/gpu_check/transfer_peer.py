@@ -52,8 +52,8 @@ def _reply(obj: dict) -> None:
 
 
 def main() -> None:
-    from connectors.zmq.cuda_staging import fences_for
-    from connectors.zmq.producer import Producer, ProducerConfig
+    from connectors.zmq.paths.cuda_staging import fences_for
+    from connectors.zmq.producer.producer import Producer, ProducerConfig
     from pd.engine.kv.page_pool import PagePool
 
     first = json.loads(sys.stdin.readline())

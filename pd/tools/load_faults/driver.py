@@ -33,8 +33,8 @@ import time
 import aiohttp
 import zmq
 
-from connectors.zmq import wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.control.wire import MsgType
 from pd.tools.junk_connections import HTTP_TRICKLE, JunkHolder
 from pd.tools.load_faults.injectors import EventSubscribers, poisoned_client
 from pd.tools.sse_stream import SSEStream

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 
 from connectors.metrics import LeaseEnd, TransferMetrics
-from connectors.zmq.leases import LeaseTable, Publication
-from connectors.zmq.session import ProducerSession
+from connectors.zmq.producer.leases import LeaseTable, Publication
+from connectors.zmq.control.session import ProducerSession
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ Only transfer threads ever block on the host (on their own side stream's
 events, e.g. before a pinned staging half is refilled); the engine thread
 never calls a synchronize here.
 
-`connectors.zmq.staging_ring.StagingRing` owns one transfer thread's pinned
+`connectors.zmq.paths.staging_ring.StagingRing` owns one transfer thread's pinned
 staging slots and side stream; `HostPin` page-locks memory this process did not
 allocate as pinned (a shared-memory segment), so copies to and from it are DMA.
 """
@@ -174,17 +174,17 @@ class HostPin:
     between it and the device goes through the driver's own small pinned
     buffer, synchronously, at a fraction of the DMA rate. Registered, the same
     memory is a DMA source and target like `pin_memory=True` tensors.
-    Guarantees: `release` unregisters once; the caller keeps the memory mapped
-    until then (unmapping registered memory first is undefined).
+    Guarantees: the constructor raises RuntimeError when CUDA refuses (nothing
+    is registered then; the memory stays usable, pageable); `release`
+    unregisters once; the caller keeps the memory mapped until then
+    (unmapping registered memory first is undefined).
     """
 
     def __init__(self, tensor: torch.Tensor):
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available: nothing to pin host memory for")
-        self._ptr = tensor.data_ptr()
+        self._ptr = 0
         self.nbytes = tensor.numel() * tensor.element_size()
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(self._ptr, self.nbytes, _HOST_REGISTER_PORTABLE))
+        register_host_memory(tensor.data_ptr(), self.nbytes)
+        self._ptr = tensor.data_ptr()
 
     def release(self) -> None:
         if self._ptr:
@@ -193,3 +193,18 @@ class HostPin:
 
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
+
+def register_host_memory(ptr: int, nbytes: int) -> None:
+    """cudaHostRegister, or RuntimeError saying why not (the one call a refusal comes from)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available: nothing to pin host memory for")
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE)
+    try:
+        torch.cuda.check_error(status)
+    except RuntimeError:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # a refused call is not sticky: leave no stale error for the next launch check
+            clear()
+        raise

@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from connectors.zmq import framing, wire
-from connectors.zmq.handshake import RefuseReason, make_nonce
+from connectors.zmq.control import framing, wire
+from connectors.zmq.control.handshake import RefuseReason, make_nonce
 from connectors.metrics import TransferMetrics
-from connectors.zmq.peer_log import WarnLimiter, quote
-from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.peer_log import WarnLimiter, quote
+from connectors.zmq.control.session import ProducerSession, SessionRefused, SessionTable
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 

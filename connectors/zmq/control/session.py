@@ -16,7 +16,7 @@ credential) with ``mac = HMAC(key, "welcome" | session id)``. Afterwards:
   replayed from anywhere, does nothing;
 - data streams: the producer opens every accepted connection with a fresh
   NONCE; the ATTACH answers ``mac = HMAC(key, "attach" | session id | nonce |
-  mode)``. The connection then belongs to the session (its PULLs are served
+  data path | checked)``. The connection then belongs to the session (its PULLs are served
   only while the session lives); a captured ATTACH is worthless on any other
   connection, whose nonce differs.
 
@@ -33,8 +33,8 @@ import struct
 import threading
 import time
 
-from connectors.zmq import wire
-from connectors.zmq.wire import MsgType
+from connectors.zmq.control import wire
+from connectors.zmq.control.wire import MsgType
 
 _KEY_LABEL = b"pdkv session key"
 
@@ -75,8 +75,10 @@ def published_mac(key: bytes, session_id: bytes, msg: dict) -> bytes:
                 bytes([msg["final"], msg["ok"]]), *lists)
 
 
-def attach_mac(key: bytes, session_id: bytes, nonce: bytes, mode: str) -> bytes:
-    return _mac(key, b"attach", session_id, nonce, mode.encode())
+def attach_mac(key: bytes, session_id: bytes, nonce: bytes, mode: str, checksums: bool = False) -> bytes:
+    """An ATTACH's MAC: over the connection's nonce, the data path it names and whether the
+    consumer checks device pages (so neither can be changed on the way)."""
+    return _mac(key, b"attach", session_id, nonce, mode.encode(), b"checked" if checksums else b"unchecked")
 
 
 class ClientSession:
@@ -106,9 +108,9 @@ class ClientSession:
         mac = side_mac(self._key, msg_type, self.session_id, self._seq, request_ids)
         return wire.encode(msg_type, session=self.session_id, seq=self._seq, mac=mac, request_ids=request_ids)
 
-    def attach_message(self, nonce: bytes, mode: str) -> bytes:
-        return wire.encode(MsgType.ATTACH, session=self.session_id, mode=mode,
-                           mac=attach_mac(self._key, self.session_id, nonce, mode))
+    def attach_message(self, nonce: bytes, mode: str, checksums: bool = False) -> bytes:
+        return wire.encode(MsgType.ATTACH, session=self.session_id, mode=mode, checksums=checksums,
+                           mac=attach_mac(self._key, self.session_id, nonce, mode, checksums))
 
 
 @dataclasses.dataclass(eq=False)
@@ -174,7 +176,8 @@ class SessionTable:
             session = self._sessions.get(msg["session"])
             if session is None:
                 raise SessionRefused("session", "data stream for no session (unknown or expired)")
-            if not hmac.compare_digest(attach_mac(session.key, session.session_id, nonce, msg["mode"]), msg["mac"]):
+            if not hmac.compare_digest(attach_mac(session.key, session.session_id, nonce, msg["mode"],
+                                                  msg.get("checksums") is True), msg["mac"]):
                 raise SessionRefused("replay", "ATTACH not made for this connection's nonce")
             session.last_used = time.monotonic()
             return session

@@ -32,10 +32,10 @@ import socket
 import time
 from typing import Any
 
-from connectors.zmq import session as sessions
-from connectors.zmq import wire
-from connectors.zmq.peer_log import quote
-from connectors.zmq.wire import PROTOCOL_VERSION, MsgType
+from connectors.zmq.control import session as sessions
+from connectors.zmq.control import wire
+from connectors.zmq.control.peer_log import quote
+from connectors.zmq.control.wire import PROTOCOL_VERSION, MsgType
 
 _MAX_PENDING = 256
 

@@ -25,16 +25,18 @@ import time
 
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import wire
-from connectors.zmq.consumer_config import ConsumerConfig
-from connectors.zmq.consumer_session import SessionState, RemoteSession, data_mode, side_socket
-from connectors.zmq.loads import LoadHandle, LoadResult, PullPart, RemoteAddr
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import wire
+from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.paths.choice import choose_path, log_choice
+from connectors.zmq.consumer.consumer_session import SessionState, RemoteSession, side_socket
+from connectors.zmq.consumer.loads import LoadHandle, LoadResult, RemoteAddr
+from connectors.zmq.paths.base import PullPart
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
-from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.stream_load import StreamedLoad, StreamLoads
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.consumer.pull_stream import PullStream
+from connectors.zmq.streaming.stream_load import StreamedLoad, StreamLoads
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 _U64 = 1 << 64
@@ -112,8 +114,8 @@ class Consumer(StreamLoads):
             self._heartbeats = {r: list(ids) for r, ids in waiting.items() if ids}
 
     def data_paths(self) -> dict[str, list[str]]:
-        """The modes of each producer session's data streams (after any fallback), by engine id."""
-        return {s.remote.engine_id: [st.mode for st in s.streams] for s in list(self._sessions.values())}
+        """The data paths of each producer session's streams (after any fallback), by engine id."""
+        return {s.remote.engine_id: [st.path.value for st in s.streams] for s in list(self._sessions.values())}
 
     def take_finished(self) -> list[LoadResult]:
         with self._lock:
@@ -307,12 +309,14 @@ class Consumer(StreamLoads):
 
     def _open_streams(self, session: RemoteSession, msg: dict) -> None:
         cfg = self.config
-        mode, count = data_mode(cfg, msg, self.host_id, self.pool.device.type, session.remote.engine_id)
+        choice = choose_path(cfg.data_path, msg, self.host_id, self.pool.device.type, cfg.num_tcp_streams,
+                             cfg.num_shm_streams)
+        log_choice(choice, cfg.data_path, session.remote.engine_id)
         assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
-        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, mode,
+        session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, choice.path,
                                       cfg.io_timeout_s, cfg.spin_us / 1e6, cfg.staging, cfg.device_checksums)
-                           for _ in range(count)]
+                           for _ in range(choice.streams)]
         with self._lock:
             session.state = SessionState.READY
             for job in session.pending:

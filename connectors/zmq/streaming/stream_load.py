@@ -20,11 +20,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from connectors.metrics import FailureCause
-from connectors.zmq.loads import LoadHandle, RemoteAddr
+from connectors.zmq.consumer.loads import LoadHandle, RemoteAddr
 
 if TYPE_CHECKING:
     from connectors.pages import KVPages
-    from connectors.zmq.consumer_config import ConsumerConfig
+    from connectors.zmq.consumer.consumer_config import ConsumerConfig
 
 
 class StreamedLoad(LoadHandle):

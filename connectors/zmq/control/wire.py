@@ -24,7 +24,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: PULL and PAGES frames in a fixed shape; 3: session keys and MACs (session.py)
+PROTOCOL_VERSION = 4  # 2: PULL and PAGES frames in a fixed shape; 3: session keys and MACs (session.py);
+# 4: ATTACH names the data path (tcp, shm_mapped, shm_staged, cuda_ipc) and whether device pages are checked
 MAX_CONTROL_BYTES = 4 * 1024 * 1024  # a pull of ~200k block ids still fits
 MAX_LIST_LEN = 1 << 20
 _LEN = struct.Struct(">I")
@@ -71,7 +72,9 @@ INT_LIST = _IntList()
 STR_LIST = _StrList()
 
 # Required fields per message type; extra fields are ignored (forward compatible). Optional: PULL's
-# "tc", the consumer's trace context (a str; `connectors.params.valid_trace_context` judges it).
+# "tc", the consumer's trace context (a str; `connectors.params.valid_trace_context` judges it);
+# ATTACH's "checksums" (True: the consumer checks cuda_ipc pages, under the ATTACH's MAC); ATTACHED's
+# "unavailable" (why the producer cannot serve the path asked for) and "ipc" (cuda_ipc's pool export).
 SCHEMA: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"engine_id": str, "expect_engine_id": str, "compat": str, "nonce": bytes},
     MsgType.CHALLENGE: {"engine_id": str, "nonce": bytes, "proof": bytes},

@@ -4,7 +4,7 @@
 thread only. What a session guarantees: a side socket whose identity stays fixed
 across reconnects (the producer binds the session to it), frames capped at
 `wire.MAX_CONTROL_BYTES`, and a data path chosen once, from this side's config
-and what the producer's WELCOME offers (`data_mode`).
+and what the producer's WELCOME offers (`paths.choice.choose_path`).
 """
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import secrets
 
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import wire
-from connectors.zmq.consumer_config import ConsumerConfig, DataPath
-from connectors.zmq.loads import LoadHandle, RemoteAddr
-from connectors.zmq.pull_stream import PullStream
-from connectors.zmq.session import ClientSession
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import wire
+from connectors.zmq.consumer.loads import LoadHandle, RemoteAddr
+from connectors.zmq.consumer.pull_stream import PullStream
+from connectors.zmq.control.session import ClientSession
 
 logger = logging.getLogger(__name__)
 
@@ -57,26 +56,3 @@ def side_socket(ctx: zmq.Context, remote: RemoteAddr) -> zmq.Socket:
     sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # (a leading zero byte is reserved)
     sock.connect(f"tcp://{remote.host}:{remote.port}")
     return sock
-
-
-def data_mode(cfg: ConsumerConfig, welcome: dict, host_id: str, pool_device: str, engine_id: str) -> tuple[str, int]:
-    """The data streams' mode ("cuda_ipc", "map", "shm" or "tcp") and how many to open, given the WELCOME.
-
-    The device path is tried when the producer is on this node and either this side asked for it
-    (`cuda_ipc`) or, with `auto`, both pools are on GPUs (the WELCOME's `device` says the producer's
-    is); a stream that then cannot map the producer's pool falls back to shm (`PullStream`)."""
-    if welcome["host_id"] == host_id:
-        offered = welcome.get("device") is True
-        if cfg.data_path is DataPath.CUDA_IPC or (cfg.data_path is DataPath.AUTO and offered and pool_device == "cuda"):
-            return "cuda_ipc", cfg.num_shm_streams
-    elif cfg.data_path is DataPath.CUDA_IPC:
-        logger.warning("KV producer %s is not on this node: no device path; using tcp", engine_id)
-    same_host = welcome["host_id"] == host_id and welcome["shm"]
-    wants_shm = cfg.data_path in (DataPath.SHM, DataPath.SHM_STAGED)
-    use_shm = wants_shm or (cfg.data_path is DataPath.AUTO and same_host)
-    if wants_shm and not same_host:
-        logger.warning("KV producer %s is not on this host; using tcp", engine_id)
-        use_shm = False
-    map_pool = cfg.data_path is not DataPath.SHM_STAGED and pool_device == "cpu"
-    mode = ("map" if map_pool else "shm") if use_shm else "tcp"
-    return mode, cfg.num_shm_streams if use_shm else cfg.num_tcp_streams

@@ -7,19 +7,9 @@ Threads (all daemon, all with timeouts, none ended by bad input):
 - data listener (`data_listener.py`): a TCP socket on (host, data_port); a
   connection must ATTACH with the MAC of a session from a completed handshake
   (`session.py`) before it costs more than a slot in one selector;
-- one thread per attached data stream, serving PULL requests for leased
-  blocks while its session lives, in one of three modes:
-  - tcp: a PAGES header (xxh3 digests) followed by the raw page bytes;
-  - map (same host, CPU pool): a PAGES header only; the consumer copies the
-    pages out of this pool, mapped read-only, and CREDITs when done - the
-    lease stays pinned until then;
-  - shm (same host, staged): pages pass through a shared-memory segment,
-    double-buffered with CHUNK / CREDIT frames (page-locked for a CUDA pool);
-  - cuda_ipc (same node, CUDA pool): ATTACHED carries the pool's IPC export
-    (`device_path.py`); a PULL is answered with its PAGES header once the
-    pages' writer finished, the consumer copies device to device and CREDITs.
-A CUDA pool's tcp pages leave through a staging ring (`staging_ring.py`):
-device-to-host copies of later chunks overlap the send of the current one.
+- one thread per attached data stream (`data_stream.py`), serving PULL
+  requests for leased blocks while its session lives, on the data path its
+  ATTACH named (tcp, shm_mapped, shm_staged or cuda_ipc: `paths/`).
 """
 from __future__ import annotations
 
@@ -29,24 +19,22 @@ import socket
 import threading
 import time
 
-import torch
 import zmq
 
-from connectors.zmq import handshake as hs
-from connectors.zmq import device_path, framing, wire
-from connectors.zmq.data_listener import DataListener, ListenerLimits
-from connectors.zmq.leases import LeaseTable, PullRefused, ServedPull
+from connectors.zmq.control import handshake as hs
+from connectors.zmq.control import wire
+from connectors.zmq.producer.data_listener import DataListener, ListenerLimits
+from connectors.zmq.producer.data_stream import DataStreams
+from connectors.zmq.producer.leases import LeaseTable
 from connectors.metrics import LeaseEnd, TransferMetrics
-from connectors.zmq.page_access import PageAccess
-from connectors.zmq.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
+from connectors.zmq.paths.choice import page_access_for
+from connectors.zmq.producer.producer_config import ProducerConfig  # noqa: F401 -- (imported from here by its users)
 from connectors.pages import KVPages
-from connectors.params import valid_trace_context
-from connectors.zmq.peer_log import WarnLimiter, quote
-from connectors.zmq.session import ProducerSession, SessionRefused, SessionTable, welcome_mac
-from connectors.zmq.shm import ShmSegment
-from connectors.zmq.side_guard import SideChannelGuard
-from connectors.zmq.stream import StreamPublisher
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control.peer_log import WarnLimiter, quote
+from connectors.zmq.control.session import SessionRefused, SessionTable, welcome_mac
+from connectors.zmq.control.side_guard import SideChannelGuard
+from connectors.zmq.streaming.publisher import StreamPublisher
+from connectors.zmq.control.wire import MalformedMessage, MsgType
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +61,8 @@ class Producer:
         self.sessions = SessionTable(config.max_sessions, config.session_idle_s)
         self._warn = WarnLimiter(logger)  # what strangers can trigger is rate-limited
         self._threads: list[threading.Thread] = []
-        self._streams: set[socket.socket] = set()
-        self._seal_access = PageAccess(pool, config.staging)
+        self.data_streams = DataStreams(config, pool, self.leases, self.metrics, self._stop)
+        self._seal_access = page_access_for(pool, config.staging)
         self.stream = StreamPublisher(self.leases, self._seal_access.page_digests, self.metrics,  # streamed leases
                                       config.max_watchers)
         self._handshake = hs.ProducerHandshake(config.secret, config.compat_hash, config.engine_id,
@@ -102,7 +90,7 @@ class Producer:
         self.data_port = listener.getsockname()[1]
         self._data_listener = DataListener(
             listener, self.sessions, ListenerLimits(self.config.max_preauth, self.config.handshake_timeout_s),
-            self._on_attached, self.metrics, self._stop)
+            self.data_streams.on_attached, self.metrics, self._stop)
         for target, name in ((self._side_channel_loop, "side"), (self._data_listener.run, "accept")):
             t = threading.Thread(target=target, name=f"kv-producer-{name}", daemon=True)
             t.start()
@@ -114,8 +102,7 @@ class Producer:
         if self._stop.is_set():
             return
         self._stop.set()
-        for s in list(self._streams):
-            framing.close_quietly(s)
+        self.data_streams.close_all()
         for t in self._threads:
             t.join(timeout=2.0)
         self.leases.end_all(LeaseEnd.SHUTDOWN)
@@ -239,155 +226,6 @@ class Producer:
             self._router.send_multipart([ident, payload], zmq.NOBLOCK)
         except zmq.ZMQError:  # peer gone or its queue full: it will time out on its side
             pass
-
-    # ------------------------------------------------------------------ data streams
-    def _on_attached(self, conn: socket.socket, session: ProducerSession, attach: dict) -> None:
-        """The data listener's hand-off: an authenticated connection gets its own thread."""
-        if len(self._streams) >= self.config.max_streams:
-            self.metrics.record_refused(hs.RefuseReason.CAPACITY)
-            self._warn.warning("KV producer: %d data streams already; refusing another", len(self._streams))
-            framing.close_quietly(conn)
-            return
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._streams.add(conn)
-        threading.Thread(target=self._stream_loop, args=(conn, session, attach["mode"]), name="kv-producer-stream",
-                         daemon=True).start()
-
-    def _stream_loop(self, conn: socket.socket, session: ProducerSession, mode: str) -> None:
-        seg: ShmSegment | None = None
-        try:
-            conn.settimeout(self.config.io_timeout_s)
-            mapped = mode == "map" and self.config.offer_shm and self.pool.shared_path is not None
-            access = PageAccess(self.pool, self.config.staging)
-            path = "map" if mapped else "tcp"
-            if mode == "cuda_ipc":  # only an attached (MAC-checked) connection of a live session gets here
-                if not self._attach_device(conn):
-                    return  # the consumer falls back on a new connection
-                path = "cuda_ipc"
-            elif mapped:  # the consumer copies straight out of this pool (same host, CPU pool)
-                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=self.pool.shared_path,
-                                                     shm_bytes=self.pool.nbytes, chunk_pages=0))
-            elif mode == "shm" and self.config.offer_shm:
-                chunk = max(1, self.config.shm_chunk_bytes // self.pool.page_size_bytes)
-                seg = ShmSegment.create(chunk, self.pool.page_size_bytes)
-                if self.pool.device.type == "cuda":
-                    seg.pin()  # page-locked: the D2H copies into it run at DMA rate
-                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name=seg.name, shm_bytes=seg.nbytes,
-                                                     chunk_pages=chunk))
-                path = "shm"
-            else:
-                framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0))
-            self._serve(conn, session, access, seg, path)
-        except (ConnectionError, OSError, MalformedMessage) as e:
-            if isinstance(e, MalformedMessage):
-                self.metrics.record_malformed()
-            logger.debug("KV producer stream ended: %s", e)
-        except Exception:
-            logger.exception("KV producer stream failed")
-        finally:
-            self._streams.discard(conn)
-            framing.close_quietly(conn)
-            if seg is not None:
-                seg.close()
-
-    def _attach_device(self, conn: socket.socket) -> bool:
-        """Answers a cuda_ipc ATTACH: the pool's export, or why there is none (the consumer falls back)."""
-        try:
-            if not self.config.offer_device:
-                raise device_path.DeviceUnavailable("this producer does not offer its device pool (an emulated "
-                                                    "link, or shared memory disallowed)")
-            export, reason = device_path.export_pool(self.pool), ""
-        except device_path.DeviceUnavailable as e:
-            export, reason = {}, str(e)
-        except Exception as e:  # noqa: BLE001 -- any failure to export means: no device path, say why
-            export, reason = {}, f"{type(e).__name__}: {e}"
-        framing.send_frame(conn, wire.encode(MsgType.ATTACHED, shm_name="", shm_bytes=0, chunk_pages=0,
-                                             ipc=export, ipc_error=reason))
-        if reason:
-            logger.info("KV producer %s: no device path for a consumer: %s", self.config.engine_id, reason)
-        return bool(export)
-
-    def _serve(self, conn: socket.socket, session: ProducerSession, access: PageAccess, seg: ShmSegment | None,
-               path: str) -> None:
-        # Kernel-side timeouts: a read or a send is one syscall. Idle reads wake every
-        # _IDLE_S to notice shutdown; a frame, a send or a credit waits at most io_timeout_s.
-        io_s = self.config.io_timeout_s
-        framing.kernel_timeouts(conn, _IDLE_S, io_s)
-        reader = framing.FrameReader(conn)
-        page_bytes = self.pool.page_size_bytes
-        device = torch.cuda.Stream(device=self.pool.device) if path == "cuda_ipc" else None
-        while not self._stop.is_set():
-            try:
-                msg_type, msg = reader.read(io_s, idle=True)
-            except framing.Idle:
-                continue
-            if msg_type is not MsgType.PULL:
-                raise MalformedMessage(f"expected pull, got {msg_type.value}")
-            if session.closed:  # expired or evicted: the connection belonged to it
-                logger.info("KV producer: session of %s ended; closing its data stream", session.peer_engine_id)
-                return
-            session.last_used = time.monotonic()
-            xfer, block_ids = msg["xfer"], msg["block_ids"]
-            try:
-                lease = self.leases.begin_pull(msg["request_id"], block_ids)
-            except PullRefused as e:
-                framing.send_frame(conn, wire.encode(MsgType.ERROR, xfer=xfer, reason=str(e)))
-                continue
-            reporting = self.leases.reporting
-            started = time.monotonic() if reporting else 0.0
-            served = None
-            try:
-                sealed = lease.digests
-                digests = [sealed[b] for b in block_ids] if sealed is not None else access.page_digests(block_ids)
-                if path in ("map", "cuda_ipc"):
-                    if device is not None:  # the consumer reads the pages on the device: their writer first
-                        device_path.wait_for_writes(self.pool, device)
-                    # Digests only; the lease stays pinned until the consumer says it copied.
-                    framing.sendmsg_all(conn, [wire.pages_frame(xfer, digests, page_bytes)])
-                    self._await_credit(reader, [True, False])
-                elif seg is None:
-                    self._send_pages(conn, access, wire.pages_frame(xfer, digests, page_bytes), block_ids)
-                else:
-                    self._send_chunks(conn, reader, access, seg, xfer, block_ids, digests)
-                if reporting:  # reports on: what this pull sent, and the consumer's trace context (a peer's: checked)
-                    served = ServedPull(valid_trace_context(msg.get("tc")), len(block_ids),
-                                        len(block_ids) * page_bytes, path, started, time.monotonic())
-            finally:
-                self.leases.end_pull(lease, served)
-            self.metrics.record_sent(len(block_ids), len(block_ids) * page_bytes)
-
-    def _send_pages(self, conn, access: PageAccess, header: bytes, block_ids: list[int]) -> None:
-        """The PAGES header and the page bytes: in place, one sendmsg from the pool (a view per run
-        of consecutive pages); staged, one sendmsg per chunk, straight from its pinned slot while
-        the next chunks' device-to-host copies run."""
-        bufs: list = [header]
-        for views in access.send_views(block_ids):
-            framing.sendmsg_all(conn, bufs + views)
-            bufs = []
-        if bufs:  # no pages at all: the header alone
-            framing.sendmsg_all(conn, bufs)
-
-    def _send_chunks(self, conn, reader: framing.FrameReader, access: PageAccess, seg: ShmSegment, xfer: int,
-                     block_ids: list[int], digests: list[int]) -> None:
-        # Double buffering: fill one half while the consumer drains the other;
-        # a half is reused only after its CREDIT came back.
-        n = seg.chunk_pages
-        busy = [False, False]
-        for k, i in enumerate(range(0, len(block_ids), n)):
-            half = k % 2
-            if busy[half]:
-                self._await_credit(reader, busy)
-            access.copy_out(block_ids[i : i + n], seg.half(half))
-            busy[half] = True
-            framing.send_frame(conn, wire.encode(MsgType.CHUNK, xfer=xfer, half=half, digests=digests[i : i + n]))
-        while any(busy):
-            self._await_credit(reader, busy)
-
-    def _await_credit(self, reader: framing.FrameReader, busy: list[bool]) -> None:
-        msg_type, msg = reader.read(self.config.io_timeout_s)
-        if msg_type is not MsgType.CREDIT or msg["half"] not in (0, 1) or not busy[msg["half"]]:
-            raise MalformedMessage("expected a credit for a busy half")
-        busy[msg["half"]] = False
 
 
 REBIND_WAIT_S = 5.0  # how long a fixed port may stay taken by a just-closed socket of this process

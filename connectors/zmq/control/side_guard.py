@@ -31,9 +31,9 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from connectors.zmq.handshake import RefuseReason
+from connectors.zmq.control.handshake import RefuseReason
 from connectors.metrics import TransferMetrics
-from connectors.zmq.peer_log import WarnLimiter
+from connectors.zmq.control.peer_log import WarnLimiter
 
 logger = logging.getLogger(__name__)
 

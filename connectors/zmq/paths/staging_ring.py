@@ -20,6 +20,9 @@ copies (`StagingShape.stage_host_pools`): the chunking, slot order and byte
 layout are the same code, testable without a GPU. A CPU pool normally needs
 no staging at all (its pages are host memory and are sent in place).
 
+`StagedPages` is the ring as a data stream sees it: the `PageAccess` of a CUDA
+pool (the other implementation, `InPlacePages`, is a CPU pool's pages in place).
+
 Invariant: a ring is used by one thread only (its data stream's thread).
 """
 from __future__ import annotations
@@ -31,7 +34,8 @@ from collections.abc import Iterator
 import torch
 
 from connectors.pages import KVPages
-from connectors.zmq.cuda_staging import fences_for, gather_pages, scatter_pages
+from connectors.zmq.paths.cuda_staging import fences_for, gather_pages, scatter_pages
+from connectors.zmq.paths.page_access import PageAccess, digest
 
 MIB = 1024 * 1024
 
@@ -188,3 +192,52 @@ class StagingRing:
         if 0 <= offset < self.slots * slot_bytes:
             return offset // slot_bytes
         return None
+
+
+DEFAULT_STAGING = StagingShape()
+
+
+class StagedPages(PageAccess):
+    """A pool's pages through a `StagingRing` (a CUDA pool; a CPU pool in tests)."""
+
+    on_host = False
+
+    def __init__(self, pool: KVPages, staging: StagingShape = DEFAULT_STAGING):
+        super().__init__(pool)
+        self.ring = StagingRing(pool, staging)
+        self.staging_pages = self.ring.rows
+        self._landing_rows: torch.Tensor | None = None
+
+    def send_views(self, block_ids: list[int]) -> Iterator[list[memoryview]]:
+        # one list per chunk, one view of its whole slot, sent while later chunks are copied out
+        for _, rows in self.ring.gather_chunks(block_ids):
+            yield [memoryview(rows.numpy()).cast("B")]
+
+    def copy_out(self, block_ids: list[int], dst: torch.Tensor) -> None:
+        self.ring.gather_into(block_ids, dst)
+
+    def landing(self, block_ids: list[int]) -> list:
+        self._landing_rows = self.ring.landing_rows(len(block_ids))
+        rows = self._landing_rows.numpy()
+        return [rows[i] for i in range(len(block_ids))]
+
+    def commit(self, block_ids: list[int]) -> None:
+        """A queued host-to-device copy (the next `landing` may already receive into another slot)."""
+        rows, self._landing_rows = self._landing_rows, None
+        assert rows is not None and rows.shape[0] == len(block_ids), "commit follows landing"
+        self.ring.land(rows, block_ids)
+
+    def copy_in(self, src: torch.Tensor, block_ids: list[int]) -> None:
+        self.ring.land(src, block_ids)
+
+    def settle(self) -> None:
+        self._landing_rows = None
+        self.ring.settle()
+
+    def page_digests(self, block_ids: list[int]) -> list[int]:
+        """Chunk by chunk through the ring."""
+        out: list[int] = []
+        for _, rows in self.ring.gather_chunks(block_ids):
+            host = rows.numpy()
+            out.extend(digest(host[i]) for i in range(host.shape[0]))
+        return out

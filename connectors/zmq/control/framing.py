@@ -18,7 +18,7 @@ import struct
 import time
 from typing import Any
 
-from connectors.zmq.wire import MAX_CONTROL_BYTES, MalformedMessage, MsgType, decode
+from connectors.zmq.control.wire import MAX_CONTROL_BYTES, MalformedMessage, MsgType, decode
 
 _LEN = struct.Struct(">I")
 

@@ -5,18 +5,9 @@ Guarantees: a `ConsumerConfig` that exists is valid (checked once, in `__post_in
 from __future__ import annotations
 
 import dataclasses
-import enum
 
-from connectors.zmq.page_access import DEFAULT_STAGING
-from connectors.zmq.staging_ring import StagingShape
-
-
-class DataPath(str, enum.Enum):
-    AUTO = "auto"  # same node, both pools on GPUs: cuda_ipc; same host: shared memory; else tcp
-    CUDA_IPC = "cuda_ipc"  # the producer's CUDA pool mapped here, pages copied device to device; falls back to shm
-    TCP = "tcp"
-    SHM = "shm"  # map the producer's CPU pool and copy once; else staged
-    SHM_STAGED = "shm_staged"  # always through a staging segment (CUDA pools use this)
+from connectors.zmq.paths.choice import DataPath
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
 
 from connectors.metrics import FailureCause
 
@@ -89,23 +88,3 @@ class LoadHandle:
     def unfilled(self) -> list[int]:
         """Destination blocks no part was asked to fill (a streamed load's unpublished ones)."""
         return []
-
-
-@dataclasses.dataclass(slots=True)
-class PullPart:
-    """A slice of one load that travels on one stream."""
-
-    remote_request_id: str
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
-    on_done: Callable[[PullPart], None]
-    bad_block_ids: list[int] = dataclasses.field(default_factory=list)
-    cause: FailureCause | None = None  # None: all pages landed and verified
-    xfer: int = 0  # set once its PULL started to go out
-    unsent: bytes = b""  # tail of the PULL frame the stream thread still has to send
-    expect: bytes = b""  # a one-page answer's exact PAGES frame up to its digest (made once the PULL is out)
-    trace_context: str | None = None  # its load's, sent in the PULL
-
-    def fail(self, cause: FailureCause) -> None:
-        self.cause = cause
-        self.bad_block_ids = list(self.dst_block_ids)

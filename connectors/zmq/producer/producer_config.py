@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from connectors.zmq.page_access import DEFAULT_STAGING
-from connectors.zmq.staging_ring import StagingShape
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
 
 @dataclasses.dataclass(frozen=True)

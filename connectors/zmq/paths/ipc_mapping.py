@@ -26,7 +26,8 @@ import weakref
 import torch
 
 from connectors.pages import KVPages
-from connectors.zmq.cuda_staging import MAX_RUN_COPIES, fences_for
+from connectors.zmq.paths.base import PathUnavailable
+from connectors.zmq.paths.cuda_staging import MAX_RUN_COPIES, fences_for
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ EXPORT_FIELDS: dict[str, type] = {
 INDEX_CHUNK_PAGES = 64  # many scattered pages: gathered by index in chunks (bounded temporary)
 
 
-class DeviceUnavailable(Exception):
+class DeviceUnavailable(PathUnavailable):
     """The device path cannot serve this pair; the message says why (the caller falls back)."""
 
 

@@ -1,8 +1,7 @@
-"""One consumer data stream: a socket (plus, on one host, a read-only mapping
-of the producer's pool, a shared-memory staging segment, or on one node the
-producer's CUDA pool mapped through IPC) and the thread that runs pulls over
-it, one after another. A stream asked for the device path that cannot map the
-producer's pool says why in the log and falls back to the host path.
+"""One consumer data stream: a socket, the data path it attached with (`paths/`: tcp,
+shm_mapped, shm_staged or cuda_ipc, chosen once), and the thread that runs pulls over it, one
+after another. A stream whose path cannot attach says why in the log and falls back along the
+path's `fallback` (cuda_ipc -> a host path, shm_mapped -> shm_staged -> tcp).
 
 Guarantees:
 - every `PullPart` handed to `submit` is resolved exactly once (landed and
@@ -23,19 +22,16 @@ import socket
 import threading
 import time
 
-import numpy as np
-import xxhash
-
-from connectors.zmq import framing, same_host_receive, wire
-from connectors.zmq.device_path import DeviceUnavailable, MappedPool
-from connectors.zmq.loads import PullPart
 from connectors.metrics import FailureCause
-from connectors.zmq.page_access import DEFAULT_STAGING, PageAccess, digest
 from connectors.pages import KVPages
-from connectors.zmq.session import ClientSession
-from connectors.zmq.shm import ShmSegment, map_pool
-from connectors.zmq.staging_ring import StagingShape
-from connectors.zmq.wire import MalformedMessage, MsgType
+from connectors.zmq.control import framing, wire
+from connectors.zmq.control.peer_log import quote
+from connectors.zmq.control.session import ClientSession
+from connectors.zmq.control.wire import MalformedMessage, MsgType
+from connectors.zmq.paths.base import PathName, PathReceiver, PathUnavailable, PullPart, Refused
+from connectors.zmq.paths.choice import RECEIVERS, page_access_for
+from connectors.zmq.paths.page_access import PageAccess
+from connectors.zmq.paths.staging_ring import DEFAULT_STAGING, StagingShape
 
 logger = logging.getLogger(__name__)
 
@@ -43,36 +39,34 @@ logger = logging.getLogger(__name__)
 class PullStream:
     """Runs pulls on one data stream to one producer."""
 
-    def __init__(self, pool: KVPages, host: str, data_port: int, session: ClientSession, mode: str, io_timeout_s: float,
-                 spin_s: float = 0.0, staging: StagingShape = DEFAULT_STAGING, device_checksums: bool = False):
+    def __init__(self, pool: KVPages, host: str, data_port: int, session: ClientSession, path: PathName,
+                 io_timeout_s: float, spin_s: float = 0.0, staging: StagingShape = DEFAULT_STAGING,
+                 device_checksums: bool = False):
         self._pool = pool
         self._staging = staging
         self._device_checksums = device_checksums
-        self._device: MappedPool | None = None  # the producer's CUDA pool (mode "cuda_ipc")
+        self._receiver: PathReceiver | None = None  # the path's consumer half, once attached
         self._spin_s = spin_s
         self._spin_poller = select.poll()  # the data socket alone, polled without sleeping
         self._addr = (host, data_port)
         self._session = session
-        self.mode = mode
+        self.path = PathName(path)  # after any fallback: the path the stream runs on
         self._io_timeout_s = io_timeout_s
         self._parts: collections.deque[PullPart] = collections.deque()  # guarded by _send_lock
         self._closing = False
-        self._final_credit: bytes | None = None
-        self._mapped: np.ndarray | None = None  # the producer's pool, read-only (mode "map")
+        self._final_credit: bytes | None = None  # the path's owed credit, sent once its part is reported
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._poller = select.poll()  # the wake socket, and the data socket while it is open
         self._poller.register(self._wake_r, select.POLLIN)
         self._polled_fd = -1
-        self._hasher = xxhash.xxh3_64()  # pages that arrive in pieces are hashed piece by piece
         self._sock: socket.socket | None = None
-        self._seg: ShmSegment | None = None
         self._xfer = 0
         self._send_lock = threading.Lock()  # PULLs go out in queue order, from either thread
         self._ready = False
         self._abort_cause: FailureCause | None = None
         self.dead = False
-        self._thread = threading.Thread(target=self._run, name=f"kv-pull-{mode}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kv-pull-{self.path.value}", daemon=True)
         self._thread.start()
 
     def submit(self, part: PullPart) -> None:
@@ -126,7 +120,7 @@ class PullStream:
         access = None
         try:
             self._connect()
-            access = PageAccess(self._pool, self._staging)
+            access = page_access_for(self._pool, self._staging)
             with self._send_lock:
                 self._ready = True
         except Exception as e:  # noqa: BLE001 -- the stream thread reports any failure to open as a dead stream
@@ -184,24 +178,20 @@ class PullStream:
             self._break()
 
     def _connect(self) -> None:
-        if self.mode == "cuda_ipc":
+        """Attaches on the stream's path, falling back along the paths' `fallback` until one attaches."""
+        while True:
             try:
                 return self._attach()
-            except (OSError, ValueError, DeviceUnavailable) as e:
-                self.mode = "map" if self._pool.device.type == "cpu" else "shm"
-                logger.warning("KV device path (CUDA IPC) to %s:%d unavailable: %s; using %s", *self._addr, e,
-                               self.mode)
+            except PathUnavailable as e:  # (a broken connection is no reason to try another path)
+                fallback = RECEIVERS[self.path].fallback(self._pool)
+                if fallback is None:
+                    raise
+                level = logging.INFO if self.path is PathName.SHM_MAPPED else logging.WARNING
+                logger.log(level, "KV data path %s to %s:%d unavailable: %s; falling back to %s", self.path.value,
+                           *self._addr, e, fallback.value)
                 self._break()
                 self.dead = False
-        if self.mode == "map":
-            try:
-                return self._attach()
-            except (OSError, ValueError) as e:  # e.g. /proc not readable: fall back to staging
-                logger.info("cannot map the producer's pool (%s); using a staging segment", e)
-                self._break()
-                self.dead = False
-                self.mode = "shm"
-        self._attach()
+                self.path = fallback
 
     def _attach(self) -> None:
         sock = socket.create_connection(self._addr, timeout=self._io_timeout_s)
@@ -210,7 +200,8 @@ class PullStream:
         msg_type, msg = framing.recv_frame(sock, max_bytes=1024)  # the producer opens with this connection's nonce
         if msg_type is not MsgType.NONCE:
             raise MalformedMessage(f"expected nonce, got {msg_type.value}")
-        framing.send_frame(sock, self._session.attach_message(msg["nonce"], self.mode))
+        checksums = self._device_checksums and self.path is PathName.CUDA_IPC
+        framing.send_frame(sock, self._session.attach_message(msg["nonce"], self.path.value, checksums))
         msg_type, msg = framing.recv_frame(sock)
         if msg_type is not MsgType.ATTACHED:
             raise MalformedMessage(f"expected attached, got {msg_type.value}")
@@ -218,23 +209,14 @@ class PullStream:
         self._poller.register(sock, select.POLLIN)
         self._spin_poller.register(sock, select.POLLIN)
         self._polled_fd = sock.fileno()
-        self._receive = self._recv_pages
-        if self.mode == "cuda_ipc":
-            if msg.get("ipc_error"):
-                raise DeviceUnavailable(f"the producer: {msg['ipc_error']}")
-            self._device = MappedPool(msg.get("ipc"), self._pool)
-            self._receive = self._copy_device
-        elif self.mode == "map":
-            self._mapped = map_pool(msg["shm_name"], msg["shm_bytes"], self._pool.page_size_bytes)
-            self._receive = self._copy_mapped
-        elif self.mode == "shm":
-            if not msg["shm_name"]:
-                raise ConnectionError("producer declined shared memory")
-            self._seg = ShmSegment.open(msg["shm_name"], msg["shm_bytes"], msg["chunk_pages"],
-                                        self._pool.page_size_bytes)
-            if self._pool.device.type == "cuda":
-                self._seg.pin()  # page-locked: its host-to-device copies run at DMA rate, asynchronously
-            self._receive = self._recv_chunks
+        if msg.get("unavailable"):
+            raise PathUnavailable(f"the producer: {quote(msg['unavailable'], 200)}")
+        receiver = RECEIVERS[self.path](sock, self._pool, self._spin_s, self._device_checksums)
+        try:
+            receiver.open(msg)
+        except (OSError, ValueError) as e:  # e.g. /proc not readable, a segment of the wrong size
+            raise PathUnavailable(str(e)) from e
+        self._receiver = receiver
 
     def _send_pull(self, part: PullPart, blocking: bool = True) -> bool:
         """Sends the part's PULL (under _send_lock). Non-blocking from the caller's thread:
@@ -265,10 +247,12 @@ class PullStream:
             elif part.unsent:
                 framing.send_frame_bytes(self._conn, part.unsent)
                 part.unsent = b""
-            if self._spin_s and self._receive is not self._recv_pages:  # (tcp spins in its reads)
+            receiver = self._receiver
+            assert receiver is not None  # (attached before any part runs)
+            if self._spin_s and not receiver.spins_in_reads:
                 self._spin_until_readable()
-            self._receive(part, access)
-        except _Refused as e:
+            receiver.receive(part, access)
+        except Refused as e:
             logger.warning("KV pull of %s refused by the producer: %s", part.remote_request_id, e)
             part.fail(FailureCause.PULL_REFUSED)
         except (TimeoutError, BlockingIOError):  # (BlockingIOError: a kernel timeout)
@@ -284,6 +268,8 @@ class PullStream:
             self._break()
         finally:
             access.settle()  # resolved only with no copy into its pages still running
+            if self._receiver is not None:
+                self._final_credit = self._receiver.take_owed_credit()  # sent after the part is reported
 
     def _spin_until_readable(self) -> None:
         """Polls for the answer without sleeping, for at most `spin_s`, then leaves the wait to the
@@ -293,105 +279,6 @@ class PullStream:
         poll, end = self._spin_poller.poll, time.perf_counter() + self._spin_s
         while not poll(0) and time.perf_counter() < end:
             pass
-
-    def _expect(self, want: MsgType, xfer: int) -> dict:
-        msg_type, msg = framing.recv_frame(self._conn)
-        if msg_type is MsgType.ERROR and msg["xfer"] == xfer:
-            raise _Refused(msg["reason"])
-        if msg_type is not want or msg["xfer"] != xfer:
-            raise MalformedMessage(f"expected {want.value} for transfer {xfer}, got {msg_type.value}")
-        return msg
-
-    def _recv_pages(self, part: PullPart, access: PageAccess) -> None:
-        """tcp: the PAGES frame (its size follows from the page count) and the pages, straight into
-        their memory, in one scatter read when all is there; each page is checked as its bytes come."""
-        sock, dst, bad = self._conn, part.dst_block_ids, part.bad_block_ids
-        head = bytearray(wire.pages_frame_size(len(dst)))
-        size, step, hasher = self._pool.page_size_bytes, access.staging_pages, self._hasher
-        digests = None
-        for a in range(0, len(dst), step):
-            ids = dst if len(dst) <= step else dst[a : a + step]
-            views = access.landing_views(ids)
-            k = digests is None  # the frame rides the first scatter read
-            if k:
-                views.insert(0, memoryview(head))
-            spin_until = time.perf_counter() + self._spin_s if self._spin_s and a == 0 else 0.0
-            for i, off, n, rest in framing.recv_scatter(sock, views, spin_until):
-                if i < k:
-                    digests = self._pages_header(part, head, off + n, views, rest)
-                    continue
-                i -= k
-                assert digests is not None  # (the header came before any page)
-                if n == size:  # the whole page in one read
-                    if digest(views[i + k]) != digests[a + i]:
-                        bad.append(ids[i])
-                    continue
-                if off == 0:
-                    hasher.reset()
-                hasher.update(views[i + k][off : off + n])
-                if off + n == size and hasher.intdigest() != digests[a + i]:
-                    bad.append(ids[i])
-            access.commit(ids)
-        if bad:
-            part.cause = FailureCause.CHECKSUM
-
-    def _pages_header(self, part: PullPart, head: bytearray, have: int, views: list, rest: int) -> list[int] | None:
-        """The digests once `head` holds the whole PAGES frame (`have` bytes so far). Any other
-        frame (a refusal, a broken peer) is read whole and raised as such."""
-        if have >= 4 and int.from_bytes(head[:4], "big") != len(head) - 4:
-            self._not_pages(part, head, have, views, rest)
-        if have < len(head):
-            return None
-        if part.expect:  # one page: check the exact bytes we expect, no decode
-            digests = wire.pages_digests(head, part.expect)
-            if digests is not None:
-                return digests
-        msg_type, msg = wire.decode(memoryview(head)[4:])
-        if msg_type is MsgType.PAGES and msg["xfer"] == part.xfer:
-            if len(msg["digests"]) != len(part.dst_block_ids) or msg["page_bytes"] != self._pool.page_size_bytes:
-                raise MalformedMessage("pages header does not match the pull")
-            return msg["digests"]
-        if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer and not rest:
-            raise _Refused(msg["reason"])
-        raise MalformedMessage(f"expected pages for transfer {part.xfer}, got {msg_type.value}")
-
-    def _not_pages(self, part: PullPart, head: bytearray, have: int, views: list, rest: int) -> None:
-        length = framing.frame_length(head[:4])
-        frame = bytearray(head[4:have])
-        for v in views[1:]:  # what the same read put past `head` (into the first pages)
-            if rest <= 0:
-                break
-            frame += v[: min(rest, len(v))]
-            rest -= len(v)
-        if len(frame) > length:  # more than that frame came: out of sync
-            raise MalformedMessage("bytes after a frame")
-        more = bytearray(length - len(frame))
-        framing.recv_exact(self._conn, memoryview(more))
-        msg_type, msg = wire.decode(frame + more)
-        if msg_type is MsgType.ERROR and msg["xfer"] == part.xfer:
-            raise _Refused(msg["reason"])
-        raise MalformedMessage(f"expected pages for transfer {part.xfer}, got {msg_type.value} ({length} bytes)")
-
-    def _copy_mapped(self, part: PullPart, access: PageAccess) -> None:
-        head = bytearray(wire.pages_frame_size(len(part.dst_block_ids)))
-        views = [memoryview(head)]
-        for _, off, n, rest in framing.recv_scatter(self._conn, views):
-            digests = self._pages_header(part, head, off + n, views, rest)
-        assert self._mapped is not None and digests is not None  # (attached in map mode; the header came first)
-        same_host_receive.copy_mapped(self._mapped, part, access, digests)
-        self._final_credit = same_host_receive.FINAL_CREDIT  # unpins the lease; sent after reporting
-
-    def _copy_device(self, part: PullPart, access: PageAccess) -> None:
-        msg = self._expect(MsgType.PAGES, part.xfer)  # the producer's pages are written: copy them
-        assert self._device is not None  # (attached in cuda_ipc mode)
-        try:
-            same_host_receive.copy_device(self._device, part, access, msg["digests"], self._device_checksums)
-        finally:
-            self._final_credit = same_host_receive.FINAL_CREDIT  # unpins the lease; sent after reporting
-
-    def _recv_chunks(self, part: PullPart, access: PageAccess) -> None:
-        assert self._seg is not None  # (attached in shm mode)
-        self._final_credit = same_host_receive.recv_shm_chunks(self._conn, self._seg, part, access, self._expect)
 
     def _send_final_credit(self) -> None:
         # Sent before any later PULL can go out: a direct send needs an empty `_parts`,
@@ -417,14 +304,5 @@ class PullStream:
         self._break()
         for s in (self._wake_r, self._wake_w):
             s.close()
-        if self._seg is not None:
-            self._seg.close()
-            self._seg = None
-        self._mapped = None
-        if self._device is not None:
-            self._device.close()  # the session's mapping of the producer's pool ends with its stream
-            self._device = None
-
-
-class _Refused(Exception):
-    pass
+        if self._receiver is not None:
+            self._receiver.close()  # unmaps the segment or the producer's pool

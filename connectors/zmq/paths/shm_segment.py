@@ -5,24 +5,52 @@ A producer stream creates one segment (two halves of `chunk_pages` pages) in
 `/dev/shm`, pre-faults it, and names it to its consumer; the consumer maps it
 and unlinks the name at once, so nothing is left behind if either process
 dies. Pages pass through the segment under credit-based double buffering (see
-`producer.py` / `consumer.py`); the segment only ever holds pages of the pull
-being served, never a view of the producer's pool. For a CUDA pool both sides
-page-lock the segment (`pin`): unpinned, every copy between the device and the
+`shm_staged.py`); the segment only ever holds pages of the pull being served,
+never a view of the producer's pool. For a CUDA pool both sides page-lock the
+segment (`pin_for_pool`): unpinned, every copy between the device and the
 segment crawls through the driver's bounce buffer, synchronously (the reason
-shm once ran slower than tcp on a GPU).
+shm once ran slower than tcp on a GPU). Where CUDA refuses to page-lock it, the
+segment stays pageable: slower copies, logged once per process, never a failure.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
+import threading
 
 import numpy as np
 import torch
 
-from connectors.zmq.cuda_staging import HostPin
+from connectors.zmq.paths.cuda_staging import HostPin
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+_refusal_logged = threading.Event()  # "CUDA refused to page-lock a segment" is said once per process
+
+
+def wants_pin(device: torch.device) -> bool:
+    """Whether a segment feeding a pool on `device` is worth page-locking (a CUDA pool's copies)."""
+    return device.type == "cuda"
+
+
+def pin_for_pool(seg: ShmSegment, device: torch.device) -> bool:
+    """Page-locks `seg` when its pool is on a GPU. Returns whether it is page-locked now; where
+    CUDA refuses (`cudaHostRegister` fails: RLIMIT_MEMLOCK, a driver that will not), the segment
+    stays pageable and works as it is, at the driver's bounce-buffer rate."""
+    if not wants_pin(device):
+        return False
+    try:
+        seg.pin()
+    except RuntimeError as e:  # (torch's CudaError is a RuntimeError)
+        if not _refusal_logged.is_set():
+            _refusal_logged.set()
+            logger.warning("CUDA refused to page-lock a shared-memory segment (%s); shm copies go through "
+                           "pageable memory (slower). Said once per process.", e)
+        return False
+    return True
 
 
 class ShmSegment:
