@@ -16,12 +16,12 @@ import torch
 
 from connectors.metrics import FailureCause
 from connectors.pages import KVPages
-from connectors.zmq.control import framing, wire
+from connectors.zmq.control import framing
 from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.paths import answers, ipc_mapping
 from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PullPart
 from connectors.zmq.paths.page_access import PageAccess
-from connectors.zmq.paths.shm_mapped import FINAL_CREDIT, await_credit
+from connectors.zmq.paths.shm_mapped import FINAL_CREDIT, serve_in_place
 from connectors.zmq.paths.tcp import NO_SHM
 
 
@@ -50,8 +50,7 @@ class CudaIpcServer(PathServer):
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.pool.device)
             ipc_mapping.wait_for_writes(self.pool, self._stream)
-        framing.sendmsg_all(self.conn, [wire.pages_frame(xfer, digests, self.pool.page_size_bytes)])
-        await_credit(reader, [True, False], self.settings.io_timeout_s)
+        serve_in_place(self, reader, xfer, digests)
 
 
 class CudaIpcReceiver(PathReceiver):

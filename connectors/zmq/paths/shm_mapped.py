@@ -30,6 +30,13 @@ def await_credit(reader: framing.FrameReader, busy: list[bool], timeout_s: float
     busy[msg["half"]] = False
 
 
+def serve_in_place(server: PathServer, reader: framing.FrameReader, xfer: int, digests: list[int]) -> None:
+    """Producer, for a path whose consumer copies the pages itself (shm_mapped, cuda_ipc): the answer
+    carries only the digests, and the lease stays pinned until the consumer's credit says it copied."""
+    framing.sendmsg_all(server.conn, [wire.pages_frame(xfer, digests, server.pool.page_size_bytes)])
+    await_credit(reader, [True, False], server.settings.io_timeout_s)
+
+
 class ShmMappedServer(PathServer):
     name = PathName.SHM_MAPPED
     def attached(self) -> dict:
@@ -40,9 +47,7 @@ class ShmMappedServer(PathServer):
         return {"shm_name": self.pool.shared_path, "shm_bytes": self.pool.nbytes, "chunk_pages": 0}
 
     def serve(self, reader: framing.FrameReader, xfer: int, block_ids: list[int], digests: list[int]) -> None:
-        # Digests only; the lease stays pinned until the consumer says it copied.
-        framing.sendmsg_all(self.conn, [wire.pages_frame(xfer, digests, self.pool.page_size_bytes)])
-        await_credit(reader, [True, False], self.settings.io_timeout_s)
+        serve_in_place(self, reader, xfer, digests)
 
 
 class ShmMappedReceiver(PathReceiver):

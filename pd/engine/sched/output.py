@@ -55,10 +55,6 @@ class SchedulerOutput:
     new_requests: dict[str, SamplingParams] = dataclasses.field(default_factory=dict)
     finished_request_ids: frozenset[str] = frozenset()
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
 
 class RunnerRequests:
     """The scheduler's record of which requests the runner has met, to fill a SchedulerOutput's
