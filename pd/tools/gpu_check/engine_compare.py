@@ -252,14 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = CompareSettings(batches=tuple(int(b) for b in args.batches.split(",")), time_budget_s=args.budget_s)
     out = Path(args.out)
 
-    def write(section: dict) -> str:  # after each part too: a run stopped later keeps what it measured
-        text = "\n".join(render_engine_compare(section)) + "\n"
-        out.write_text(text)
+    def write(section: dict) -> None:  # after each part too: a run stopped later keeps what it measured
+        out.write_text("\n".join(render_engine_compare(section)) + "\n")
         out.with_suffix(".json").write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
-        return text
 
     section = measure_engine_compare(settings, on_part=write)
-    print(write(section), flush=True)
+    write(section)
+    print(out.read_text(), flush=True)
     return 0 if engine_compare_ok(section) else 1
 
 
