@@ -114,3 +114,49 @@ def test_the_prepared_device_session_parses_and_runs_each_section_as_its_own_ste
         assert f"\ngpu_check {section}" in text, section
     listed = subprocess.run(["bash", str(script), "--print-gpu-tests"], capture_output=True, text=True, timeout=30)
     assert listed.stdout.split() == list(gpu_check.GPU_TEST_ARGS)  # gpu_check's tests section: the same selection
+
+
+def test_sections_run_float32_first_and_the_report_is_on_disk_before_each_next_part(tmp_path, monkeypatch):
+    """main() with every measurement replaced by a recorder (no GPU here): the sections run in SECTIONS'
+    order whatever order they are asked in, and each part finds the earlier parts' figures already in the
+    JSON report, so a run stopped at any point keeps what it measured."""
+    out = tmp_path / "report.json"
+    seen: list[tuple[str, list[str]]] = []
+
+    def on_disk() -> list[str]:  # the sections the JSON report holds figures of
+        report = json.loads(out.read_text()) if out.exists() else {}
+        return sorted(k for k, v in report.items() if k in gpu_check.SECTIONS and v.get("summary") != "not asked for")
+
+    def recorder(name: str, result: dict):
+        def measure(*_args, on_part=None, **_kw):
+            seen.append((name, on_disk()))
+            if on_part is not None:  # a part-way report, as the engine's batches and served's deployments make
+                on_part({"partial": True})
+                seen.append((f"{name} part", on_disk()))
+            return result
+        return measure
+
+    monkeypatch.setattr(gpu_check, "cuda_missing_reason", lambda: None)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_properties",
+                        lambda _i: argparse.Namespace(name="Fake GPU", total_memory=80 << 30))
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_check.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu_check, "measure_agreement", recorder("float32", {"prompts": 8, "identical": 8,
+                                                                             "tokens_each": 8}))
+    engine = engine_section()
+    del engine["agreement"]  # measured apart, as the float32 section
+    monkeypatch.setattr(gpu_check, "measure_engine_compare", recorder("engine", engine))
+    monkeypatch.setattr(gpu_check, "measure_transfer", recorder("transfer", transfer_section()))
+    monkeypatch.setattr(gpu_check, "run_gpu_tests", recorder("tests", {"ok": True, "summary": "27 passed"}))
+    monkeypatch.setattr(gpu_check, "measure_served", recorder("served", served_section()))
+    rc = gpu_check.main(["--sections", "served,tests,transfer,engine,float32", "--json-only", "--out", str(out)])
+    assert [name for name, _ in seen] == ["float32", "engine", "engine part", "transfer", "tests", "served",
+                                          "served part"]
+    assert dict(seen) == {"float32": [], "engine": ["float32"], "engine part": ["engine", "float32"],
+                          "transfer": ["engine", "float32"], "tests": ["engine", "float32", "transfer"],
+                          "served": ["engine", "float32", "tests", "transfer"],
+                          "served part": ["engine", "float32", "served", "tests", "transfer"]}
+    final = json.loads(out.read_text())
+    assert final["sections"] == list(gpu_check.SECTIONS) and final["device"]["name"] == "Fake GPU"
+    assert not out.with_suffix(".md").exists()  # --json-only
+    assert rc == 0

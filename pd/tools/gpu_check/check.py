@@ -16,7 +16,8 @@ On one GPU, in one run, each section side by side with its anchor, in this order
   (greedy tokens equal to colocated's, TTFT, TPOT, transfer time per request); last: it starts Ray.
 
 `--sections` (or `--only`) runs a part; tests/gpu/device_session.sh runs each section as its own step
-under its own time limit. The report is written after every section (and after every engine batch), so
+under its own time limit. The report is written after every section (and every engine batch and served
+deployment), so
 a run stopped part-way keeps what it measured: markdown to --out and the same figures as JSON beside it
 (`.json`; `--json-only` writes just that), and the markdown is printed. `--dry-run` checks the arguments
 and writes the plan as JSON, without CUDA. Exit status: 0 when the tests pass and every section ran
@@ -108,7 +109,7 @@ def _guarded(fn, *args) -> dict:
 def run_check(sections: tuple[str, ...] = SECTIONS, engine: CompareSettings = ENGINE_SETTINGS,
               on_update: Callable[[dict], None] | None = None) -> dict:
     """The report of the sections asked for, in the order of SECTIONS (the served run last: it starts Ray).
-    `on_update` gets the report after every section and every engine batch."""
+    `on_update` gets the report after every section, every engine batch and every served deployment."""
     t0 = time.perf_counter()
     update = on_update or (lambda _report: None)
     props = torch.cuda.get_device_properties(0)
@@ -118,13 +119,17 @@ def run_check(sections: tuple[str, ...] = SECTIONS, engine: CompareSettings = EN
               "sections": list(sections)}
     report["tests"] = {"ok": True, "summary": "not asked for"}
 
-    def engine_part(section: dict) -> None:
-        report["engine"] = section
-        update(report)
+    def part(key: str) -> Callable[[dict], None]:  # a section's figures so far, written before its next part
+        def write(section: dict) -> None:
+            report[key] = section
+            update(report)
+        return write
 
     measures: dict[str, Callable[[], dict]] = {
-        "float32": lambda: measure_agreement(engine), "engine": lambda: measure_engine_compare(engine, engine_part),
-        "transfer": measure_transfer, "tests": run_gpu_tests, "served": measure_served}
+        "float32": lambda: measure_agreement(engine),
+        "engine": lambda: measure_engine_compare(engine, on_part=part("engine")),
+        "transfer": measure_transfer, "tests": run_gpu_tests,
+        "served": lambda: measure_served(on_part=part("served"))}
     for key in sections:
         report[key] = _guarded(measures[key])
         report["seconds"] = round(time.perf_counter() - t0, 1)
