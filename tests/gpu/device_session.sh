@@ -57,14 +57,17 @@ done
 OUT=${out_arg:-${OUT:-device-out}}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
-export OUT PYTHONUNBUFFERED=1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root, wherever it is started from
+# the checkout on the path of every process the steps start (Ray workers and P/D peers too)
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # compiled kernels on the GPU; the CPU suite's interpreter stays off here
 SUMMARY=$OUT/summary.txt LOG=$OUT/session.log
 : > "$LOG"
 
 gpu_name() {
   [ "$dry" = 1 ] && { echo "none (dry run on the CPU)"; return; }
-  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep . || echo "unknown (nvidia-smi gave no name)"
+  timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep . \
+    || echo "unknown (nvidia-smi gave no name)"
 }
 {
   echo "device session of pdkv$([ "$dry" = 1 ] && echo ' (dry run)')"
@@ -125,7 +128,7 @@ if [ "$dry" = 1 ]; then
   setup_cmd+='else echo "no .device bundle here"; fi; python3 -c "import torch; print(\"torch\", torch.__version__)" > "$OUT/env.txt"'
 else
   setup_cmd='if [ -f .device/on_device.sh ]; then source .device/on_device.sh; else echo "no .device bundle: the machine'"'"'s own packages"; fi
-    { nvidia-smi; python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))"; } > "$OUT/env.txt" 2>&1'
+    { timeout 20 nvidia-smi; python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))"; } > "$OUT/env.txt" 2>&1'
 fi
 step setup bash -c "$setup_cmd"
 # the bundle installed by the setup step (into /tmp/site): take its PYTHONPATH here, without installing again
