@@ -21,7 +21,7 @@
 #              batch 1 only if those two end inside ENGINE_BUDGET_S
 #   transfer   gpu_check transfer: tcp, shm and CUDA IPC beside the pinned serial and plain device-to-device copies
 #   gpu_tests  the gpu-marked tests (GPU_TESTS: the marker over the files that hold them; no CPU Ray test, no
-#              hypothesis sweep of Triton compiles)
+#              hypothesis sweep of Triton compiles); a skipped test fails the step on a GPU machine
 #   served     gpu_check served: colocated through Ray and the router, then 1P1D on one GPU (greedy tokens equal)
 #
 # What it writes under OUT_DIR, as it goes (7 files, flat: a device run brings back at most 8):
@@ -141,6 +141,11 @@ if [ "$dry" = 1 ]; then
   step gpu_tests python3 -m pytest --collect-only -q -n 0 -p no:cacheprovider "${GPU_TESTS[@]}"
 else
   step gpu_tests python3 -m pytest -q -rs -n 0 -p no:cacheprovider --timeout=45 "${GPU_TESTS[@]}"
+  # on a GPU machine a skipped gpu test hides the very path it is for: it fails the step (as in gpu_check)
+  if grep -q '^gpu_tests  *ok' "$SUMMARY" && tail -n 3 "$LOG" | grep -qE '[0-9]+ skipped'; then
+    record gpu_tests "failed (gpu tests skipped on a GPU machine: their reasons are in session.log)"
+    failed+=(gpu_tests)
+  fi
 fi
 gpu_check served
 
