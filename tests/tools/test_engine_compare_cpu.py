@@ -66,6 +66,9 @@ def test_report_names_torch_compile_and_shows_every_figure():
 
 def test_ok_needs_every_part_and_identical_float32_tokens():
     assert engine_compare_ok(_section())
+    without = _section()
+    del without["agreement"]  # gpu_check measures it apart (its float32 section): judged there
+    assert engine_compare_ok(without) and not engine_compare_ok({**without, "batches": {}})
     assert not engine_compare_ok(_section(agreement={"prompts": 8, "identical": 7, "tokens_each": 8}))
     assert not engine_compare_ok(_section(agreement={"error": "boom"}))
     broken = _section()
@@ -79,7 +82,12 @@ def test_both_sides_run_on_the_cpu_with_a_tiny_model():
     settings = CompareSettings(model=TINY, device="cpu", batches=(1, 3), prompt_len=8, new_tokens=16, profile_steps=0,
                                agreement_prompts=2, agreement_tokens=4, compile_hf=False, kv_cache_bytes=4 << 20,
                                time_budget_s=120.0)
-    section = measure_engine_compare(settings)
+    parts = []  # what the section held each time it reported a part: float32 agreement first, then each batch
+    section = measure_engine_compare(settings, on_part=lambda s: parts.append((sorted(s), list(s["batches"]))))
+    assert parts == [(["agreement", "batches", "hf_compiled", "model", "new_tokens", "prompt_len"], []),
+                     (["agreement", "batches", "hf_compiled", "model", "new_tokens", "prompt_len", "targets"], ["1"]),
+                     (["agreement", "batches", "hf_compiled", "model", "new_tokens", "prompt_len", "targets"],
+                      ["1", "3"])]
     assert "error" not in section, section
     for batch in ("1", "3"):
         row = section["batches"][batch]

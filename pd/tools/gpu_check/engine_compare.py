@@ -1,18 +1,22 @@
 """gpu_check section: the engine beside transformers (static cache + torch.compile), same weights, same prompts.
 
-In one run, per batch size (1, 32, 128 by default): the engine's decode
-tokens/s, prefill time and GPU-busy share of a decode step, and transformers'
-decode tokens/s and time to the first token for the same prompts; then greedy
-agreement in float32 (engine and transformers on one float32 copy of the
-weights, each prompt alone). Batches run in the order given, the ones the
-targets name first, and a batch that would start after `time_budget_s` is
-reported as skipped, so the section stays inside its share of gpu_check's five
-minutes whatever the compile costs.
+First, greedy agreement in float32 (engine and transformers on one float32
+copy of the weights, each prompt alone; `measure_agreement` runs it alone, as
+gpu_check's `float32` section): it is the cheapest part and the one that must
+never be cut by the time budget. Then, per batch size (32, 128, 1 by default):
+the engine's decode tokens/s, prefill time and GPU-busy share of a decode step,
+and transformers' decode tokens/s and time to the first token for the same
+prompts. Batches run in the order given, the ones the targets name first, and a
+batch that would start after `time_budget_s` is reported as skipped, so the
+section stays inside its step of the device session whatever the compile costs.
+`on_part` is called with the section after each part, so a caller can write the
+figures measured so far before a later part runs (or is killed).
 
-`engine_compare_ok` is true when every measured part ran and the float32
-tokens are identical; the speed targets of the GPU issue (decode ratio >= 1.0 at
-32 and 128, GPU busy >= 70% at 32, prefill no slower than transformers' first
-token, all from this run) are reported beside it, met or not, in `targets`.
+`engine_compare_ok` is true when every measured part ran and, where the
+agreement was measured, the float32 tokens are identical; the speed targets of
+the GPU issue (decode ratio >= 1.0 at 32 and 128, GPU busy >= 70% at 32, prefill
+no slower than transformers' first token, all from this run) are reported beside
+it, met or not, in `targets`.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pd.engine.model.config import ModelConfig
@@ -44,6 +49,7 @@ class CompareSettings:
     time_budget_s: float = 200.0
     compile_hf: bool = True  # transformers compiles its decode step (CUDA only)
     kv_cache_bytes: int = 8 << 30
+    agreement: bool = True  # False: gpu_check runs it as its own `float32` section
 
 
 def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -126,12 +132,30 @@ def _guarded(fn, *args) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def measure_engine_compare(settings: CompareSettings = CompareSettings()) -> dict:
+def measure_agreement(settings: CompareSettings = CompareSettings()) -> dict:
+    """Float32 greedy agreement alone (gpu_check's `float32` section); never raises: failures are in the dict."""
+    t0 = time.perf_counter()
+    out = _guarded(_agreement, settings)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def agreement_ok(agree: dict) -> bool:
+    """The agreement ran and every prompt's float32 greedy tokens are identical."""
+    return "error" not in agree and "identical" in agree and agree["identical"] == agree["prompts"]
+
+
+def measure_engine_compare(settings: CompareSettings = CompareSettings(),
+                           on_part: Callable[[dict], None] | None = None) -> dict:
     """The comparison section (see the module docstring); never raises: failures are in the dict."""
     t0 = time.perf_counter()
     model_doc = CHECK_MODEL_DOC if settings.model == CHECK_MODEL else repr(settings.model)
     section: dict = {"model": model_doc, "prompt_len": settings.prompt_len, "new_tokens": settings.new_tokens,
                      "hf_compiled": settings.compile_hf, "batches": {}}
+    report = on_part or (lambda _section: None)
+    if settings.agreement:  # first: it must not be the part a time budget drops
+        section["agreement"] = measure_agreement(settings)
+        report(section)
     try:
         import torch
 
@@ -149,25 +173,23 @@ def measure_engine_compare(settings: CompareSettings = CompareSettings()) -> dic
             section["batches"][str(batch)] = {"skipped": f"time budget of {settings.time_budget_s:.0f} s spent"}
             continue
         section["batches"][str(batch)] = _guarded(_batch_row, eng, hf_model, settings, batch)
+        section["targets"] = targets(section)
+        report(section)
     del eng, hf_model
     if settings.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    if time.perf_counter() - t0 > settings.time_budget_s:
-        section["agreement"] = {"skipped": f"time budget of {settings.time_budget_s:.0f} s spent"}
-    else:
-        section["agreement"] = _guarded(_agreement, settings)
     section["targets"] = targets(section)
     section["seconds"] = round(time.perf_counter() - t0, 1)
     return section
 
 
 def engine_compare_ok(section: dict) -> bool:
-    """Every part ran (nothing errored) and the float32 greedy tokens are identical."""
-    parts = [section, *section.get("batches", {}).values(), section.get("agreement", {})]
-    if any("error" in p for p in parts):
+    """Every part ran (nothing errored) and, where the section measured it, the float32 greedy tokens are
+    identical (gpu_check measures them apart, as its `float32` section)."""
+    parts = [section, *section.get("batches", {}).values()]
+    if any("error" in p for p in parts) or not section.get("batches"):
         return False
-    agree = section.get("agreement", {})
-    return "identical" in agree and agree["identical"] == agree["prompts"]
+    return "agreement" not in section or agreement_ok(section["agreement"])
 
 
 def _fmt(value, spec: str = "") -> str:
@@ -195,17 +217,22 @@ def render_engine_compare(section: dict) -> list[str]:
                      f"{_fmt(h.get('first_token_s'))} | {_fmt(row.get('prefill_ratio'), '.2f')} | "
                      f"{_fmt(e.get('busy_share'), '.0%')} | {_fmt(e.get('step_ms'))} | "
                      f"{_fmt(e.get('kernels_per_step'))} |")
-    agree = section.get("agreement", {})
-    if "identical" in agree:
-        lines += ["", f"- float32 greedy agreement: {agree['identical']}/{agree['prompts']} prompts identical "
-                      f"({agree['tokens_each']} tokens each)"]
-        if "first_mismatch" in agree:
-            lines.append(f"  - first mismatch: {agree['first_mismatch']}")
-    else:
-        lines += ["", f"- float32 greedy agreement: {agree.get('skipped') or 'error: ' + str(agree.get('error'))}"]
+    if "agreement" in section:
+        lines += ["", *render_agreement(section["agreement"])]
     lines += ["", "| target | met |", "|---|---|"]
     for name, met in section.get("targets", {}).items():
         lines.append(f"| {name} | {'unmeasured' if met is None else 'yes' if met else 'NO'} |")
+    return lines
+
+
+def render_agreement(agree: dict) -> list[str]:
+    """Markdown lines of the float32 greedy agreement (its own section in gpu_check, a line in this one)."""
+    if "identical" not in agree:
+        return [f"- float32 greedy agreement: {agree.get('skipped') or 'error: ' + str(agree.get('error'))}"]
+    lines = [f"- float32 greedy agreement: {agree['identical']}/{agree['prompts']} prompts identical "
+             f"({agree['tokens_each']} tokens each)"]
+    if "first_mismatch" in agree:
+        lines.append(f"  - first mismatch: {agree['first_mismatch']}")
     return lines
 
 
@@ -223,12 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     settings = CompareSettings(batches=tuple(int(b) for b in args.batches.split(",")), time_budget_s=args.budget_s)
-    section = measure_engine_compare(settings)
-    text = "\n".join(render_engine_compare(section)) + "\n"
     out = Path(args.out)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
-    print(text, flush=True)
+
+    def write(section: dict) -> None:  # after each part too: a run stopped later keeps what it measured
+        out.write_text("\n".join(render_engine_compare(section)) + "\n")
+        out.with_suffix(".json").write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
+
+    section = measure_engine_compare(settings, on_part=write)
+    write(section)
+    print(out.read_text(), flush=True)
     return 0 if engine_compare_ok(section) else 1
 
 

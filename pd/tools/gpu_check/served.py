@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pd.cluster.config import DeployConfig, load_deploy_config
@@ -190,8 +191,10 @@ def compare_greedy(reference: list[list[int]] | None, other: list[list[int]] | N
     return out
 
 
-def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = None) -> dict:
-    """The served section: colocated, then 1P1D on one GPU, from `base` (default: the one-GPU config)."""
+def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = None,
+                   on_part: Callable[[dict], None] | None = None) -> dict:
+    """The served section: colocated, then 1P1D on one GPU, from `base` (default: the one-GPU config).
+    `on_part` gets the section after each deployment, so a run stopped later keeps the earlier figures."""
     import ray
 
     from pd.deploy.launch import init_ray
@@ -211,6 +214,8 @@ def measure_served(base: DeployConfig | None = None, plan: ServedPlan | None = N
     try:
         for name, config in served_configs(base).items():
             section[name] = serve_one(name, config, plan, prompts)
+            if on_part is not None:
+                on_part(section)
         pair = {name: section[name] for name in ("colocated", "pd_one_gpu")}
         if greedy_dtype != base.model.dtype:
             section["greedy_served_dtype"] = _compare_pair(pair)  # for information: rounding may flip ties
