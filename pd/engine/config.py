@@ -56,6 +56,8 @@ class EngineConfig:
     watermark: float = 0.0
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
+    kv_audit_rate: float = 0.0  # fraction of landed remote loads whose last full block D recomputes (kv_audit.py)
+    kv_audit_tolerance: float = 0.0  # the audit's max |difference|; 0: bitwise (P and D on the same kernels)
     hash_algorithm: str = "sha256"
     dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
     hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
@@ -87,6 +89,10 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
+        if not 0.0 <= self.kv_audit_rate <= 1.0:  # (also refuses NaN)
+            raise ValueError(f"kv_audit_rate must be in [0, 1], got {self.kv_audit_rate}")
+        if not 0.0 <= self.kv_audit_tolerance < float("inf"):
+            raise ValueError(f"kv_audit_tolerance must be finite and >= 0, got {self.kv_audit_tolerance}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
