@@ -23,6 +23,8 @@ from pd.engine.kv_audit import sampled
 from pd.engine.model.config import ModelConfig
 from pd.engine.sample.params import SamplingParams
 from pd.engine.step_isolation import PERTURB_KV
+from pd.router.metrics import RouterMetrics, WorkerFigures
+from pd.worker.wiring import engine_stats
 
 torch.set_num_threads(1)
 
@@ -125,6 +127,13 @@ def test_perturbed_producer_is_flagged_for_every_sampled_request(pair, caplog):
     for rid in batch:
         assert any(f"request {rid} from P prefill-0 on D decode-0" in m for m in flagged), flagged
     assert all("layer 0 K" in m for m in flagged)  # the perturbed layer is the first that differs
+    # what the router exports from D's polled stats
+    figures = WorkerFigures("decode-0", "decode", True, engine_stats(d, d.connector))
+    text = RouterMetrics("tiny", lambda: [figures]).render().decode()
+    labels = '{model_name="tiny",role="decode",worker="decode-0"}'
+    assert f"pdkv_kv_audit_checked_total{labels} {float(len(batch))}" in text
+    assert f"pdkv_kv_audit_mismatched_total{labels} {float(len(batch))}" in text
+    assert f"pdkv_kv_audit_worst_diff{labels} {s['kv_audit_worst_diff']}" in text
     check_free(p, d)
 
 
@@ -158,3 +167,44 @@ def test_sampling_follows_the_rate():
     assert 0.005 < share < 0.02
     assert not any(sampled(i, 0.0) for i in ids) and all(sampled(i, 1.0) for i in ids)
     assert [sampled(i, 0.3) for i in ids] == [sampled(i, 0.3) for i in ids]  # a request decides alike each time
+
+
+def test_the_audit_leaves_the_prefix_cache_as_it_was(pair):
+    """Same prompts into an auditing D and a non-auditing one: the same cached blocks, no scratch block
+    among them, and the same tokens (the audit changes nothing the request sees)."""
+    p, d = pair
+    plain = make_engine("decode-9", KVRole.CONSUMER)
+    try:
+        batch = prompts(6)
+        audited_out = transfer(p, d, batch)
+        plain_out = transfer(p, plain, {rid: tokens for rid, tokens in batch.items()})
+        assert d.stats()["kv_audit_checked"] == len(batch)
+        for rid in batch:
+            assert [t for o in audited_out[rid] for t in o.new_token_ids] == \
+                   [t for o in plain_out[rid] for t in o.new_token_ids]
+        cached = [set(e.kv_cache_manager.block_pool.cached_map(0)) for e in (d, plain)]
+        assert cached[0] == cached[1] and cached[0]
+        check_free(p, d, plain)
+    finally:
+        plain.shutdown()
+
+
+def test_a_request_failed_before_its_audit_runs_is_skipped(pair):
+    """D's request fails in the very step its load landed in (an injected step failure): the audit of
+    it is skipped, never computed over blocks it no longer holds, and every block comes back."""
+    p, d = pair
+    batch = {k: v for k, v in prompts(7).items() if len(v) >= BLOCK}
+    for rid, tokens in batch.items():
+        p.add_request(rid, tokens, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True})
+    firsts = {rid: o[-1] for rid, o in step_until_idle(
+        p, until=lambda outs: all(rid in outs and outs[rid][-1].finished for rid in batch)).items()}
+    doomed = sorted(batch)[0]
+    d.fault_marks.mark(doomed, "step")
+    for rid, tokens in batch.items():
+        d.add_request(rid, tokens, DECODE, kv_transfer_params=firsts[rid].kv_transfer_params)
+    outs = step_until_idle(p, d)
+    assert outs[doomed][-1].error and all(outs[r][-1].error is None for r in batch if r != doomed)
+    s = d.stats()
+    assert s["kv_audit_skipped"] == 1 and s["kv_audit_checked"] == len(batch) - 1
+    assert s["kv_audit_mismatched"] == 0
+    check_free(p, d)
