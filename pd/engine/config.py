@@ -57,7 +57,7 @@ class EngineConfig:
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
     kv_audit_rate: float = 0.0  # fraction of landed remote loads whose last full block D recomputes (kv_audit.py)
-    kv_audit_tolerance: float = 0.0  # the audit's max |difference|; 0: bitwise (P and D on the same kernels)
+    kv_audit_tolerance: float | None = None  # the audit's max relative |difference|; 0: bitwise; None: by dtype
     hash_algorithm: str = "sha256"
     dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
     hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
@@ -91,8 +91,8 @@ class EngineConfig:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         if not 0.0 <= self.kv_audit_rate <= 1.0:  # (also refuses NaN)
             raise ValueError(f"kv_audit_rate must be in [0, 1], got {self.kv_audit_rate}")
-        if not 0.0 <= self.kv_audit_tolerance < float("inf"):
-            raise ValueError(f"kv_audit_tolerance must be finite and >= 0, got {self.kv_audit_tolerance}")
+        if self.kv_audit_tolerance is not None and not 0.0 <= self.kv_audit_tolerance <= 1.0:
+            raise ValueError(f"kv_audit_tolerance must be in [0, 1] (relative) or None, got {self.kv_audit_tolerance}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

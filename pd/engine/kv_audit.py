@@ -20,9 +20,12 @@ How (`KVAuditor`), on the engine's step thread:
   to the pool in a `finally`. A request aborted or failed before its ticket runs is skipped, never
   computed over pages that may have moved on.
 
-Comparison: bitwise where the tolerance is 0 (the default: P and D run the same kernels and dtype, so
-the same computation gives the same bits), else max |difference| over the block's K/V of every layer
-against `EngineConfig.kv_audit_tolerance` (P and D on different kernels or devices). Each result is
+Comparison (`compare`): at `EngineConfig.kv_audit_tolerance` 0, bitwise: right where P and D run the
+same batch-invariant kernels and dtype (the torch backend on small models). Otherwise each layer's K and
+V may differ by the tolerance relative to their largest |value| in the block: kernels that pick their
+tiling by the number of rows (the fused CPU GEMMs, cuBLAS, Triton) round P's whole-prompt prefill and
+D's one-block recompute differently in the last bits (1e-6 relative in float32), while wrong KV differs
+by orders of magnitude more. Each result is
 counted (`stats()`: checked, mismatched, skipped, errors, worst difference) and logged with P's engine
 id, D's and the request; a mismatch names the first layer and K or V that differ.
 
@@ -48,6 +51,10 @@ from pd.engine.sched.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
+# The tolerance where none is set (`kv_audit_tolerance: null`), by KV dtype: comfortably above the worst rounding
+# difference measured between P's prefill and D's recompute of SmolLM2-135M (float32, fused CPU kernels:
+# 1.2e-6; bfloat16, torch: 0.025), below a 0.5 shift of one layer's K (0.066 relative and up).
+DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.05}
 PERTURBATION = 0.5  # added to every element of the perturbed K: finite, well-formed, and far from P's bytes
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -77,7 +84,7 @@ class AuditTicket:
 @dataclasses.dataclass(frozen=True)
 class AuditResult:
     match: bool
-    max_abs_diff: float  # inf where a NaN/Inf differs
+    max_rel_diff: float  # of the worst layer's K or V, relative to its largest |value|; inf where a NaN differs
     first_diff: str  # "layer L K|V" of the first differing layer, "" on a match
 
 
@@ -89,10 +96,10 @@ class KVAuditor:
     writes a block that a request holds; with rate 0 it does nothing at all.
     """
 
-    def __init__(self, rate: float, tolerance: float, engine_id: str, layout: KVLayout, page_pool: PagePool,
+    def __init__(self, rate: float, tolerance: float | None, engine_id: str, layout: KVLayout, page_pool: PagePool,
                  kv_cache_manager: KVCacheManager, forward: Callable[[list[ScheduledChunk]], object]):
         self.rate = rate
-        self.tolerance = tolerance
+        self.tolerance = DEFAULT_TOLERANCE.get(layout.dtype, 0.05) if tolerance is None else tolerance
         self.engine_id = engine_id
         self.layout = layout
         self.page_pool = page_pool
@@ -181,18 +188,19 @@ class KVAuditor:
 
     def _record(self, ticket: AuditTicket, result: AuditResult) -> None:
         self.num_checked += 1
-        if not math.isnan(result.max_abs_diff):
-            self.worst_diff = max(self.worst_diff, result.max_abs_diff)
+        if not math.isnan(result.max_rel_diff):
+            self.worst_diff = max(self.worst_diff, result.max_rel_diff)
         if result.match:
-            logger.info("KV audit: request %s from P %s on D %s: block %d matches (max |diff| %g, tolerance %g)",
+            logger.info("KV audit: request %s from P %s on D %s: block %d matches "
+                        "(max relative |diff| %g, tolerance %g)",
                         ticket.request_id, ticket.producer, self.engine_id, ticket.block_index,
-                        result.max_abs_diff, self.tolerance)
+                        result.max_rel_diff, self.tolerance)
             return
         self.num_mismatched += 1
         logger.warning("KV audit MISMATCH: request %s from P %s on D %s: block %d differs from D's recompute "
-                       "(first at %s, max |diff| %g, tolerance %g): P computed this KV differently",
+                       "(first at %s, max relative |diff| %g, tolerance %g): P computed this KV differently",
                        ticket.request_id, ticket.producer, self.engine_id, ticket.block_index, result.first_diff,
-                       result.max_abs_diff, self.tolerance)
+                       result.max_rel_diff, self.tolerance)
 
     def stats(self) -> dict[str, float | int]:
         return {"kv_audit_checked": self.num_checked, "kv_audit_mismatched": self.num_mismatched,
@@ -219,7 +227,9 @@ class KVAuditor:
 
 def compare(recomputed: Sequence[torch.Tensor], received: Sequence[torch.Tensor], tolerance: float,
             layers: Sequence[Sequence[int]]) -> AuditResult:
-    """Per group, pages of shape (layers, 2, block, heads, dim): bitwise at tolerance 0, else max |diff|."""
+    """Per group, pages of shape (layers, 2, block, heads, dim). Tolerance 0: bitwise. Else each layer's K
+    (and V) may differ by at most `tolerance` times its largest |value| in the received block: a relative
+    bound, since K and V magnitudes differ by model and layer while rounding errors scale with them."""
     worst, first = 0.0, ""
     bitwise = True
     for g, (a, b) in enumerate(zip(recomputed, received, strict=True)):
@@ -228,13 +238,14 @@ def compare(recomputed: Sequence[torch.Tensor], received: Sequence[torch.Tensor]
         bitwise = bitwise and same_bits
         if same_bits:
             continue
-        diff = (a.float() - b.float()).abs()
-        diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
-        per = diff.flatten(2).amax(dim=2)  # (layers, 2)
-        worst = max(worst, float(per.max()))
+        diff = (a.float() - b.float()).abs().flatten(2).amax(dim=2)  # (layers, 2): max |diff| per K and V
+        scale = b.float().abs().flatten(2).amax(dim=2).clamp_min(1e-30)
+        rel = diff / scale
+        rel = torch.where(torch.isfinite(rel), rel, torch.full_like(rel, math.inf))  # a NaN differs by inf
+        worst = max(worst, float(rel.max()))
         if not first:
-            over = (per > tolerance).nonzero()
-            slot, kv = (over[0].tolist() if len(over) else (per > 0).nonzero()[0].tolist())
+            over = (rel > tolerance).nonzero()
+            slot, kv = (over[0].tolist() if len(over) else (rel > 0).nonzero()[0].tolist())
             first = f"layer {layers[g][slot]} {'KV'[kv]}"
     match = bitwise or (tolerance > 0 and worst <= tolerance)
     return AuditResult(match, worst, "" if match else first)
