@@ -14,7 +14,7 @@ Points (`WORKER_POINTS`, used with `connectors.links.faults` rule syntax):
   worker reports itself unhealthy and restarts its process, as on a GPU (`pd.engine.step_isolation`);
 - `engine.perturb_kv` (`corrupt` only): a prefill worker sends this request's KV well-formed but wrong
   (its first layer's K shifted after the forward, before the connector seals its checksums), for the
-  KV audit to catch (`pd.engine.kv_audit`, `transfer.kv_audit_rate`);
+  KV audit to catch (`pd.engine.runner.kv_audit`, `transfer.kv_audit_rate`);
 plus every `connectors.links.fault_points.LINK_POINTS` point (fired by a FaultLink in
 front of the producer a decode worker pulls from).
 

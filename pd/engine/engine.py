@@ -41,7 +41,7 @@ from kvcache.specs import cdiv
 from connectors.base import KVConnector
 from connectors.noop import or_noop
 from pd.engine.kv.capacity import check_fits
-from pd.engine.kv_audit import KVAuditor
+from pd.engine.runner.kv_audit import KVAuditor
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig

@@ -39,7 +39,7 @@ STEP = "step"
 LOOP = "loop"
 DEVICE_OOM = "device_oom"
 DEVICE_ERROR = "device_error"
-PERTURB_KV = "perturb_kv"  # not a failure: P sends this request's KV shifted (`pd.engine.kv_audit`)
+PERTURB_KV = "perturb_kv"  # not a failure: P sends this request's KV shifted (`pd.engine.runner.kv_audit`)
 POINTS = (STEP, LOOP, DEVICE_OOM, DEVICE_ERROR, PERTURB_KV)
 
 # What torch says when a CUDA call failed, for builds that raise a plain RuntimeError

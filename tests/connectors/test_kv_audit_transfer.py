@@ -1,4 +1,4 @@
-"""The online KV audit (`pd.engine.kv_audit`) between two real engines with real ZMQ connectors.
+"""The online KV audit (`pd.engine.runner.kv_audit`) between two real engines with real ZMQ connectors.
 
 P prefills, D pulls the prompt's pages over real sockets and, for a sampled request, recomputes the
 last pulled full block over the received prefix and compares it with what P sent. A clean P is never
@@ -20,7 +20,7 @@ from kvcache.audit import assert_all_free, check_invariants
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.kv.layout import KVLayout
-from pd.engine.kv_audit import sampled
+from pd.engine.runner.kv_audit import sampled
 from pd.engine.model.config import ModelConfig
 from pd.engine.sample.params import SamplingParams
 from pd.engine.step_isolation import PERTURB_KV
@@ -104,7 +104,7 @@ def check_free(*engines: Engine) -> None:
 
 def test_clean_transfer_is_never_flagged(pair, caplog):
     p, d = pair
-    caplog.set_level(logging.INFO, logger="pd.engine.kv_audit")
+    caplog.set_level(logging.INFO, logger="pd.engine.runner.kv_audit")
     batch = prompts(1)
     transfer(p, d, batch)
     s = d.stats()
@@ -131,7 +131,7 @@ def test_perturbed_producer_is_flagged_for_every_sampled_request(tolerance, capl
 
 
 def flagged_everywhere(p: Engine, d: Engine, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="pd.engine.kv_audit")
+    caplog.set_level(logging.WARNING, logger="pd.engine.runner.kv_audit")
     batch = prompts(2)
     transfer(p, d, batch, perturb=True)
     s = d.stats()

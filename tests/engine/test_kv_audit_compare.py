@@ -1,4 +1,4 @@
-"""`pd.engine.kv_audit.compare`: bitwise at tolerance 0, relative to each layer's K/V magnitude otherwise,
+"""`pd.engine.runner.kv_audit.compare`: bitwise at tolerance 0, relative to each layer's K/V magnitude otherwise,
 and the first differing layer named."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pd.engine.kv_audit import compare
+from pd.engine.runner.kv_audit import compare
 
 LAYERS = [(0, 2, 4)]  # one group holding layers 0, 2 and 4
 
