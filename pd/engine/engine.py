@@ -21,6 +21,8 @@ Guarantees:
   blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule).
   Should the loop thread still die, every waiting caller gets the error, `dead`
   says why, new requests are refused and `on_death` is called once.
+- with `kv_audit_rate` > 0, a sampled request's landed KV is checked after the step's outputs went out
+  (`pd.engine.runner.kv_audit`): no request waits for the result, and no block stays taken past the step.
 """
 from __future__ import annotations
 

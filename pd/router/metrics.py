@@ -209,7 +209,7 @@ _WORKER_GAUGES = (
     ("num_free_blocks", "pdkv_worker_num_free_blocks", None, "Free KV blocks on the worker"),
     ("num_blocks", "pdkv_worker_num_blocks", None, "KV blocks in the worker's pool"),
     ("kv_audit_worst_diff", "pdkv_kv_audit_worst_diff", None,
-     "Largest |difference| the KV audit found between received and recomputed KV since start (0: bitwise)"),
+     "Largest relative difference the KV audit found between received and recomputed KV since start (0: bitwise)"),
 )
 _WORKER_COUNTERS = (
     ("prefix_cache_queries", "pdkv_worker_prefix_cache_queries", "vllm:prefix_cache_queries",

@@ -40,7 +40,7 @@ class ConnectorOutcomes:
     stats: SchedulerStats
     _finish: Callable[..., dict | None]
     _release: Callable[[RequestState], None]
-    on_load_landed: Callable[[RequestState], None] | None = None  # (the KV audit's sampler, `pd.engine.runner.kv_audit`)
+    on_load_landed: Callable[[RequestState], None] | None = None  # the KV audit's sampler (runner/kv_audit.py)
 
     def _promote_finished_loads(self) -> None:
         """Requests whose async load finished go back to the front of the waiting queue."""
