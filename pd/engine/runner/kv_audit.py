@@ -74,7 +74,7 @@ class AuditTicket:
     """One sampled request's audit: block `block_index` of its prompt, as received."""
 
     request_id: str
-    producer: str  # P's engine id (from the request's kv_transfer_params)
+    prefill_engine: str  # P's engine id (from the request's kv_transfer_params)
     block_index: int
     token_ids: list[int]  # the block's tokens
     prefix_block_ids: tuple[list[int], ...]  # per group: the blocks before it (received or local hits)
@@ -142,9 +142,10 @@ class KVAuditor:
             return
         views = self.views()
         received = tuple(views[g][ids[g][j]].clone() for g in range(len(ids)))
-        producer = str((req.kv_transfer_params or {}).get("remote_engine_id", "?"))
-        self._pending.append(AuditTicket(req.request_id, producer, j, list(req.all_token_ids[j * bs:(j + 1) * bs]),
-                                         tuple(list(g[:j]) for g in ids), received))
+        prefill_engine = str((req.kv_transfer_params or {}).get("remote_engine_id", "?"))
+        tokens = list(req.all_token_ids[j * bs:(j + 1) * bs])
+        self._pending.append(AuditTicket(req.request_id, prefill_engine, j, tokens, tuple(list(g[:j]) for g in ids),
+                                         received))
 
     def run_pending(self, alive: Mapping[str, object]) -> None:
         """Checks the tickets taken this step (`alive`: the scheduler's live requests by id)."""
@@ -157,8 +158,8 @@ class KVAuditor:
                 self._check(ticket, alive)
             except Exception:  # noqa: BLE001 - an audit never fails a step or a request
                 self.num_errors += 1
-                logger.exception("KV audit of request %s (P %s, D %s) failed", ticket.request_id, ticket.producer,
-                                 self.engine_id)
+                logger.exception("KV audit of request %s (P %s, D %s) failed", ticket.request_id,
+                                 ticket.prefill_engine, self.engine_id)
             self.seconds += time.perf_counter() - t0
 
     def _check(self, ticket: AuditTicket, alive: Mapping[str, object]) -> None:
@@ -193,13 +194,13 @@ class KVAuditor:
         if result.match:
             logger.info("KV audit: request %s from P %s on D %s: block %d matches "
                         "(max relative |diff| %g, tolerance %g)",
-                        ticket.request_id, ticket.producer, self.engine_id, ticket.block_index,
+                        ticket.request_id, ticket.prefill_engine, self.engine_id, ticket.block_index,
                         result.max_rel_diff, self.tolerance)
             return
         self.num_mismatched += 1
         logger.warning("KV audit MISMATCH: request %s from P %s on D %s: block %d differs from D's recompute "
                        "(first at %s, max relative |diff| %g, tolerance %g): P computed this KV differently",
-                       ticket.request_id, ticket.producer, self.engine_id, ticket.block_index, result.first_diff,
+                       ticket.request_id, ticket.prefill_engine, self.engine_id, ticket.block_index, result.first_diff,
                        result.max_rel_diff, self.tolerance)
 
     def stats(self) -> dict[str, float | int]:
