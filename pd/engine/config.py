@@ -56,7 +56,7 @@ class EngineConfig:
     watermark: float = 0.0
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
-    kv_audit_rate: float = 0.0  # fraction of landed remote loads whose last full block D recomputes (runner/kv_audit.py)
+    kv_audit_rate: float = 0.0  # share of landed remote loads whose last full block is recomputed (runner/kv_audit.py)
     kv_audit_tolerance: float | None = None  # the audit's max relative |difference|; 0: bitwise; None: by dtype
     hash_algorithm: str = "sha256"
     dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
