@@ -203,8 +203,8 @@ class Engine:
         requests = self.scheduler.requests
         lengths = {c.request_id: requests[c.request_id].request.num_prompt_tokens
                    for c in sched.chunks if c.request_id in requests}
-        self.kv_audit.perturb_finished_prompts(sched.chunks, lengths,
-                                               lambda rid: self.fault_marks.is_marked(rid, PERTURB_KV))
+        self.kv_audit.perturb_prompt_chunks(sched.chunks, lengths,
+                                            lambda rid: self.fault_marks.is_marked(rid, PERTURB_KV))
 
     def _publish_kv_events(self) -> None:
         events = self.kv_cache_manager.take_events()

@@ -8,11 +8,13 @@ every sampled request. Engines are stepped from this thread; both pools end all 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
 
 import pytest
+import test_kv_streaming as streaming  # (its harness: P and D stepped here, a streamed request end to end)
 import torch
 
 from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
@@ -224,3 +226,27 @@ def test_a_request_failed_before_its_audit_runs_is_skipped(pair):
     assert s["kv_audit_skipped"] == 1 and s["kv_audit_checked"] == len(batch) - 1
     assert s["kv_audit_mismatched"] == 0
     check_free(p, d)
+
+
+@pytest.mark.parametrize("perturb", [False, True], ids=["clean", "perturbed"])
+def test_chunk_streamed_prefills_are_audited(perturb, monkeypatch):
+    """`transfer.streaming: chunk` (test_kv_streaming.py's harness): P publishes each prefill step's
+    blocks as it goes; the fault plan shifts every chunk before it is published, and D flags them all."""
+    monkeypatch.setattr(streaming, "EngineConfig", functools.partial(EngineConfig, kv_audit_rate=1.0))
+    p = streaming.make_engine("prefill-0", KVRole.PRODUCER)
+    d = streaming.make_engine("decode-0", KVRole.CONSUMER)
+    try:
+        drive = streaming.Drive(p, d)
+        lengths = (100, 64, 47)  # 4, 2 and 2 prefill steps of 32 tokens: the last full block in an early one
+        for i, n in enumerate(lengths):
+            if perturb:
+                p.fault_marks.mark(f"s{i}", PERTURB_KV)
+            drive.stream_whole(f"s{i}", streaming.prompt(n, start=i), DECODE)
+        s = d.stats()
+        assert s["kv_audit_checked"] == len(lengths)
+        assert s["kv_audit_mismatched"] == (len(lengths) if perturb else 0)
+        assert d.connector.stats()["failures"] == {} and s["kv_audit_errors"] == 0
+        drive.settle()  # both pools all free
+    finally:
+        p.shutdown()
+        d.shutdown()

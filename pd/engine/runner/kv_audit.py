@@ -29,9 +29,10 @@ by orders of magnitude more. Each result is
 counted (`stats()`: checked, mismatched, skipped, errors, worst difference) and logged with P's engine
 id, D's and the request; a mismatch names the first layer and K or V that differ.
 
-Also here, the fault plan's way to make P send well-formed wrong KV (`perturb_finished_prompts`): a
-prompt marked `perturb_kv` (`pd.engine.step_isolation.PERTURB_KV`) gets its first layer's K shifted in
-the blocks its last prefill chunk wrote, after the forward and before the connector seals and sends them.
+Also here, the fault plan's way to make P send well-formed wrong KV (`perturb_prompt_chunks`): a
+prompt marked `perturb_kv` (`pd.engine.step_isolation.PERTURB_KV`) gets its first layer's K shifted at
+the positions each of its prefill chunks wrote, after that chunk's forward and before the connector
+seals and sends them.
 """
 from __future__ import annotations
 
@@ -209,21 +210,26 @@ class KVAuditor:
                 "kv_audit_worst_diff": self.worst_diff, "kv_audit_seconds": round(self.seconds, 6)}
 
     # ------------------------------------------------------------------ P: the fault plan's wrong KV
-    def perturb_finished_prompts(self, chunks: Sequence[ScheduledChunk], num_prompt_tokens: Mapping[str, int],
-                                 marked: Callable[[str], bool]) -> None:
-        """Shifts the first layer's K in the blocks each marked chunk that ends its prompt wrote."""
+    def perturb_prompt_chunks(self, chunks: Sequence[ScheduledChunk], num_prompt_tokens: Mapping[str, int],
+                              marked: Callable[[str], bool]) -> None:
+        """Shifts the first layer's K at the prompt positions each marked chunk just wrote (every chunk of a
+        chunked or streamed prefill, each before the connector publishes it)."""
         bs = self.layout.block_size
         for chunk in chunks:
-            if chunk.start + len(chunk.token_ids) != num_prompt_tokens.get(chunk.request_id) or \
-                    not marked(chunk.request_id):
+            end = min(chunk.start + len(chunk.token_ids), num_prompt_tokens.get(chunk.request_id, 0))
+            if end <= chunk.start or not marked(chunk.request_id):
                 continue
-            ids = [b for b in chunk.block_ids[0][chunk.start // bs:] if b]
-            if ids:
-                index = torch.tensor(ids, dtype=torch.long, device=self.page_pool.device)
-                view = self.views()[0]
-                view[index, 0, 0] = view[index, 0, 0] + PERTURBATION
-                logger.warning("fault injection: perturbed layer %d K of %d block(s) of request %s on %s",
-                               self.layout.groups[0].layer_indices[0], len(ids), chunk.request_id, self.engine_id)
+            table = chunk.block_ids[0]
+            positions = [pos for pos in range(chunk.start, end) if table[pos // bs]]
+            if not positions:
+                continue
+            device = self.page_pool.device
+            blocks = torch.tensor([table[pos // bs] for pos in positions], dtype=torch.long, device=device)
+            offsets = torch.tensor([pos % bs for pos in positions], dtype=torch.long, device=device)
+            view = self.views()[0]
+            view[blocks, 0, 0, offsets] = view[blocks, 0, 0, offsets] + PERTURBATION
+            logger.warning("fault injection: perturbed layer %d K of %d prompt position(s) of request %s on %s",
+                           self.layout.groups[0].layer_indices[0], len(positions), chunk.request_id, self.engine_id)
 
 
 def compare(recomputed: Sequence[torch.Tensor], received: Sequence[torch.Tensor], tolerance: float,
