@@ -251,6 +251,13 @@ class TransferSection(StrictModel):
                              description="a whole KV pull; handshakes and I/O get less (at most 5 s)")
     lease_s: Positive = Field(_TRANSFER.lease_s, description="P keeps unpulled blocks this long without a heartbeat")
     kv_load_failure_policy: FailurePolicyField = FailurePolicy.RECOMPUTE
+    kv_audit_rate: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description=(
+        "share of disaggregated requests whose last pulled full KV block D recomputes and compares with what P "
+        "sent, after the load (0 = off; e.g. 0.01). See docs/reliability-and-security.md"))
+    kv_audit_tolerance: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=(
+        "the audit's largest accepted |difference| of a layer's K or V, relative to its largest |value| in the "
+        "block; 0 = bitwise (batch-invariant kernels only); null = by KV dtype: 1e-4 for float32, 0.05 for "
+        "bfloat16/float16"))
     data_path: DataPathName = Field(
         _TRANSFER.data_path, description="auto: cuda_ipc between GPU pools of one node (falls back to shm), "
                                        "shared memory on one host, else tcp")

@@ -12,6 +12,9 @@ Points (`WORKER_POINTS`, used with `connectors.links.faults` rule syntax):
   what torch raises for CUDA out of memory (`torch.OutOfMemoryError`) or an illegal memory access
   (`torch.AcceleratorError`): every request of that step fails with a device-fault error, and the
   worker reports itself unhealthy and restarts its process, as on a GPU (`pd.engine.step_isolation`);
+- `engine.perturb_kv` (`corrupt` only): a prefill worker sends this request's KV well-formed but wrong
+  (its first layer's K shifted after the forward, before the connector seals its checksums), for the
+  KV audit to catch (`pd.engine.runner.kv_audit`, `transfer.kv_audit_rate`);
 plus every `connectors.links.fault_points.LINK_POINTS` point (fired by a FaultLink in
 front of the producer a decode worker pulls from).
 
@@ -24,7 +27,9 @@ from connectors.links.fault_points import LINK_POINTS
 from connectors.links.faults import FaultAction, FaultPlan, FaultSpecError
 
 WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
-ENGINE_POINTS = frozenset({"engine.step", "engine.loop", "engine.device_oom", "engine.device_error"})
+ENGINE_POINTS = frozenset({"engine.step", "engine.loop", "engine.device_oom", "engine.device_error",
+                           "engine.perturb_kv"})
+CORRUPT_POINTS = frozenset({"engine.perturb_kv"})  # (engine points that do not fail: they corrupt)
 ALL_POINTS = WORKER_POINTS | ENGINE_POINTS | LINK_POINTS
 WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
 
@@ -36,6 +41,8 @@ def parse_worker_faults(spec: str | None) -> FaultPlan | None:
         for rule in plan.rules:
             if rule.point in WORKER_POINTS and rule.action not in WORKER_ACTIONS:
                 raise FaultSpecError(f"fault rule {rule}: worker points take {[a.value for a in WORKER_ACTIONS]}")
-            if rule.point in ENGINE_POINTS and rule.action is not FaultAction.KILL:
+            if rule.point in CORRUPT_POINTS and rule.action is not FaultAction.CORRUPT:
+                raise FaultSpecError(f"fault rule {rule}: {rule.point} takes corrupt only")
+            if rule.point in ENGINE_POINTS - CORRUPT_POINTS and rule.action is not FaultAction.KILL:
                 raise FaultSpecError(f"fault rule {rule}: engine points take kill only")
     return plan

@@ -53,6 +53,8 @@ class EngineConfig:
     watermark: float = 0.0
     full_sequence_must_fit: bool = False
     kv_load_failure_policy: str = "recompute"
+    kv_audit_rate: float = 0.0  # share of landed remote loads whose last full block is recomputed (runner/kv_audit.py)
+    kv_audit_tolerance: float | None = None  # the audit's max relative |difference|; 0: bitwise; None: by dtype
     hash_algorithm: str = "sha256"
     dtype: str | None = None  # None: the checkpoint's (model_path) or model.dtype
     hash_seed: str | None = None  # None: env PDKV_HASH_SEED, else per-process random (hashes mean nothing outside)
@@ -86,6 +88,10 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
+        if not 0.0 <= self.kv_audit_rate <= 1.0:  # (also refuses NaN)
+            raise ValueError(f"kv_audit_rate must be in [0, 1], got {self.kv_audit_rate}")
+        if self.kv_audit_tolerance is not None and not 0.0 <= self.kv_audit_tolerance <= 1.0:
+            raise ValueError(f"kv_audit_tolerance must be in [0, 1] (relative) or None, got {self.kv_audit_tolerance}")
         check_choice(self.attention_backend)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

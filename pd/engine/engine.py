@@ -21,6 +21,8 @@ Guarantees:
   blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule).
   Should the loop thread still die, every waiting caller gets the error, `dead`
   says why, new requests are refused and `on_death` is called once.
+- with `kv_audit_rate` > 0, a sampled request's landed KV is checked after the step's outputs went out
+  (`pd.engine.runner.kv_audit`): no request waits for the result, and no block stays taken past the step.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from connectors.base import KVConnector
 from connectors.noop import or_noop
 from connectors.params import TransferParams
 from pd.engine.kv.capacity import check_fits
+from pd.engine.runner.kv_audit import KVAuditor
 from pd.engine.kv.page_pool import PagePool
 from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
@@ -56,7 +59,7 @@ from pd.engine.runner.kv_connector import ConnectorSeam
 from pd.engine.runner.model_runner import ModelRunner, RunnerOptions
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sched.scheduler import Scheduler
-from pd.engine.step_isolation import LOOP, STEP, FaultMarks, execute_isolated
+from pd.engine.step_isolation import LOOP, PERTURB_KV, STEP, FaultMarks, execute_isolated
 from pd.engine.text.tokenizer import ByteTokenizer, Tokenizer, text_tokenizer, valid_token_ids
 
 logger = logging.getLogger(__name__)
@@ -112,6 +115,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector,
                                    eos_token_id=self.model_config.eos_token_id)
         self.kv_connector = ConnectorSeam(connector, self.page_pool)  # (registers the page pool)
+        self.kv_audit = KVAuditor(config.kv_audit_rate, config.kv_audit_tolerance, config.engine_id, self.layout,
+                                  self.page_pool, self.kv_cache_manager, self.runner.final_hidden)
+        if self.kv_audit.enabled:
+            self.scheduler.on_load_landed = self.kv_audit.on_load_landed
         self._lock = threading.Lock()  # guards _pending, _active_ids, _listeners
         self._step_lock = threading.Lock()  # one step at a time
         self._pending: list[tuple[str, Any]] = []
@@ -205,6 +212,8 @@ class Engine:
             self.fault_marks.check(sched.chunks, LOOP)  # a fault plan's stand-in for a bug in the loop
             self.runner.update_requests(sched)
             sampled, failed = execute_isolated(self._run_chunks, sched.chunks) if sched.chunks else ({}, {})
+            if self.fault_marks.has_marks:  # a fault plan's wrong KV, before the connector seals it
+                self._perturb_marked(sched)
             connector_output = self.kv_connector.after_forward()
             t2 = time.perf_counter()
             self._fail(sched, failed)
@@ -216,7 +225,15 @@ class Engine:
                 self.timing[key] += value
             self._publish_kv_events()  # before the outputs: a router sees the blocks before the answer
             self._dispatch(outputs)
+            self.kv_audit.run_pending(self.scheduler.requests)  # after the outputs went out: nobody waits on it
             return outputs
+
+    def _perturb_marked(self, sched: SchedulerOutput) -> None:
+        requests = self.scheduler.requests
+        lengths = {c.request_id: requests[c.request_id].request.num_prompt_tokens
+                   for c in sched.chunks if c.request_id in requests}
+        self.kv_audit.perturb_prompt_chunks(sched.chunks, lengths,
+                                            lambda rid: self.fault_marks.is_marked(rid, PERTURB_KV))
 
     def _publish_kv_events(self) -> None:
         events = self.kv_cache_manager.take_events()
@@ -398,6 +415,7 @@ class Engine:
             "num_steps": s.stats.num_steps,
             "num_errors": s.stats.num_errors,
             **{k: round(v, 6) for k, v in self.timing.items()},
+            **self.kv_audit.stats(),
         }
 
     def audit(self) -> PoolAudit:

@@ -39,7 +39,8 @@ STEP = "step"
 LOOP = "loop"
 DEVICE_OOM = "device_oom"
 DEVICE_ERROR = "device_error"
-POINTS = (STEP, LOOP, DEVICE_OOM, DEVICE_ERROR)
+PERTURB_KV = "perturb_kv"  # not a failure: P sends this request's KV shifted (`pd.engine.runner.kv_audit`)
+POINTS = (STEP, LOOP, DEVICE_OOM, DEVICE_ERROR, PERTURB_KV)
 
 # What torch says when a CUDA call failed, for builds that raise a plain RuntimeError
 _DEVICE_FAULT_TEXTS = ("CUDA error", "CUDA out of memory", "device-side assert", "illegal memory access",
@@ -107,6 +108,16 @@ class FaultMarks:
         if self._marks:
             with self._lock:
                 self._marks.pop(request_id, None)
+
+    @property
+    def has_marks(self) -> bool:
+        return bool(self._marks)
+
+    def is_marked(self, request_id: str, where: str) -> bool:
+        if not self._marks:
+            return False
+        with self._lock:
+            return self._marks.get(request_id) == where
 
     def check(self, chunks: Sequence[ScheduledChunk], where: str) -> None:
         """`LOOP` (once a step, before it computes): raises the latched DeviceFault, or

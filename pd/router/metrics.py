@@ -210,6 +210,8 @@ _WORKER_GAUGES = (
      "Finished prefills whose blocks are held for a decode worker's pull"),
     ("num_free_blocks", "pdkv_worker_num_free_blocks", None, "Free KV blocks on the worker"),
     ("num_blocks", "pdkv_worker_num_blocks", None, "KV blocks in the worker's pool"),
+    ("kv_audit_worst_diff", "pdkv_kv_audit_worst_diff", None,
+     "Largest relative difference the KV audit found between received and recomputed KV since start (0: bitwise)"),
 )
 _WORKER_COUNTERS = (
     ("prefix_cache_queries", "pdkv_worker_prefix_cache_queries", "vllm:prefix_cache_queries",
@@ -221,6 +223,12 @@ _WORKER_COUNTERS = (
     ("num_errors", "pdkv_worker_engine_errors", None, "Engine steps that failed"),
     ("num_aborted", "pdkv_worker_requests_aborted", None, "Requests aborted because their consumer went away"),
     ("num_rejected", "pdkv_worker_requests_rejected", None, "Requests the worker refused"),
+    ("kv_audit_checked", "pdkv_kv_audit_checked", None,
+     "Received KV blocks a decode worker recomputed and compared (transfer.kv_audit_rate)"),
+    ("kv_audit_mismatched", "pdkv_kv_audit_mismatched", None,
+     "Audited KV blocks that differ from the decode worker's recompute beyond transfer.kv_audit_tolerance"),
+    ("kv_audit_skipped", "pdkv_kv_audit_skipped", None,
+     "Sampled KV audits not run (the request ended first, no full block pulled, or no scratch block free)"),
 )
 _ENGINE_PHASES = ("schedule", "model", "update")  # stats key `<phase>_s`: seconds spent since start
 _TRANSFER_COUNTERS = (

@@ -58,6 +58,7 @@ def engine_config_for(spec) -> EngineConfig:
         enable_prefix_caching=cfg.cache.enable_prefix_caching,
         watermark=cfg.scheduler.watermark,
         kv_load_failure_policy=cfg.transfer.kv_load_failure_policy.value,
+        kv_audit_rate=cfg.transfer.kv_audit_rate, kv_audit_tolerance=cfg.transfer.kv_audit_tolerance,
         hash_algorithm=cfg.cache.hash_algorithm,
         device=cfg.topology.device,
         engine_id=f"{spec.worker_id}-{uuid.uuid4().hex[:8]}",

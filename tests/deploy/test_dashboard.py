@@ -173,7 +173,8 @@ def test_the_issues_panels_are_there(dashboard):
                    "sum by (worker) (rate(pdkv_worker_prefix_cache_hits_total",
                    "rate(pdkv_kv_transfer_bytes_recv_total", "sum by (cause) (rate(pdkv_kv_transfer_failures_total",
                    "sum by (kind, reason) (rate(pdkv_planner_decisions_total", "pdkv_kv_event_batches_total",
-                   "pdkv_ttft_stage_seconds_bucket", "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"):
+                   "pdkv_ttft_stage_seconds_bucket", "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+                   "pdkv_kv_audit_mismatched_total", "pdkv_kv_audit_worst_diff"):
         assert needle in exprs, needle
 
 

@@ -58,6 +58,14 @@ class BoundKV:
     layers: tuple[LayerKV, ...]
     rows_per_page: int  # a page of the pool as rows of one token's K or V
 
+    def group_pages(self, group: int) -> torch.Tensor:
+        """Group `group`'s pages as (num_blocks, layers in the group, 2, block_size, Hkv, D) (no copy): a
+        whole block of one group, K and V of each of its layers, as the connector and the KV audit see it."""
+        shape = self.layout.page_shape(group)
+        nb = self.pool.num_blocks
+        rows = self.token_rows.view(nb, self.rows_per_page, -1)[:, :shape[0] * 2 * shape[2]]
+        return rows.view(nb, *shape)
+
 
 class KVLayout:
     """Layer -> (group, slot in group) map and page geometry for one model.

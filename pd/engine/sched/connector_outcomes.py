@@ -41,6 +41,7 @@ class ConnectorOutcomes:
     stats: SchedulerStats
     _finish: Callable[..., TransferParams | None]
     _release: Callable[[RequestState], None]
+    on_load_landed: Callable[[RequestState], None] | None = None  # the KV audit's sampler (runner/kv_audit.py)
 
     def _promote_finished_loads(self) -> None:
         """Requests whose async load finished go back to the front of the waiting queue."""
@@ -62,6 +63,8 @@ class ConnectorOutcomes:
                 self.stats.num_load_failures_recomputed += 1
             else:
                 self.mgr.cache_blocks(req, req.num_computed_tokens)
+                if self.on_load_landed is not None:  # before any forward of it writes its blocks
+                    self.on_load_landed(state)
                 self.stats.num_remote_tokens += state.num_external_tokens
                 state.num_loaded_tokens = min(state.num_external_tokens,
                                               req.num_prompt_tokens - 1 - (state.num_cached_tokens or 0))
