@@ -26,7 +26,8 @@ def _weights(seed: int = 0) -> tuple[torch.Tensor, AttentionWeights, MLPWeights]
 
     q_out, kv_out = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
     attn = AttentionWeights(q=rand(q_out, HIDDEN), k=rand(kv_out, HIDDEN), v=rand(kv_out, HIDDEN),
-                            o=rand(HIDDEN, q_out), q_bias=rand(q_out), k_bias=rand(kv_out), v_bias=rand(kv_out), o_bias=rand(HIDDEN))
+                            o=rand(HIDDEN, q_out), q_bias=rand(q_out), k_bias=rand(kv_out), v_bias=rand(kv_out),
+                            o_bias=rand(HIDDEN))
     mlp = MLPWeights(gate=rand(INTERMEDIATE, HIDDEN), up=rand(INTERMEDIATE, HIDDEN), down=rand(HIDDEN, INTERMEDIATE))
     return torch.randn(TOKENS, HIDDEN, generator=g), attn, mlp
 
@@ -86,7 +87,8 @@ def test_the_slices_put_back_together_are_the_full_weights(tp, num_kv_heads):
         assert w.q.untyped_storage().data_ptr() != full.q.untyped_storage().data_ptr()  # a copy, not a view
         assert attention_slices(shape, HEAD_DIM, r)["o_bias"] is None  # the row-parallel bias is never split
     mlp = MLPWeights(gate=torch.randn(INTERMEDIATE, HIDDEN, generator=g),
-                     up=torch.randn(INTERMEDIATE, HIDDEN, generator=g), down=torch.randn(HIDDEN, INTERMEDIATE, generator=g))
+                     up=torch.randn(INTERMEDIATE, HIDDEN, generator=g),
+                     down=torch.randn(HIDDEN, INTERMEDIATE, generator=g))
     parts = [shard_mlp(mlp, r, tp) for r in range(tp)]
     assert torch.equal(torch.cat([p.gate for p in parts]), mlp.gate)
     assert torch.equal(torch.cat([p.down for p in parts], dim=1), mlp.down)
