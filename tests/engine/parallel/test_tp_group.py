@@ -25,9 +25,16 @@ def _sums(group: TPGroup, base: int, rounds: int) -> dict:
     smallest = group.min_int(100 + group.rank * 7)
     largest = int(group.all_reduce(torch.tensor([group.rank]), op="max").item())
     control = group.broadcast_control(torch.tensor([group.rank * 10 + 3]), src=group.world_size - 1).item()
-    return {"sums": sums, "min": smallest, "max": largest, "control": control, "backend": group.backend}
+    try:
+        TPGroup(group.rank, group.world_size, "127.0.0.1:1", timeout_s=1)
+        second = "joined a second group"
+    except RuntimeError as exc:
+        second = str(exc)
+    return {"sums": sums, "min": smallest, "max": largest, "control": control, "backend": group.backend,
+            "second": second}
 
 
+@pytest.mark.timeout(150)  # spawning ranks imports torch: slow on a busy box, never stuck
 def test_all_reduce_and_control_broadcast_over_four_real_ranks():
     world_size = 4  # two ranks: the two gangs below
     with Gang(world_size, _sums, 0, 3, timeout_s=TIMEOUT_S) as gang:
@@ -39,9 +46,11 @@ def test_all_reduce_and_control_broadcast_over_four_real_ranks():
         assert res["sums"] == [[want, float(i * world_size)] for i in range(3)]
         assert (res["min"], res["max"], res["control"]) == (100, world_size - 1, (world_size - 1) * 10 + 3)
         assert res["backend"] == "gloo"
+        assert res["second"] == "this process already belongs to a TP group (one rank per process)"
     assert gang.all_ended()
 
 
+@pytest.mark.timeout(150)  # spawning ranks imports torch: slow on a busy box, never stuck
 def test_two_gangs_on_one_host_do_not_collide():
     with Gang(2, _sums, 1000, 6, timeout_s=TIMEOUT_S) as first, Gang(2, _sums, 5000, 6, timeout_s=TIMEOUT_S) as second:
         assert first.address != second.address and first.address.startswith("127.0.0.1:")
@@ -65,6 +74,7 @@ def _one_rank_dies(group: TPGroup, how: str) -> dict:
     return {"completed": True}
 
 
+@pytest.mark.timeout(150)  # spawning ranks imports torch: slow on a busy box, never stuck
 @pytest.mark.parametrize(("how", "world_size"), [("kill", 3), ("hang", 2)])
 def test_a_dead_or_hung_rank_fails_the_others_next_collective_within_the_timeout(how, world_size):
     with Gang(world_size, _one_rank_dies, how, timeout_s=TIMEOUT_S) as gang:

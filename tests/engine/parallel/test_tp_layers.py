@@ -52,6 +52,7 @@ def _sharded_block(group) -> dict:
     return {"attention": (h - x).tolist(), "block": out.tolist(), "k_rows": mine.k.shape[0]}
 
 
+@pytest.mark.timeout(150)  # spawning ranks imports torch: slow on a busy box, never stuck
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_attention_and_mlp_match_the_full_model(tp):
     x, attn, mlp = _weights()

@@ -52,6 +52,7 @@ def _exchange(group: TPGroup, plans: list) -> dict:
     return {"received": received}
 
 
+@pytest.mark.timeout(150)  # spawning ranks imports torch: slow on a busy box, never stuck
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_plans_reach_every_rank_in_order_without_pickle(world_size):
     with Gang(world_size, _exchange, PLANS, timeout_s=10.0) as gang:
