@@ -10,6 +10,7 @@ runner or scheduler; attention imports neither the scheduler nor the CPU kernels
 whose step executor builds on attention); the runner builds on them all); the rooms above it import
 only its public parts (`ENGINE_PUBLIC`); what the router reaches
 of it imports no torch, and `sample/params.py` (the router builds sampling params too) none at all.
+`parallel/` (tensor parallelism) imports only the standard library, torch, msgpack and the KV room.
 
 Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
 implementation lives in `connectors.zmq` (its rooms import each other only as `ZMQ_ROOM_IMPORTS`
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "connectors", "pd")
@@ -259,12 +261,16 @@ ENGINE_RANKS = {
     "pd.engine.model": 1,
     "pd.engine.inputs": 1,
     "pd.engine.config": 2, "pd.engine.kv": 2, "pd.engine.sample": 2,
-    "pd.engine.sched": 3, "pd.engine.attention": 3,
+    "pd.engine.sched": 3, "pd.engine.attention": 3, "pd.engine.parallel": 3,
     "pd.engine.cpu": 4, "pd.engine.step_isolation": 4,
     "pd.engine.runner": 5,
     "pd.engine.engine": 6,
     "pd.engine": 7,  # the package itself
 }
+# parallel/ (tensor parallelism's building blocks) imports the KV room and, beyond the standard library, only
+# torch and msgpack: never ray (a gang's data plane runs without it), zmq or the connectors.
+PARALLEL = "pd.engine.parallel"
+PARALLEL_MAY_IMPORT = frozenset({"torch", "msgpack", "pd.engine.kv", PARALLEL})
 # text/ finds and converts a checkpoint's tokenizer where the checkpoint is found (model/files.py,
 # model/gguf.py), lazily; nothing else of the engine.
 TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
@@ -349,6 +355,41 @@ def test_what_the_router_reaches_of_the_engine_imports_no_torch():
     assert [m for m in engine_side if _imports_torch(modules[m])] == []
     assert not _imports_torch(modules["pd.engine.sample.params"])
     assert graph["pd.engine.sample.params"] == set()
+
+
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _against_parallel_room(imports: dict[str, set[str]]) -> list[str]:
+    """What a module of pd/engine/parallel imports beyond the standard library and PARALLEL_MAY_IMPORT."""
+    wrong = []
+    for module, names in sorted(imports.items()):
+        for name in sorted(names):
+            if name.split(".")[0] in sys.stdlib_module_names or any(_in(name, ok) for ok in PARALLEL_MAY_IMPORT):
+                continue
+            wrong.append(f"{module} -> {name}")
+    return wrong
+
+
+def test_the_parallel_room_imports_torch_msgpack_and_the_kv_room_only():
+    modules = _modules()
+    room = {m: _top_level_imports(p) for m, p in modules.items() if _in(m, PARALLEL)}
+    assert f"{PARALLEL}.tp" in room  # the room exists: a check over nothing checks nothing
+    wrong = _against_parallel_room(room)
+    assert not wrong, "pd/engine/parallel imports outside its rule:\n" + "\n".join(wrong)
+    made_up = {f"{PARALLEL}.group": {"ray", "torch.distributed", "datetime", "pd.engine.kv.layout"},
+               f"{PARALLEL}.step_channel": {"msgpack", "zmq", "connectors.zmq.wire", "pd.engine.runner.model_runner"}}
+    assert _against_parallel_room(made_up) == [f"{PARALLEL}.group -> ray",
+                                               f"{PARALLEL}.step_channel -> connectors.zmq.wire",
+                                               f"{PARALLEL}.step_channel -> pd.engine.runner.model_runner",
+                                               f"{PARALLEL}.step_channel -> zmq"]
 
 
 def test_the_engine_room_check_sees_wrong_imports():

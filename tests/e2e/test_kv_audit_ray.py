@@ -7,21 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
-import ray
 import requests
 
 from pd.deploy.launch import Deployment
-from e2e_helpers import HTTP_TIMEOUT_S, complete, e2e_config, ray_init_kwargs, wait_all_free, worker_reports
+from tests.helpers.e2e import HTTP_TIMEOUT_S, complete, e2e_config, wait_all_free, worker_reports
 
 # Distinct openings (no prefix hits on D), each 100+ byte tokens: several full blocks of 16 to pull
 PROMPTS = [f"{i}: " + "the audit recomputes the last block that was pulled; " * 2 for i in range(5)]
 
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(**ray_init_kwargs())
-    yield
-    ray.shutdown()
 
 
 def _decode_stats(url: str) -> dict:
