@@ -24,6 +24,7 @@ from pd.engine.attention import triton_reference
 from pd.engine.attention.metadata import StepMetadata
 from pd.engine.kv.layout import KVLayout
 from pd.engine.kv.page_pool import PagePool
+from pd.engine.model.layer_ops import TORCH_OPS, LayerOps
 from pd.engine.model.llama import CausalLM
 
 
@@ -35,6 +36,12 @@ class AttentionOps:
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, seq_lens, query_start, max_query_len,
     #                                        scale, window)
+
+
+def triton_layer_ops() -> LayerOps:
+    from pd.engine.attention.triton_ops import TRITON_OPS
+
+    return TRITON_OPS
 
 
 def triton_ops() -> AttentionOps:
@@ -75,11 +82,13 @@ class TritonBackend:
         self.pages = layout.token_rows(page_pool).view(page_pool.num_blocks, layout.rows_per_page,
                                                        layout.num_kv_heads, layout.head_dim)
         self.scale = layout.head_dim ** -0.5
-        self.ops = triton_ops()
+        self.use_reference(False)
 
     def use_reference(self, on: bool) -> None:
         """Run the kernels' torch reference instead of the kernels (`on`), or the kernels again."""
         self.ops = REFERENCE_OPS if on else triton_ops()
+        # the layers' norms, RoPE and SiLU-and-mul (the model's seam, model/layer_ops.py): one kernel each
+        self.layer_ops = TORCH_OPS if on else triton_layer_ops()
 
     @property
     def description(self) -> str:
