@@ -295,6 +295,10 @@ class DeployConfig(StrictModel):
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise FieldError("model.attention_backend", "'triton' runs on CUDA; here topology.device is "
                              f"{self.topology.device} (use 'auto', 'torch' or 'fused')")
+        # (connectors/zmq/layer_slices.py publishes slices from inside the forward, off a host page pool)
+        if self.transfer.streaming == "layer" and self.topology.device != "cpu":
+            raise FieldError("transfer.streaming", "'layer' needs the KV pool in host memory (topology.device: "
+                             f"cpu); here topology.device is {self.topology.device} (use 'chunk' or 'off')")
         return self
 
     def to_dict(self) -> dict[str, Any]:
