@@ -87,8 +87,20 @@ def _rows(x: torch.Tensor, name: str) -> None:
                          f"strides {x.stride()}")
 
 
-def _norm_warps(n_cols: int) -> int:
-    return 4 if n_cols <= 2048 else 8
+def norm_meta(n_cols: int, residual: bool) -> dict:
+    """The compile-time constants and launch options of an RMSNorm launch (what the compile check builds)."""
+    return dict(HAS_RESIDUAL=residual, BLOCK=next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8)
+
+
+def rope_meta(q_heads: int, k_heads: int, head_dim: int) -> dict:
+    # a program holds a token's q heads at once: past 2048 values 8 warps share them (4 spill at 32 x 128)
+    width = next_power_of_2(q_heads) * next_power_of_2(head_dim)
+    return dict(Q_HEADS=q_heads, Q_PAD=next_power_of_2(q_heads), K_HEADS=k_heads, K_PAD=next_power_of_2(k_heads),
+                HEAD_DIM=head_dim, DIM_PAD=next_power_of_2(head_dim), num_warps=4 if width <= 2048 else 8)
+
+
+def silu_meta(n_cols: int) -> dict:
+    return dict(TILE=min(SILU_TILE, next_power_of_2(n_cols)))
 
 
 class TritonOps:
@@ -102,7 +114,7 @@ class TritonOps:
         if x.shape[0]:
             launcher(_rms_norm_kernel, x.device)[(x.shape[0],)](
                 x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, x.shape[1], float(eps),
-                HAS_RESIDUAL=False, BLOCK=next_power_of_2(x.shape[1]), num_warps=_norm_warps(x.shape[1]))
+                **norm_meta(x.shape[1], False))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -115,8 +127,7 @@ class TritonOps:
         if x.shape[0]:
             launcher(_rms_norm_kernel, x.device)[(x.shape[0],)](
                 x, residual, weight, out, total, x.stride(0), residual.stride(0), out.stride(0), total.stride(0),
-                x.shape[1], float(eps), HAS_RESIDUAL=True, BLOCK=next_power_of_2(x.shape[1]),
-                num_warps=_norm_warps(x.shape[1]))
+                x.shape[1], float(eps), **norm_meta(x.shape[1], True))
         return out, total
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -131,8 +142,7 @@ class TritonOps:
         if q.shape[0]:
             launcher(_rope_kernel, q.device)[(q.shape[0],)](
                 q, k, cos, sin, *q.stride(), *k.stride(), cos.stride(0), sin.stride(0),
-                Q_HEADS=q.shape[1], Q_PAD=next_power_of_2(q.shape[1]), K_HEADS=k.shape[1],
-                K_PAD=next_power_of_2(k.shape[1]), HEAD_DIM=head_dim, DIM_PAD=next_power_of_2(head_dim))
+                **rope_meta(q.shape[1], k.shape[1], head_dim))
         return q, k
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -142,9 +152,9 @@ class TritonOps:
         n = gate_up.shape[1] // 2
         out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
         if gate_up.shape[0]:
-            tile = min(SILU_TILE, next_power_of_2(n))
-            launcher(_silu_mul_kernel, gate_up.device)[(gate_up.shape[0], -(-n // tile))](
-                gate_up, out, gate_up.stride(0), out.stride(0), n, TILE=tile)
+            meta = silu_meta(n)
+            launcher(_silu_mul_kernel, gate_up.device)[(gate_up.shape[0], -(-n // meta["TILE"]))](
+                gate_up, out, gate_up.stride(0), out.stride(0), n, **meta)
         return out
 
 
