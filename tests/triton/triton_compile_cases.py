@@ -73,6 +73,11 @@ def cases():
                 meta = triton_prefill.prefill_meta(dtype, CUDA, group, head_dim, BLOCK_SIZE)
                 yield (triton_prefill._prefill_kernel, f"prefill {dtype_name} d{head_dim} g{group}",
                        {"*": f"*{ty}", **ints}, meta)
+            # split-KV (small batches): the decode kernel with 8 shares, and the kernel that combines them
+            meta = triton_decode.decode_meta(dtype, CUDA, 7, head_dim, BLOCK_SIZE, splits=8)
+            yield triton_decode._decode_kernel, f"decode {dtype_name} d{head_dim} g7 split8", {"*": f"*{ty}", **ints}, meta
+            yield (triton_decode._decode_reduce_kernel, f"decode_reduce {dtype_name} d{head_dim} split8",
+                   {"*": "*fp32", "out_ptr": f"*{ty}"}, triton_decode.reduce_meta(head_dim, 8))
             for kv_heads in (2, 8):
                 meta = triton_kv_write.kv_write_meta(kv_heads, head_dim, BLOCK_SIZE)
                 yield triton_kv_write._kv_write_kernel, f"kv_write {dtype_name} d{head_dim} h{kv_heads}", {"*": f"*{ty}", **ints}, meta
