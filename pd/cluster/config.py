@@ -326,6 +326,10 @@ class DeployConfig(StrictModel):
                                                     block_size=self.cache.block_size)
         if why:
             raise FieldError("model.attention_backend", f"{why} (topology.device, model.dtype; use 'auto' or 'torch')")
+        # (connectors/zmq/streaming/layer_slices.py publishes slices from inside the forward, off a host page pool)
+        if self.transfer.streaming == "layer" and self.topology.device != "cpu":
+            raise FieldError("transfer.streaming", "'layer' needs the KV pool in host memory (topology.device: "
+                             f"cpu); here topology.device is {self.topology.device} (use 'chunk' or 'off')")
         return self
 
     @model_validator(mode="after")

@@ -23,6 +23,8 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from pd.engine.sample.params import SAMPLER_BYTES_PER_LOGIT  # (no torch there)
+
 if TYPE_CHECKING:  # torch-heavy: imported where a worker really sizes its pool
     from pd.cluster.config import DeployConfig
     from pd.engine.model.config import ModelConfig
@@ -71,13 +73,14 @@ def activation_reserve_bytes(model: ModelConfig, max_num_batched_tokens: int, ma
     """A step's working memory at its largest, plus the context reserve.
 
     One layer's activations for `max_num_batched_tokens` tokens (residual, norms, q/k/v, attention out,
-    the MLP's three intermediates), twice over for the allocator's double buffering, and float32 logits
-    of `max_num_seqs` rows (sampling copies them a few times)."""
+    the MLP's three intermediates), twice over for the allocator's double buffering, and the logits of
+    `max_num_seqs` rows (the head's output and its float32 copy) with the sampler's temporaries
+    (`SAMPLER_BYTES_PER_LOGIT`)."""
     head_dim = model.resolved_head_dim
     width = 4 * model.hidden_size + 2 * model.num_heads * head_dim + 2 * model.num_kv_heads * head_dim \
         + 3 * model.intermediate_size
     layer = max_num_batched_tokens * width * _DTYPE_BYTES[model.dtype]
-    logits = 4 * max_num_seqs * model.vocab_size * 4
+    logits = max_num_seqs * model.vocab_size * (_DTYPE_BYTES[model.dtype] + 4 + SAMPLER_BYTES_PER_LOGIT)
     return 2 * layer + logits + CONTEXT_RESERVE_BYTES
 
 

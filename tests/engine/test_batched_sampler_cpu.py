@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd.engine.sample.batched import BatchedSampler, RowRng, filter_rows, make_row_rng, uniform_noise
-from pd.engine.sample.params import SamplingParams
+from pd.engine.sample.params import SAMPLER_BYTES_PER_LOGIT, SamplingParams
 from pd.engine.sample.sampler import filter_logits, sample
 
 params_st = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
@@ -42,10 +42,26 @@ def test_filtering_matches_filter_logits_row_by_row(seed, vocab, ties, params):
     got = filter_rows(logits, torch.tensor([p.temperature for p in params], dtype=torch.float64),
                       torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params],
                                                                             dtype=torch.float64))
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64)
+    top_k = torch.tensor([p.top_k for p in params])
+    # what the sampler passes from the host (no sync) gives the same rows
+    max_k = max((p.top_k if p.top_k < vocab else 0) for p in params)
+    host = filter_rows(logits, temperature, top_k, top_p, max_k, [i for i, p in enumerate(params) if p.top_p < 1])
+    assert torch.equal(host, got)
+    # the sampler's float32: the same tokens kept but where a running mass lands within float32 rounding of
+    # top_p (rounded logits make exact masses like 0.5 common, so compare there only on margin)
+    single = filter_rows(logits.float(), temperature, top_k, top_p)
     for i, p in enumerate(params):
         want = filter_logits(logits[i], p)
         assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), f"different tokens kept for {p}"
         torch.testing.assert_close(got[i], want, atol=1e-12, rtol=1e-12)
+        kept = ~torch.isinf(want)
+        probs = torch.softmax(want, dim=-1).sort(descending=True).values
+        masses = probs.cumsum(0) - probs
+        if p.top_p >= 1.0 or bool((masses - p.top_p).abs().min() > 1e-5):
+            assert torch.equal(~torch.isinf(single[i]), kept), f"float32 keeps other tokens for {p}"
+            torch.testing.assert_close(single[i][kept], want[kept].float(), atol=1e-5, rtol=1e-5)
 
 
 def test_seeded_draws_depend_only_on_seed_and_logits_not_on_neighbours():
@@ -83,6 +99,71 @@ def test_draws_follow_the_filtered_distribution():
     kept = probs > 0
     chi2 = float((((counts - expected) ** 2)[kept] / expected[kept]).sum())
     assert chi2 < 25.0, f"chi-square {chi2:.1f} over {int(kept.sum())} tokens"  # p < 1e-4 for <= 6 dof
+
+
+def test_top_k_rows_are_not_sorted_and_only_top_p_rows_are(monkeypatch):
+    """Top-k takes torch.topk of the largest k asked (not a sort of the vocabulary); a sort runs only over the
+    rows with top_p < 1."""
+    sorted_rows = []
+    real_sort = torch.sort
+
+    def counting_sort(x, *args, **kwargs):
+        sorted_rows.append(x.shape[0])
+        return real_sort(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    logits = _logits(5, 6, 1000)
+    params = [SamplingParams(temperature=0.9, top_k=k, seed=i) for i, k in enumerate((5, 40, 1, 7))]
+    params += [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.8, seed=9)]
+    tokens = BatchedSampler().sample(logits, params, [make_row_rng(p) for p in params])
+    assert sorted_rows == [1]  # the one top-p row
+    for i, p in enumerate(params[:4]):
+        assert tokens[i] in set(torch.topk(logits[i], p.top_k).indices.tolist())
+    assert tokens[4] == int(logits[4].argmax())
+
+
+def test_sampling_temporaries_stay_within_the_memory_plans_bytes_per_logit():
+    """The most live memory the sampler allocates at once, watched through a dispatch mode (each op's
+    outputs counted until freed), over a batch of top-k, top-p and plain rows: at most
+    SAMPLER_BYTES_PER_LOGIT bytes per logit of the batch, which pd/cluster/gpu_share.py reserves."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PeakBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages = set()
+
+        def _free(self, key, nbytes):
+            self.storages.discard(key)
+            self.live -= nbytes
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and not func.is_view:
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if key not in self.storages and storage.nbytes():
+                        self.storages.add(key)
+                        self.live += storage.nbytes()
+                        weakref.finalize(storage, self._free, key, storage.nbytes())
+            self.peak = max(self.peak, self.live)
+            return out
+
+    vocab = 5000
+    mixed = [SamplingParams(temperature=0.8, top_k=50, seed=i) for i in range(8)]
+    mixed += [SamplingParams(temperature=1.2, top_p=0.9, seed=i) for i in range(8)]
+    mixed += [SamplingParams(temperature=1.0, seed=i) for i in range(4)] + [SamplingParams()] * 4
+    nucleus = [SamplingParams(temperature=1.2, top_k=k, top_p=0.9, seed=k) for k in (0, 50) * 8]  # the worst
+    for params in (mixed, nucleus):
+        logits = _logits(6, len(params), vocab)
+        with PeakBytes() as mode:
+            BatchedSampler().sample(logits, params, [make_row_rng(p) for p in params])
+        per_logit = mode.peak / logits.numel()
+        assert 4 < per_logit <= SAMPLER_BYTES_PER_LOGIT, per_logit  # (the float64 sampler: about 50)
 
 
 def test_noise_is_uniform_and_keyed_by_seed_and_draw():

@@ -133,3 +133,17 @@ def test_triton_runs_interpreted():
 
     assert knobs.runtime.interpret
     assert isinstance(triton_launch.launcher(_decode_kernel, torch.device("cpu")), InterpretedFunction)
+
+
+@pytest.mark.parametrize("target_programs", [1, 12, 128], ids=["one split", "two splits", "eight splits"])
+def test_split_kv_decode_matches_the_reference_at_every_split_count(monkeypatch, target_programs):
+    """Split-KV (decode_splits): long and empty contexts, a window, shares that see no key; one split is the
+    single-program path, the others go through the reduce kernel."""
+    from pd.engine.attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "TARGET_PROGRAMS", target_programs)
+    case = make_case(num_kv_heads=2, group=3, head_dim=64, dtype="float32", block_size=5, window=23,
+                     steps=[(0, 1), (150, 1), (7, 1)], seed=11)
+    splits = triton_decode.decode_splits(len(case.seqs), 2)
+    assert splits == {1: 1, 12: 2, 128: 8}[target_programs]
+    _check_layers(case)

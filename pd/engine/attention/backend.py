@@ -39,6 +39,7 @@ import torch
 
 from pd.engine.attention.capabilities import BackendCapabilities
 from pd.engine.attention.metadata import StepMetadata
+from pd.engine.model.layer_ops import LayerOps
 
 
 class AttentionBackend(Protocol):
@@ -51,6 +52,9 @@ class AttentionBackend(Protocol):
     """
 
     capabilities: BackendCapabilities
+    # the layers' small ops (RMSNorm with the residual add, RoPE of q and k, SiLU-and-mul) the model runs with
+    # this backend: the torch ops (model/layer_ops.py), or fused kernels of the backend's own (Triton)
+    layer_ops: LayerOps
 
     def prepare(self, metadata: StepMetadata) -> None:
         """Derives the backend's per-step plan from `metadata` (before the first layer runs)."""

@@ -249,5 +249,5 @@ class StepInputBuilder:
         for dst, src in zip(d.block_tables, h.block_tables, strict=True):
             dst[:s * width].copy_(src[:s * width], non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # where the copies ran: cuda:N's stream
         return d.views(t, s, len(logits), width, query_lens, starts, host, pad)

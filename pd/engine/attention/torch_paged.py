@@ -21,6 +21,7 @@ import torch
 from pd.engine.attention.capabilities import CAPABILITIES, BackendCapabilities
 from pd.engine.attention.metadata import StepMetadata
 from pd.engine.kv.layout import BoundKV
+from pd.engine.model.layer_ops import TORCH_OPS, LayerOps
 from pd.engine.model.llama import masked_attention
 
 
@@ -79,6 +80,7 @@ class TorchPagedBackend:
     device once."""
 
     capabilities: BackendCapabilities = CAPABILITIES["torch"]
+    layer_ops: LayerOps = TORCH_OPS
 
     def __init__(self, kv: BoundKV):
         self.kv = kv

@@ -23,6 +23,7 @@ from pd.engine.attention import triton_reference
 from pd.engine.attention.capabilities import CAPABILITIES, BackendCapabilities
 from pd.engine.attention.metadata import StepMetadata
 from pd.engine.kv.layout import BoundKV
+from pd.engine.model.layer_ops import TORCH_OPS, LayerOps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,12 @@ class AttentionOps:
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]  # (q, k_cache, v_cache, tables, seq_lens, query_start, max_query_len,
     #                                        scale, window)
+
+
+def triton_layer_ops() -> LayerOps:
+    from pd.engine.attention.triton_ops import TRITON_OPS
+
+    return TRITON_OPS
 
 
 def triton_ops() -> AttentionOps:
@@ -66,11 +73,13 @@ class TritonBackend:
     def __init__(self, kv: BoundKV):
         self.kv = kv
         self.scale = kv.layout.head_dim ** -0.5
-        self.ops = triton_ops()
+        self.use_reference(False)
 
     def use_reference(self, on: bool) -> None:
         """Run the kernels' torch reference instead of the kernels (`on`), or the kernels again."""
         self.ops = REFERENCE_OPS if on else triton_ops()
+        # the layers' norms, RoPE and SiLU-and-mul (the model's seam, model/layer_ops.py): one kernel each
+        self.layer_ops: LayerOps = TORCH_OPS if on else triton_layer_ops()
 
     @property
     def description(self) -> str:

@@ -22,7 +22,7 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_vt, stride_vh, stride_vd,
                      stride_kcb, stride_kct, stride_kch, stride_kcd,
                      stride_vcb, stride_vct, stride_vch, stride_vcd,
-                     block_size,
+                     BLOCK_SIZE: tl.constexpr,
                      NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                      DIM_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -32,8 +32,8 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     # (the slot test broadcast as a tensor: a scalar mask term is refused by the interpreter)
     ok = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM) & ((heads[:, None] * 0 + slot) >= 0)
     safe = tl.maximum(slot, 0)
-    block = safe // block_size
-    row = safe % block_size
+    block = safe // BLOCK_SIZE
+    row = safe % BLOCK_SIZE
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=ok)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=ok)
     tl.store(k_cache_ptr + block * stride_kcb + row * stride_kct + heads[:, None] * stride_kch
@@ -58,5 +58,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kernel = launcher(_kv_write_kernel, k.device)
     kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), k_cache.shape[1],
-        NUM_HEADS=heads, HEADS_PAD=next_power_of_2(heads), HEAD_DIM=dim, DIM_PAD=next_power_of_2(dim))
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), **kv_write_meta(heads, dim, k_cache.shape[1]))
+
+
+def kv_write_meta(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """The compile-time constants of a KV write launch (what the compile check builds)."""
+    return dict(BLOCK_SIZE=block_size, NUM_HEADS=num_kv_heads, HEADS_PAD=next_power_of_2(num_kv_heads),
+                HEAD_DIM=head_dim, DIM_PAD=next_power_of_2(head_dim))

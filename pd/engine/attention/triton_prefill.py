@@ -33,7 +33,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query
                     stride_vb, stride_vt, stride_vh, stride_vd,
                     stride_ot, stride_oh, stride_od,
                     stride_tb, stride_tw,
-                    scale, window, block_size,
+                    scale, window, BLOCK_SIZE: tl.constexpr,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST_DOT: tl.constexpr):
@@ -63,8 +63,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query
     for tile_start in range((key_start // BLOCK_N) * BLOCK_N, key_end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         k_ok = (k_pos >= key_start) & (k_pos < key_end)
-        block = tl.load(table_row + (k_pos // block_size) * stride_tw, mask=k_ok, other=0).to(tl.int64)
-        row = (k_pos % block_size).to(tl.int64)
+        block = tl.load(table_row + (k_pos // BLOCK_SIZE) * stride_tw, mask=k_ok, other=0).to(tl.int64)
+        row = (k_pos % BLOCK_SIZE).to(tl.int64)
         k = tl.load(k_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh
                     + dims[None, :] * stride_kd, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
         if UPCAST_DOT:
@@ -118,8 +118,18 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernel[grid](
         q, k_cache, v_cache, out, block_table, seq_lens, query_start,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_table.stride(),
-        float(scale), int(window or 0), k_cache.shape[1],
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, next_power_of_2(head_dim)),
-        BLOCK_M=QUERY_TILE, BLOCK_N=KEY_TILE, PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dot(q.dtype, q.device))
+        float(scale), int(window or 0), **prefill_meta(q.dtype, q.device, group, head_dim, k_cache.shape[1]))
     return out
+
+
+def prefill_meta(dtype: torch.dtype, device: torch.device, group: int, head_dim: int, block_size: int) -> dict:
+    """The compile-time constants and launch options of a prompt launch (what the compile check builds)."""
+    return dict(BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, next_power_of_2(head_dim)),
+                BLOCK_M=QUERY_TILE, BLOCK_N=KEY_TILE, PRECISION=dot_precision(dtype),
+                UPCAST_DOT=upcast_dot(dtype, device), **_launch_options(dtype))
+
+
+def _launch_options(dtype: torch.dtype) -> dict:
+    # float32 tiles are twice the registers of 16-bit ones: 8 warps share them without spilling at head size
+    # 128 (the compile check, tests/triton/test_triton_compile.py, holds every configuration at 0 spills)
+    return dict(num_warps=8, num_stages=1) if dtype == torch.float32 else dict(num_warps=4, num_stages=2)

@@ -113,8 +113,8 @@ class PackedEmbedding(nn.Module):
 
 
 def packable(model: nn.Module) -> bool:
-    """Whether `packed_copy` applies: q, k, v, gate and up each fill whole panels (their fused
-    weights are then split into per-module views without copies)."""
+    """Whether `packed_copy` applies: q, k, v, gate and up each fill whole panels (the kernels of
+    `decode_layers` find each projection's panels inside the fused q|k|v and gate|up)."""
     cfg = model.config
     d = cfg.resolved_head_dim
     return all(n % PANEL == 0 for n in (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size))
@@ -161,17 +161,11 @@ def packed_copy(model: CausalLM, allocate: Callable[[list[tuple[int, ...]]], lis
             pack_into(attn.o_proj.weight, o)
             pack_into(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up)
             pack_into(mlp.down_proj.weight, down)
-            sizes = [p.out_features for p in projections]
-            start = 0
-            for name, size in zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True):
-                part = qkv[start // PANEL:(start + size) // PANEL]
-                setattr(copy.self_attn, name, PackedLinear(part, cfg.hidden_size, size,
-                                                           bias[start:start + size] if bias.numel() else None))
-                start += size
+            # the fused q|k|v and gate|up run as one GEMM each, as in the model
+            copy.self_attn.qkv_proj = PackedLinear(qkv, cfg.hidden_size, sum(p.out_features for p in projections),
+                                                   bias if bias.numel() else None)
             copy.self_attn.o_proj = PackedLinear(o, attn.o_proj.in_features, cfg.hidden_size, None)
-            half = cfg.intermediate_size // PANEL
-            copy.mlp.gate_proj = PackedLinear(gate_up[:half], cfg.hidden_size, cfg.intermediate_size, None)
-            copy.mlp.up_proj = PackedLinear(gate_up[half:], cfg.hidden_size, cfg.intermediate_size, None)
+            copy.mlp.gate_up_proj = PackedLinear(gate_up, cfg.hidden_size, 2 * cfg.intermediate_size, None)
             copy.mlp.down_proj = PackedLinear(down, cfg.intermediate_size, cfg.hidden_size, None)
             weights += [norm1, qkv, bias, o, norm2, gate_up, down]
         head = buffers[-1]

@@ -64,7 +64,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: s
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     model = build_model(cfg, seed=None, device=device)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # HF's names, each a tensor to fill: a parameter, or a view of a fused one (q|k|v, gate|up)
+    params = model.state_dict(keep_vars=True)
     expected = set(params)
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")  # tied: optional in the file

@@ -1,8 +1,8 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
-Parameter names follow Hugging Face's Llama layout (`model.layers.N.self_attn.q_proj.weight`,
-`lm_head.weight`, ...), so `state_dict()` round-trips through a HF checkpoint
-without renaming.
+The state dict follows Hugging Face's Llama layout (`model.layers.N.self_attn.q_proj.weight`,
+`lm_head.weight`, ...), so it round-trips through a HF checkpoint without renaming, while a layer holds
+q/k/v as one fused linear and gate/up as another (one GEMM each; the per-projection names are views).
 
 The model does not own a KV cache. Attention is delegated to a `LayerAttention`: the runner passes
 an attention backend (pd/engine/attention/backend.py) that writes K/V into pages and reads them back
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd.engine.model.config import SLIDING_ATTENTION, ModelConfig
+from pd.engine.model.layer_ops import TORCH_OPS, LayerOps, rms_norm
 
 
 class LayerAttention(Protocol):
@@ -37,12 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, same result
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 (as HF does) so low-precision dtypes stay stable.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,44 +55,113 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class ProjectionView:
+    """One projection of a fused linear layer, read-only in spirit: `weight` and `bias` are views of rows
+    [start, stop) of the fused layer's (no copy), and calling it runs that slice alone. Code that lays the
+    per-projection weights out for its own kernels reads them here; the model runs the fused GEMM."""
+
+    def __init__(self, fused: nn.Linear, start: int, stop: int):
+        self.fused, self.start, self.stop = fused, start, stop
+        self.in_features, self.out_features = fused.in_features, stop - start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start:self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.fused.bias is None else self.fused.bias[self.start:self.stop]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fused_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
+    """Makes `module`'s state dict name the per-projection tensors of its fused linear `fused` (HF's names,
+    views of the fused tensor on save; concatenated into it on load), so checkpoints keep their layout."""
+
+    def on_save(_module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        for kind in ("weight", "bias"):
+            whole = state.pop(f"{prefix}{fused}.{kind}", None)
+            if whole is None:
+                continue
+            start = 0
+            for name, size in parts:
+                state[f"{prefix}{name}.{kind}"] = whole[start:start + size]
+                start += size
+
+    def on_load(_module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{name}.{kind}" for name, _ in parts]
+            if all(n in state for n in names):
+                state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+    module.register_state_dict_post_hook(on_save)
+    module.register_load_state_dict_pre_hook(on_load)
 
 
 class Attention(nn.Module):
+    """Self-attention with q, k and v in one GEMM (`qkv_proj`, rows [q | k | v]); `q_proj`, `k_proj` and
+    `v_proj` are views of it, and the state dict names them as HF does."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.resolved_head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        _fused_state_dict(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size),
+                                             ("v_proj", self.kv_size)))
+
+    @property
+    def q_proj(self) -> ProjectionView:
+        return ProjectionView(self.qkv_proj, 0, self.q_size)
+
+    @property
+    def k_proj(self) -> ProjectionView:
+        return ProjectionView(self.qkv_proj, self.q_size, self.q_size + self.kv_size)
+
+    @property
+    def v_proj(self) -> ProjectionView:
+        return ProjectionView(self.qkv_proj, self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention,
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rope(q, k, cos, sin)
         out = backend.forward(q, k, v, self.layer_idx, metadata)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up in one GEMM (`gate_up_proj`, rows [gate | up]); `gate_proj` and `up_proj`
+    are views of it, and the state dict names them as HF does."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        _fused_state_dict(self, "gate_up_proj", (("gate_proj", cfg.intermediate_size),
+                                                 ("up_proj", cfg.intermediate_size)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    @property
+    def gate_proj(self) -> ProjectionView:
+        return ProjectionView(self.gate_up_proj, 0, self.intermediate_size)
+
+    @property
+    def up_proj(self) -> ProjectionView:
+        return ProjectionView(self.gate_up_proj, self.intermediate_size, 2 * self.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -107,10 +172,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention,
-                metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                backend: LayerAttention, metadata: Any,
+                ops: LayerOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with `residual` None), still to be added to the
+        residual stream -> (this layer's output, the stream before it): each add is fused into the norm
+        that follows it."""
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(self.self_attn(h, cos, sin, backend, metadata, ops), residual,
+                                       norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class DecoderBody(nn.Module):
@@ -145,14 +221,20 @@ class CausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend: LayerAttention,
                 metadata: Any = None, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """`metadata`: the step's, handed to every layer's attention. `on_layer(i)`: called after
-        layer i ran (its K/V are written), e.g. to publish them."""
+        layer i ran (its K/V are written), e.g. to publish them. The layers' small ops are the backend's
+        `layer_ops` where it has them (fused kernels), else the torch reference (model/layer_ops.py)."""
+        ops: LayerOps = getattr(backend, "layer_ops", TORCH_OPS)
         x = self.model.embed_tokens(token_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, backend, metadata)
+            x, residual = layer(x, residual, cos, sin, backend, metadata, ops)
             if on_layer is not None:
                 on_layer(i)
-        return self.model.norm(x)
+        norm = self.model.norm
+        if residual is None:
+            return ops.rms_norm(x, norm.weight, norm.eps)
+        return ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,7 +256,12 @@ def init_random_weights(model: CausalLM, seed: int) -> CausalLM:
     between top tokens are then vanishingly rare), norms at 1.
     """
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    # a parameter under its first name only (a tied head is the embedding: drawn once)
+    first_names = {name for name, _ in model.named_parameters()}
+    # HF's tensor names (the fused q|k|v and gate|up filled per projection): the same draws as unfused
+    for name, param in sorted(model.state_dict(keep_vars=True).items()):
+        if isinstance(param, nn.Parameter) and name not in first_names:
+            continue
         if name.endswith("norm.weight"):
             values = torch.ones(param.shape)
         elif name.endswith(".bias"):

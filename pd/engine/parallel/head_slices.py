@@ -36,8 +36,8 @@ def rank_layout(layout: KVLayout, tp: int) -> KVLayout:
 
 def head_view(layout: KVLayout, pool: PagePool) -> torch.Tensor:
     """The whole pool as (num_blocks, rows_per_page, num_kv_heads, head_dim), no copy."""
-    rows = layout.token_rows(pool)
-    return rows.view(pool.num_blocks, layout.rows_per_page, layout.num_kv_heads, layout.head_dim)
+    kv = layout.bind(pool)
+    return kv.token_rows.view(pool.num_blocks, kv.rows_per_page, layout.num_kv_heads, layout.head_dim)
 
 
 def _index(block_ids: list[int] | torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

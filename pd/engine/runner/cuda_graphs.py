@@ -139,30 +139,34 @@ class DecodeGraphs:
         if reason is not None:
             logger.info("decode CUDA graphs not captured: %s", reason)
             return CaptureReport((), 0.0, 0, skipped=reason)
-        torch.cuda.synchronize()
-        self._captured_over = self.builder.allocations
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        for size in sorted(self.sizes, reverse=True):
-            metadata = self.builder.build([], pad_to=size)  # all padding: writes only to the null block
-            torch.cuda.synchronize()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream (kernel compilation, autotuning)
-                for _ in range(warmup_iters):
-                    self.forward(metadata)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(metadata)
-            self._graphs[size] = (graph, out)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        used = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.1f MiB of GPU memory",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], seconds, used / 2**20)
+        # everything on the builder's device (cuda:N), not the thread's current one: the streams, the
+        # capture, the synchronisations and the memory count
+        device = self.builder.device
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            self._captured_over = self.builder.allocations
+            free_before = torch.cuda.mem_get_info(device)[0]
+            t0 = time.perf_counter()
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device)
+            for size in sorted(self.sizes, reverse=True):
+                metadata = self.builder.build([], pad_to=size)  # all padding: writes only to the null block
+                torch.cuda.synchronize(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):  # warm-up off the capture stream (kernel compilation, autotuning)
+                    for _ in range(warmup_iters):
+                        self.forward(metadata)
+                torch.cuda.current_stream(device).wait_stream(side)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.forward(metadata)
+                self._graphs[size] = (graph, out)
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            used = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) on %s in %.1f s, %.1f MiB of GPU memory",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], device, seconds, used / 2**20)
         return CaptureReport(tuple(self.sizes), seconds, used)
 
     def plan(self, num_seqs: int, num_tokens: int, layer_hook: bool = False) -> GraphPlan:
@@ -171,5 +175,6 @@ class DecodeGraphs:
     def replay(self, bucket: int) -> torch.Tensor:
         """Replays the bucket's graph over what the builder holds now; the output for every row of it."""
         graph, out = self._graphs[bucket]
-        graph.replay()
+        with torch.cuda.device(self.builder.device):  # on the device's current stream, as captured
+            graph.replay()
         return out

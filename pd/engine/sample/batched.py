@@ -4,8 +4,12 @@
 (B, vocab) logits tensor wherever it lives, with the semantics of
 `sample/sampler.py`: greedy rows take the argmax (nan counts as the lowest
 score, ties the lowest id); the others are temperature-scaled from the row's
-maximum, then top-k, then top-p filtered exactly as `filter_logits` does
-(float64, stable sort, the top token always kept), and drawn. A row whose
+maximum, then top-k, then top-p filtered as `filter_logits` does (in float32
+rather than its float64: the same tokens kept but where a running mass lands
+within float32 rounding of top_p; the top token always kept), and drawn.
+Top-k takes one `torch.topk`, not a sort; only rows with top_p < 1 are sorted.
+Its temporaries stay within `SAMPLER_BYTES_PER_LOGIT` bytes per drawn logit,
+what the GPU memory plan reserves (pd/cluster/gpu_share.py). A row whose
 logits are not all finite is sampled greedily and logged. Ids at or above
 `num_ids` (the tokenizer's vocabulary) are never returned. The only host
 synchronisation is the single copy of the chosen tokens (with their fallback
@@ -52,37 +56,57 @@ def make_row_rng(params: SamplingParams) -> RowRng | None:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2**32) (xor-shift-multiply, three rounds)."""
+    """A 32-bit integer hash of int64 values in [0, 2**32) (xor-shift-multiply, three rounds), in place on `x`
+    (one temporary of its size at a time)."""
     for _ in range(2):
-        x = x ^ (x >> 16)
-        x = (x * _MIX) & _M32
-    return x ^ (x >> 16)
+        x ^= x >> 16
+        x *= _MIX
+        x &= _M32
+    x ^= x >> 16
+    return x
 
 
 def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R, vocab) float64 uniforms in (0, 1), a function of each row's (seed, draws) and the token id only."""
+    """(R, vocab) float32 uniforms in (0, 1) (23 random bits, centred in their cells), a function of each row's
+    (seed, draws) and the token id only."""
     key = _mix32(_mix32(_mix32(seed_lo ^ _GOLDEN) ^ seed_hi) ^ (draws & _M32))[:, None]
     token = torch.arange(vocab, device=key.device, dtype=torch.int64)[None, :]
-    high = _mix32(key ^ token)
-    low = _mix32(high ^ _GOLDEN) >> 11  # 21 more bits
-    return ((high * (1 << 21) + low).double() + 0.5) / float(1 << 53)
+    bits = _mix32(key ^ token) >> 9
+    return (bits.float() + 0.5) / float(1 << 23)
 
 
-def filter_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor) -> torch.Tensor:
-    """Batched `sampler.filter_logits`: finite float64 rows (R, V) -> scaled rows with top-k / top-p outside
-    set to -inf. temperature, top_p: (R,) float64; top_k: (R,) int64, 0 = off."""
+def filter_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                max_k: int | None = None, top_p_rows: list[int] | None = None) -> torch.Tensor:
+    """Batched `sampler.filter_logits`: finite rows (R, V) -> scaled rows with top-k / top-p outside set to
+    -inf, in the rows' dtype (the sampler's float32; float64 gives filter_logits' numbers). temperature,
+    top_p: (R,) floats; top_k: (R,) int64, 0 = off.
+
+    No row is sorted for top-k: its k-th score comes from one `torch.topk` of the largest k in force
+    (`max_k`), and every score below it is dropped (ties with it stay, as filter_logits keeps them). Only
+    the rows in `top_p_rows` (those with top_p < 1) are sorted, for the nucleus' running mass. `max_k` and
+    `top_p_rows` are what the caller knows on the host; None reads them from the tensors (a host sync)."""
     vocab = scores.shape[1]
-    scaled = (scores - scores.max(dim=1, keepdim=True).values) / temperature.clamp(min=MIN_TEMPERATURE)[:, None]
-    ordered, order = torch.sort(scaled, dim=1, descending=True, stable=True)
+    scaled = scores - scores.max(dim=1, keepdim=True).values
+    scaled /= temperature.to(scaled.dtype).clamp(min=MIN_TEMPERATURE)[:, None]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
-    kth = ordered.gather(1, (k - 1)[:, None])
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = torch.softmax(ordered, dim=1)
-    drop = (probs.cumsum(dim=1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    drop[:, 0] = False  # the top token always stays
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+    if max_k is None:
+        max_k = int(torch.where(k < vocab, k, 0).max()) if k.numel() else 0
+    if 0 < max_k < vocab:
+        kth = torch.topk(scaled, max_k, dim=1).values.gather(1, (k.clamp(max=max_k) - 1)[:, None])
+        kth = kth.masked_fill((k >= vocab)[:, None], float("-inf"))  # rows with top-k off keep every token
+        scaled.masked_fill_(scaled < kth, float("-inf"))
+    if top_p_rows is None:
+        top_p_rows = torch.nonzero(top_p < 1.0).flatten().tolist()
+    if top_p_rows:
+        rows = torch.tensor(top_p_rows, device=scaled.device)
+        ordered, order = torch.sort(scaled.index_select(0, rows), dim=1, descending=True, stable=True)
+        probs = torch.softmax(ordered, dim=1)
+        drop = probs.cumsum(dim=1) - probs >= top_p.index_select(0, rows).to(probs.dtype)[:, None]
+        drop[:, 0] = False  # the top token always stays
+        ordered.masked_fill_(drop, float("-inf"))
+        del probs, drop
+        scaled.index_copy_(0, rows, torch.full_like(ordered, float("-inf")).scatter_(1, order, ordered))
+    return scaled
 
 
 class BatchedSampler:
@@ -136,14 +160,18 @@ class BatchedSampler:
             [[params[i].temperature, params[i].top_k, params[i].top_p, i, rng.seed & _M32, (rng.seed >> 32) & _M32,
               rng.draws] for i, rng in zip(drawn, streams, strict=True)],
             dtype=torch.float64).to(device, non_blocking=True)
+        width = rows.shape[1]
+        max_k = max((params[i].top_k if 0 < params[i].top_k < width else 0) for i in drawn)
+        top_p_rows = [j for j, i in enumerate(drawn) if params[i].top_p < 1.0]
         index = settings[:, 3].long()
-        scores = rows.index_select(0, index).double()
+        scores = rows.index_select(0, index).float()
         finite = torch.isfinite(scores).all(dim=1)
-        scores = torch.where(finite[:, None], scores, torch.zeros((), dtype=scores.dtype, device=device))
+        scores.masked_fill_(~finite[:, None], 0.0)
         as_int = settings[:, 4:].long()
-        filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2])
-        noise = uniform_noise(as_int[:, 0], as_int[:, 1], as_int[:, 2], scores.shape[1])
-        gumbel = -torch.log(-torch.log(noise))
-        chosen = torch.argmax(filtered + gumbel, dim=1)
+        filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2], max_k, top_p_rows)
+        del scores
+        gumbel = uniform_noise(as_int[:, 0], as_int[:, 1], as_int[:, 2], width)
+        gumbel.log_().neg_().log_().neg_().add_(filtered)  # -log(-log(u)) + the filtered scores
+        chosen = torch.argmax(gumbel, dim=1)
         fallback = torch.argmax(torch.nan_to_num(rows.index_select(0, index).float(), nan=float("-inf")), dim=1)
         return index, torch.where(finite, chosen, fallback), finite

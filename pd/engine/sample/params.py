@@ -10,6 +10,10 @@ logger = logging.getLogger(__name__)
 
 # Below this temperature sampling is greedy: logits / T overflows float32 long before T reaches 0.
 MIN_TEMPERATURE = 1e-5
+# The most a step's sampling allocates beside the logits, in bytes per logit of the batch (the device
+# sampler's float32 temporaries: scores, the sorted nucleus rows, the noise), held by a test; the GPU
+# memory plan reserves it (pd/cluster/gpu_share.py). Here because the plan imports no torch.
+SAMPLER_BYTES_PER_LOGIT = 36
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ def test_the_cpu_backend_packs_its_own_copy_and_leaves_the_model_as_built(tied):
     copy = executor.model
     assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     linears = [m for m in copy.modules() if isinstance(m, PackedLinear)]
-    assert len(linears) == 7 * cfg.num_layers + 1
+    assert len(linears) == 4 * cfg.num_layers + 1  # q|k|v and gate|up fused, o, down; the head
     storages = {m.packed.untyped_storage().data_ptr() for m in linears}
     assert len(storages) == 1  # one buffer, shared with decode_layers' weights
     assert executor.weights[1].untyped_storage().data_ptr() in storages
