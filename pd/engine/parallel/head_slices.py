@@ -1,7 +1,7 @@
 """Copying a run of KV heads of some pages from one rank's pool into another's.
 
 A page is `(layers, 2, block_size, num_kv_heads, head_dim)` (`pd/engine/kv/layout.py`). Seen as
-rows (`KVLayout.token_rows`), it is `rows_per_page` rows of `num_kv_heads * head_dim` elements, one
+rows (`BoundKV.token_rows`), it is `rows_per_page` rows of `num_kv_heads * head_dim` elements, one
 row per (layer, K/V, token), the same for every KV cache group (a group with fewer layers uses a
 prefix of the rows). A rank of a TP worker holds the same rows over its own heads only.
 

@@ -26,7 +26,7 @@ def _model(num_kv_heads: int) -> ModelConfig:
 
 def _canonical(layout: KVLayout) -> PagePool:
     pool = PagePool(NUM_BLOCKS, layout.page_size_bytes, shareable=False)
-    rows = layout.token_rows(pool)
+    rows = layout.bind(pool).token_rows
     rows.copy_(torch.arange(rows.numel(), dtype=torch.float32).view_as(rows) + 1)  # distinct, exact, nonzero
     return pool
 
