@@ -117,6 +117,7 @@ class ModelRunner:
         """Forgets the requests finished since the previous step, then meets this step's new ones."""
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+        self.inputs.release(sched.finished_request_ids)  # (their block-table rows)
         for rid, params in sched.new_requests.items():
             if self.batched_sampler is not None:
                 self.requests[rid] = RequestSampling(params, None, make_row_rng(params))
