@@ -46,7 +46,7 @@ class BlockRows:
         self.device = ([torch.zeros(shape, dtype=torch.long, device=device) for _ in range(num_groups)]
                        if separate else self.host)
         self._row_of: dict[Hashable, int] = {}
-        self._held: list[list[list[int]]] = [[[] for _ in range(num_groups)] for _ in range(max_rows)]
+        self._held: list[tuple[list[int], ...]] = [tuple([] for _ in range(num_groups))] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))
 
     @property
@@ -76,7 +76,7 @@ class BlockRows:
         values: list[list[int]] = [[] for _ in range(num_groups)]
         dirty: set[int] = set()
         rows = []
-        row_of, step_keys = self._row_of, None
+        row_of, held_of, step_keys = self._row_of, self._held, None
         for key, table in zip(keys, tables, strict=True):
             row = row_of.get(key)
             if row is None:
@@ -84,23 +84,27 @@ class BlockRows:
                     step_keys = set(keys)
                 row = row_of[key] = self._take(step_keys)
             rows.append(row)
-            held = self._held[row]
+            held = held_of[row]
+            if table == held:  # (a tuple of lists against one: every group in one comparison)
+                continue
+            now = []
             for g in range(num_groups):
                 ids, had = table[g], held[g]
-                if ids == had:
+                new = list(ids)
+                now.append(new)
+                if new == had:
                     continue
-                n, m = len(had), len(ids)
+                n, m = len(had), len(new)
                 if m > width:
                     raise ValueError(f"a block table of {m} blocks exceeds the rows' {width}")
-                new = list(ids)
                 start = n if m >= n and new[:n] == had else 0  # only new blocks, or the whole row
                 end = max(n, m)
                 base = row * width
                 index[g].extend(range(base + start, base + end))
                 values[g].extend(new[start:])
                 values[g].extend([0] * (end - m))  # a shorter table than before: null the rest
-                held[g] = new
-                dirty.add(row)
+            held_of[row] = tuple(now)
+            dirty.add(row)
         for g in range(num_groups):
             if index[g]:
                 self.host[g].view(-1)[as_tensor(index[g])] = as_tensor(values[g])

@@ -26,6 +26,7 @@ chunk lengths and starts as Python ints, for backends that plan on the host.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 class StepChunk(Protocol):
     """What the builder reads of a chunk (the scheduler's `ScheduledChunk`; attention does not import
     the scheduler): tokens [start, start + len(token_ids)) of one sequence."""
+
+    @property
+    def request_id(self) -> str: ...  # keys the request's block-table row (`BlockRows`)
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -192,16 +196,15 @@ class StepInputBuilder:
         if self._copied is not None:  # the host mirror is rewritten below: the last copies must be done
             self._copied.synchronize()
         bs = self.layout.block_size
-        num_groups = len(self.layout.groups)
-        query_lens = tuple(len(c.token_ids) for c in chunks)
-        starts = tuple(c.start for c in chunks)
+        query_lens = tuple([len(c.token_ids) for c in chunks])
+        starts = tuple([c.start for c in chunks])
         t, s = sum(query_lens), len(chunks)
         pad = 0 if pad_to is None else pad_to - s
         if pad < 0 or (pad and t != s):
             raise ValueError(f"only a step of decode tokens pads, to at least its {s} rows (pad_to={pad_to})")
         t, s = t + pad, s + pad
         tables = [c.block_ids for c in chunks]
-        widest = max((len(ids) for table in tables for ids in table), default=0)
+        widest = max(map(len, itertools.chain.from_iterable(tables)), default=0)
         if not self.capacity.covers(t, s, widest):
             grown = StepCapacity(max(t, self.capacity.max_num_tokens), max(s, self.capacity.max_num_seqs),
                                  max(widest, self.capacity.max_blocks_per_seq))
@@ -225,26 +228,25 @@ class StepInputBuilder:
                 if c.needs_logits:
                     logits.append(len(ids) - 1)
         rows = [ids, positions, token_seq, [p % bs for p in positions]]
-        for g in range(num_groups):
-            try:
-                if t == s:
-                    blocks = [table[g][p // bs] for table, p in zip(tables, positions, strict=False)]
-                else:
-                    blocks = [tables[i][g][p // bs] for i, p in zip(token_seq, positions, strict=True)]
-            except IndexError:
-                blocks = [0]
-            if 0 in blocks:
-                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-            rows.append(blocks + [0] * pad)
         table_rows = self.rows.rows_for(_row_keys(chunks), tables) + [self.rows.null_row] * pad
         h = self._host
-        h.per_token[:len(rows), :t].copy_(_as_tensor([v for row in rows for v in row]).view(len(rows), t))
-        torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
+        h.per_token[:4, :t].copy_(_as_tensor(list(itertools.chain.from_iterable(rows))).view(4, t))
         seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)] + [0] * pad
         per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits)) + table_rows + [0]
         h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(4, s + 1))
-        for g, out in enumerate(h.table_views(s, width)):
+        tables_h = h.table_views(s, width)
+        for g, out in enumerate(tables_h):
             self.rows.gather(g, h.table_rows[:s], width, out, on_device=False)
+        # each new token's block, read from its sequence's gathered table (padding rows: the null row's 0)
+        if (max(seq_lens, default=1) - 1) // bs >= width:
+            raise ValueError("a new token maps to the null block (block table too short)")
+        index = h.token_seq[:t] * width + h.positions[:t] // bs
+        for g, table in enumerate(tables_h):
+            blocks = h.slot_blocks[g, :t]
+            torch.index_select(table.view(-1), 0, index, out=blocks)
+            if not bool(blocks[:t - pad].all()):
+                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
+        torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
         if pad:
             query_lens, starts = query_lens + (1,) * pad, starts + (0,) * pad
         host = h.views(t, s, len(logits), width, query_lens, starts, None, pad)
@@ -264,7 +266,10 @@ class StepInputBuilder:
 def _row_keys(chunks: Sequence[StepChunk]) -> list[object]:
     """One key per chunk for its block-table row: the request id (a chunk without one, or a second chunk of
     one request in a step, gets a key of its own)."""
-    keys: list[object] = [getattr(c, "request_id", None) for c in chunks]
+    try:
+        keys: list[object] = [c.request_id for c in chunks]
+    except AttributeError:
+        keys = [getattr(c, "request_id", None) for c in chunks]
     if None in keys or len(set(keys)) != len(keys):
         seen: set[object] = set()
         for i, key in enumerate(keys):
