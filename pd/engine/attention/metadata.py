@@ -228,25 +228,26 @@ class StepInputBuilder:
                 if c.needs_logits:
                     logits.append(len(ids) - 1)
         rows = [ids, positions, token_seq, [p % bs for p in positions]]
+        for g in range(len(self.layout.groups)):  # each new token's block (lists: cheaper than tensor ops here)
+            try:
+                if t == s:
+                    blocks = [table[g][p // bs] for table, p in zip(tables, positions, strict=False)]
+                else:
+                    blocks = [tables[i][g][p // bs] for i, p in zip(token_seq, positions, strict=True)]
+            except IndexError:
+                blocks = [0]
+            if 0 in blocks:
+                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
+            rows.append(blocks + [0] * pad)
         table_rows = self.rows.rows_for(_row_keys(chunks), tables) + [self.rows.null_row] * pad
         h = self._host
-        h.per_token[:4, :t].copy_(_as_tensor(list(itertools.chain.from_iterable(rows))).view(4, t))
+        h.per_token[:len(rows), :t].copy_(_as_tensor(list(itertools.chain.from_iterable(rows))).view(len(rows), t))
+        torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
         seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)] + [0] * pad
         per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits)) + table_rows + [0]
         h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(4, s + 1))
-        tables_h = h.table_views(s, width)
-        for g, out in enumerate(tables_h):
+        for g, out in enumerate(h.table_views(s, width)):
             self.rows.gather(g, h.table_rows[:s], width, out, on_device=False)
-        # each new token's block, read from its sequence's gathered table (padding rows: the null row's 0)
-        if (max(seq_lens, default=1) - 1) // bs >= width:
-            raise ValueError("a new token maps to the null block (block table too short)")
-        index = h.token_seq[:t] * width + h.positions[:t] // bs
-        for g, table in enumerate(tables_h):
-            blocks = h.slot_blocks[g, :t]
-            torch.index_select(table.view(-1), 0, index, out=blocks)
-            if not bool(blocks[:t - pad].all()):
-                raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
-        torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
         if pad:
             query_lens, starts = query_lens + (1,) * pad, starts + (0,) * pad
         host = h.views(t, s, len(logits), width, query_lens, starts, None, pad)
