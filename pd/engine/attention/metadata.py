@@ -133,7 +133,7 @@ class _Buffers:
         self.per_seq = alloc(4, s + 1)
         self.seq_lens, self.query_start_loc, self.logits_indices, self.table_rows = self.per_seq
         self.block_tables = [alloc(s * b) for _ in range(num_groups)]  # flat: an (S, W) view is contiguous
-        self._views: dict[tuple[int, int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple[int, int, int, int], tuple] = {}
 
     def table_views(self, s: int, width: int) -> tuple[torch.Tensor, ...]:
         return tuple(table[:s * width].view(s, width) for table in self.block_tables)
@@ -149,7 +149,9 @@ class _Buffers:
                 self.input_ids[:t], self.positions[:t], self.slot_mapping[:, :t], self.slot_blocks[:, :t],
                 self.slot_offsets[:t], self.token_seq[:t], self.table_views(s, width), self.seq_lens[:s],
                 self.query_start_loc[:s + 1], self.logits_indices[:r])
-        return StepMetadata(t, s, query_lens, starts, *v, host_copy=host_copy, num_padded=num_padded)
+        ids, pos, slots, slot_blocks, offsets, token_seq, tables, seq_lens, loc, logits = v
+        return StepMetadata(t, s, query_lens, starts, ids, pos, slots, slot_blocks, offsets, token_seq, tables,
+                            seq_lens, loc, logits, host_copy=host_copy, num_padded=num_padded)
 
 
 class StepInputBuilder:
