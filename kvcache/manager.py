@@ -95,9 +95,10 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        block_ids = self.get_blocks(request_id).get_block_ids()
-        assert block_ids is not None  # (None only with allow_none)
-        return block_ids
+        # (read straight from each group's list, with no KVCacheBlocks made: the scheduler asks for every
+        # scheduled chunk, every step)
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]
+                     for m in self.coordinator.single_type_managers)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)

@@ -134,7 +134,8 @@ class Engine:
         # torch intra-op threads the steps compute with (the fused kernels split over them too); the
         # loop thread reads it again as it starts, since torch keeps the count per thread
         self.num_threads = torch.get_num_threads()
-        self.timing = {"schedule_s": 0.0, "model_s": 0.0, "update_s": 0.0}  # totals since start
+        # totals since start; inputs_s: the step's input build, apart from model_s (the rest of the forward)
+        self.timing = {"schedule_s": 0.0, "inputs_s": 0.0, "model_s": 0.0, "update_s": 0.0}
         self.last_timing = dict(self.timing)  # of the latest step
         logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
                     self.layout.page_size_bytes, [g.layer_indices for g in self.layout.groups])
@@ -211,6 +212,7 @@ class Engine:
             self.kv_connector.before_forward(sched)
             self.fault_marks.check(sched.chunks, LOOP)  # a fault plan's stand-in for a bug in the loop
             self.runner.update_requests(sched)
+            self.runner.last_inputs_s = 0.0
             sampled, failed = execute_isolated(self._run_chunks, sched.chunks) if sched.chunks else ({}, {})
             if self.fault_marks.has_marks:  # a fault plan's wrong KV, before the connector seals it
                 self._perturb_marked(sched)
@@ -220,7 +222,9 @@ class Engine:
             outputs.extend(self.scheduler.update_from_output(sched, sampled, connector_output))
             outputs.extend(self.scheduler.take_error_outputs())
             t3 = time.perf_counter()
-            self.last_timing = {"schedule_s": t1 - t0, "model_s": t2 - t1, "update_s": t3 - t2}
+            inputs_s = self.runner.last_inputs_s
+            self.last_timing = {"schedule_s": t1 - t0, "inputs_s": inputs_s, "model_s": t2 - t1 - inputs_s,
+                                "update_s": t3 - t2}
             for key, value in self.last_timing.items():
                 self.timing[key] += value
             self._publish_kv_events()  # before the outputs: a router sees the blocks before the answer

@@ -1,88 +1,91 @@
-"""The host time of a decode step: `python -m pd.tools.step_host_bench [--batches 32 128 256]`.
+"""Host time of a decode step: what the scheduler, the input build and the output update cost while the
+device waits, at a few batch sizes, on the CPU with a 1-layer tiny random model (the torch backend, so the
+model's own time stays small; it is printed apart, for context).
 
-What a GPU waits on between two decode steps, measured on the CPU with a 1-layer model (its forward is
-short, so the host parts dominate): the scheduler (`schedule`), building the step's inputs (`inputs`:
-`StepInputBuilder.build`, the step metadata), and applying the sampled tokens (`update`:
-`Scheduler.update_from_output`). The engine's own `last_timing` gives schedule and update; the input build
-is timed around the runner's builder. Per batch size: `batch` requests of a short prompt are admitted and
-prefilled, then `--steps` decode steps (every request in each) are timed, and the median of each part
-printed, in ms, with one JSON line per batch for scripts.
+Each batch runs `--steps` decode steps after `--warmup` ones, every request decoding the whole time
+(ignore_eos, max_tokens past the end), and reports the median of the engine's own per-step timing
+(`Engine.last_timing`: schedule_s, inputs_s, model_s, update_s). Medians, because other processes on a
+loaded machine steal the CPU for a few steps at a time.
+
+    python -m pd.tools.step_host_bench [--batches 32 128 256] [--steps 200] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
-import time
+import sys
+
+import torch
 
 from pd.engine.config import EngineConfig
 from pd.engine.engine import Engine
 from pd.engine.model.config import ModelConfig
 from pd.engine.sample.params import SamplingParams
 
-PROMPT_TOKENS = 16
+MODEL = ModelConfig(num_layers=1)  # the tiny default shape, one layer
+KEYS = ("schedule_s", "inputs_s", "update_s", "model_s")
 
 
-def measure(batch: int, steps: int, block_size: int = 16, engine_out: list[Engine] | None = None,
-            backend: str = "auto") -> dict[str, float]:
-    """Median host milliseconds of a decode step at `batch` (schedule, inputs, update, and the step's total).
-    The requests then run to their end; `engine_out` receives the engine (for a caller's checks)."""
-    model = ModelConfig(num_layers=1, bos_token_id=None, eos_token_id=None)
-    blocks = batch * (-(-(PROMPT_TOKENS + steps + 2) // block_size) + 1) + 8
-    engine = Engine(EngineConfig(model=model, seed=0, block_size=block_size, num_blocks=blocks,
-                                 max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS),
-                                 attention_backend=backend))
-    builder = engine.runner.inputs
-    build = builder.build
-    spent: list[float] = []
-
-    def timed_build(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return build(*args, **kwargs)
-        finally:
-            spent.append(time.perf_counter() - t0)
-
-    builder.build = timed_build  # type: ignore[method-assign]  # (timed for the run, put back below)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(PROMPT_TOKENS)], params)
-    engine.step()  # the prompts, in one step (the token budget holds them)
-    rows: dict[str, list[float]] = {"schedule": [], "inputs": [], "update": [], "step": []}
-    for _ in range(steps):
-        spent.clear()
-        t0 = time.perf_counter()
-        engine.step()
-        total = time.perf_counter() - t0
-        timing = engine.last_timing
-        rows["schedule"].append(timing["schedule_s"])
-        rows["inputs"].append(sum(spent))
-        rows["update"].append(timing["update_s"])
-        rows["step"].append(total)
-    builder.build = build  # type: ignore[method-assign]
-    while engine.has_unfinished_requests():
-        engine.step()
-    if engine_out is not None:
-        engine_out.append(engine)
-    return {name: 1e3 * statistics.median(values) for name, values in rows.items()}
+def measure(batch: int, steps: int, warmup: int, prompt_len: int = 32, block_size: int = 16,
+            backend: str = "torch", seed: int = 0) -> dict:
+    """Median per-step timings (microseconds) of `steps` decode steps at `batch` running requests."""
+    if batch <= 0 or steps <= 0 or warmup < 0 or prompt_len <= 0:
+        raise ValueError("batch, steps and prompt_len must be positive, warmup at least 0")
+    total = prompt_len + warmup + steps + 4
+    blocks = batch * (-(-total // block_size)) + 8
+    eng = Engine(EngineConfig(model=MODEL, block_size=block_size, num_blocks=blocks, max_num_seqs=batch,
+                              max_num_batched_tokens=max(2048, batch * prompt_len), attention_backend=backend,
+                              max_model_len=total + block_size, enable_prefix_caching=False))
+    try:
+        rng = random.Random(seed)
+        params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(f"r{i}", [rng.randrange(256) for _ in range(prompt_len)], params)
+        while eng.scheduler.waiting or any(s.request.num_output_tokens == 0 for s in eng.scheduler.requests.values()):
+            eng.step()
+        for _ in range(warmup):
+            eng.step()
+        samples = []
+        for _ in range(steps):
+            eng.step()
+            if len(eng.scheduler.running) != batch:
+                raise RuntimeError(f"{len(eng.scheduler.running)} requests running, expected {batch}")
+            samples.append(dict(eng.last_timing))
+        for rid in list(eng.scheduler.requests):
+            eng.abort_request(rid)
+        eng.step()
+    finally:
+        eng.shutdown()
+    med = {key.replace("_s", "_us"): statistics.median(s[key] for s in samples) * 1e6 for key in KEYS}
+    host = statistics.median(s["schedule_s"] + s["inputs_s"] + s["update_s"] for s in samples) * 1e6
+    return {"batch": batch, "steps": steps, "host_us": host, **med}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[32, 128, 256])
-    parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
-    parser.add_argument("--backend", default="auto", help="attention_backend (auto: what a deployment runs)")
-    args = parser.parse_args(argv)
-    print(f"{'batch':>6} {'schedule ms':>12} {'inputs ms':>10} {'update ms':>10} {'host ms':>8} {'step ms':>8}")
-    for batch in args.batches:
-        ms = measure(batch, args.steps, backend=args.backend)
-        host = ms["schedule"] + ms["inputs"] + ms["update"]
-        print(f"{batch:>6} {ms['schedule']:>12.3f} {ms['inputs']:>10.3f} {ms['update']:>10.3f} {host:>8.3f} "
-              f"{ms['step']:>8.3f}")
-        print(json.dumps({"batch": batch, **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
-                          "host_ms": round(host, 4)}))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128, 256])
+    ap.add_argument("--steps", type=int, default=200, help="measured decode steps per batch")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [measure(b, args.steps, args.warmup) for b in args.batches]
+    if args.json:
+        json.dump({"model": "1 layer, hidden 64, torch backend, CPU", "threads": args.threads, "rows": rows},
+                  sys.stdout)
+        print()
+        return 0
+    print(f"decode step host time, median of {args.steps} steps (µs); 1-layer tiny model, torch backend, CPU, "
+          f"{args.threads} thread(s)")
+    print(f"{'batch':>6} {'schedule':>9} {'inputs':>8} {'update':>8} {'host':>8} {'model':>8}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['schedule_us']:>9.0f} {r['inputs_us']:>8.0f} {r['update_us']:>8.0f} "
+              f"{r['host_us']:>8.0f} {r['model_us']:>8.0f}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -15,7 +15,8 @@ Layout of a step of S sequences (chunks) and T tokens, chunk order:
   is written to; `slot_blocks` (G, T) and `slot_offsets` (T,) hold the same slot as (block, offset);
 - `token_seq` (T,): the chunk each token belongs to;
 - `block_tables[g]` (S, W): each sequence's block table, null-padded (W: the step's widest, or the
-  fixed maximum with `fixed_table_width`, as a graph needs);
+  fixed maximum with `fixed_table_width`, as a graph needs), gathered from per-request rows kept across
+  steps (attention/block_rows.py: a step writes only the blocks its requests gained);
 - `seq_lens` (S,): context length after the step; `query_start_loc` (S + 1,): where each chunk's
   tokens start in the flat batch; `logits_indices` (R,): the flat row of each chunk that needs logits.
 
@@ -24,14 +25,15 @@ chunk lengths and starts as Python ints, for backends that plan on the host.
 """
 from __future__ import annotations
 
-import array
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from pd.engine.attention.block_rows import BlockRows, as_tensor as _as_tensor
 from pd.engine.kv.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 class StepChunk(Protocol):
     """What the builder reads of a chunk (the scheduler's `ScheduledChunk`; attention does not import
     the scheduler): tokens [start, start + len(token_ids)) of one sequence."""
+
+    @property
+    def request_id(self) -> str: ...  # keys the request's block-table row (`BlockRows`)
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -124,27 +129,29 @@ class _Buffers:
         self.input_ids, self.positions, self.token_seq, self.slot_offsets = self.per_token[:4]
         self.slot_blocks = self.per_token[4:4 + num_groups]
         self.slot_mapping = self.per_token[4 + num_groups:]
-        # rows: sequence lengths, query start offsets (one more), logits indices
-        self.per_seq = alloc(3, s + 1)
-        self.seq_lens, self.query_start_loc, self.logits_indices = self.per_seq
+        # rows: sequence lengths, query start offsets (one more), logits indices, each sequence's `BlockRows` row
+        self.per_seq = alloc(4, s + 1)
+        self.seq_lens, self.query_start_loc, self.logits_indices, self.table_rows = self.per_seq
         self.block_tables = [alloc(s * b) for _ in range(num_groups)]  # flat: an (S, W) view is contiguous
+        self._views: dict[tuple[int, int, int, int], tuple] = {}
+
+    def table_views(self, s: int, width: int) -> tuple[torch.Tensor, ...]:
+        return tuple(table[:s * width].view(s, width) for table in self.block_tables)
 
     def views(self, t: int, s: int, r: int, width: int, query_lens: tuple[int, ...], starts: tuple[int, ...],
               host_copy: StepMetadata | None, num_padded: int = 0) -> StepMetadata:
-        return StepMetadata(
-            num_tokens=t, num_seqs=s, query_lens=query_lens, starts=starts, input_ids=self.input_ids[:t],
-            positions=self.positions[:t], slot_mapping=self.slot_mapping[:, :t], slot_blocks=self.slot_blocks[:, :t],
-            slot_offsets=self.slot_offsets[:t], token_seq=self.token_seq[:t],
-            block_tables=tuple(table[:s * width].view(s, width) for table in self.block_tables),
-            seq_lens=self.seq_lens[:s], query_start_loc=self.query_start_loc[:s + 1],
-            logits_indices=self.logits_indices[:r], host_copy=host_copy, num_padded=num_padded)
-
-
-def _as_tensor(values: list[int]) -> torch.Tensor:
-    """An int64 CPU tensor of `values` (through a C array: far faster than torch.tensor on a list)."""
-    if not values:
-        return torch.empty(0, dtype=torch.long)
-    return torch.frombuffer(array.array("q", values), dtype=torch.long)
+        key = (t, s, r, width)
+        v = self._views.get(key)
+        if v is None:  # the same views serve every step of this shape (a decode batch, step after step)
+            if len(self._views) > 64:
+                self._views.clear()
+            v = self._views[key] = (
+                self.input_ids[:t], self.positions[:t], self.slot_mapping[:, :t], self.slot_blocks[:, :t],
+                self.slot_offsets[:t], self.token_seq[:t], self.table_views(s, width), self.seq_lens[:s],
+                self.query_start_loc[:s + 1], self.logits_indices[:r])
+        ids, pos, slots, slot_blocks, offsets, token_seq, tables, seq_lens, loc, logits = v
+        return StepMetadata(t, s, query_lens, starts, ids, pos, slots, slot_blocks, offsets, token_seq, tables,
+                            seq_lens, loc, logits, host_copy=host_copy, num_padded=num_padded)
 
 
 class StepInputBuilder:
@@ -153,13 +160,17 @@ class StepInputBuilder:
     Guarantees: the buffers' addresses never change while steps fit `capacity` (a larger step, which
     an engine sized from its config never schedules, reallocates them and logs it); `build` raises
     ValueError, before anything is written to the pages, when a token's slot would be the null block.
+    Block tables come from per-request rows kept across steps (`BlockRows`): a step writes only the
+    blocks its requests gained (or rows that changed otherwise), then gathers its rows; `release`
+    frees the rows of finished requests.
     """
 
     def __init__(self, layout: KVLayout, device: torch.device | str, capacity: StepCapacity | None = None,
-                 fixed_table_width: bool = False):
+                 fixed_table_width: bool = False, separate_device_rows: bool | None = None):
         self.layout = layout
         self.device = torch.device(device)
         self.fixed_table_width = fixed_table_width
+        self._separate_rows = separate_device_rows  # (tests: a device copy of the rows on the CPU too)
         self._allocate(capacity or StepCapacity())
 
     def _allocate(self, capacity: StepCapacity) -> None:
@@ -168,9 +179,16 @@ class StepInputBuilder:
         self.allocations = getattr(self, "allocations", 0) + 1
         groups = len(self.layout.groups)
         on_host = self.device.type == "cpu"
-        self._host = _Buffers(capacity, groups, torch.device("cpu"), pin=not on_host and torch.cuda.is_available())
+        pin = not on_host and torch.cuda.is_available()
+        self._host = _Buffers(capacity, groups, torch.device("cpu"), pin=pin)
         self._device = self._host if on_host else _Buffers(capacity, groups, self.device)
+        self.rows = BlockRows(groups, capacity.max_num_seqs, capacity.max_blocks_per_seq, self.device, pin,
+                              self._separate_rows)
         self._copied: torch.cuda.Event | None = None  # the previous step's host-to-device copies
+
+    def release(self, request_ids: Sequence[str] | frozenset[str]) -> None:
+        """Forgets finished requests: their block-table rows go back to the free list."""
+        self.rows.release(request_ids)
 
     def build(self, chunks: Sequence[StepChunk], pad_to: int | None = None) -> StepMetadata:
         """The step's metadata. `pad_to`: a step of decode tokens only is padded to this many rows (a
@@ -180,15 +198,15 @@ class StepInputBuilder:
         if self._copied is not None:  # the host mirror is rewritten below: the last copies must be done
             self._copied.synchronize()
         bs = self.layout.block_size
-        num_groups = len(self.layout.groups)
-        query_lens = tuple(len(c.token_ids) for c in chunks)
-        starts = tuple(c.start for c in chunks)
+        query_lens = tuple([len(c.token_ids) for c in chunks])
+        starts = tuple([c.start for c in chunks])
         t, s = sum(query_lens), len(chunks)
         pad = 0 if pad_to is None else pad_to - s
         if pad < 0 or (pad and t != s):
             raise ValueError(f"only a step of decode tokens pads, to at least its {s} rows (pad_to={pad_to})")
         t, s = t + pad, s + pad
-        widest = max((len(ids) for c in chunks for ids in c.block_ids), default=0)
+        tables = [c.block_ids for c in chunks]
+        widest = max(map(len, itertools.chain.from_iterable(tables)), default=0)
         if not self.capacity.covers(t, s, widest):
             grown = StepCapacity(max(t, self.capacity.max_num_tokens), max(s, self.capacity.max_num_seqs),
                                  max(widest, self.capacity.max_blocks_per_seq))
@@ -200,7 +218,7 @@ class StepInputBuilder:
             ids = [c.token_ids[0] for c in chunks] + [0] * pad
             positions = list(starts) + [0] * pad
             token_seq = list(range(s))
-            loc = list(range(s + 1))
+            loc = token_seq + [s]
             logits = [i for i, c in enumerate(chunks) if c.needs_logits]
         else:
             ids, positions, token_seq, loc, logits = [], [], [], [0], []
@@ -212,31 +230,26 @@ class StepInputBuilder:
                 if c.needs_logits:
                     logits.append(len(ids) - 1)
         rows = [ids, positions, token_seq, [p % bs for p in positions]]
-        seq_of = token_seq if t != s else None
-        for g in range(num_groups):
-            tables = [c.block_ids[g] for c in chunks]
+        for g in range(len(self.layout.groups)):  # each new token's block (lists: cheaper than tensor ops here)
             try:
-                if seq_of is None:
-                    blocks = [table[p // bs] for table, p in zip(tables, positions, strict=False)]
+                if t == s:
+                    blocks = [table[g][p // bs] for table, p in zip(tables, positions, strict=False)]
                 else:
-                    blocks = [tables[i][p // bs] for i, p in zip(seq_of, positions, strict=True)]
+                    blocks = [tables[i][g][p // bs] for i, p in zip(token_seq, positions, strict=True)]
             except IndexError:
                 blocks = [0]
             if 0 in blocks:
                 raise ValueError(f"group {g}: a new token maps to the null block (block table too short)")
             rows.append(blocks + [0] * pad)
-            tables += [[]] * pad
-            padded: list[int] = []
-            for table in tables:
-                padded += table
-                padded += [0] * (width - len(table))
-            self._host.block_tables[g][:s * width].copy_(_as_tensor(padded))
+        table_rows = self.rows.rows_for(_row_keys(chunks), tables) + [self.rows.null_row] * pad
         h = self._host
-        h.per_token[:len(rows), :t].copy_(_as_tensor([v for row in rows for v in row]).view(len(rows), t))
+        h.per_token[:len(rows), :t].copy_(_as_tensor(list(itertools.chain.from_iterable(rows))).view(len(rows), t))
         torch.add(h.slot_blocks[:, :t] * bs, h.slot_offsets[:t], out=h.slot_mapping[:, :t])
         seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)] + [0] * pad
-        per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits))
-        h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(3, s + 1))
+        per_seq = seq_lens + [0] + loc + logits + [0] * (s + 1 - len(logits)) + table_rows + [0]
+        h.per_seq[:, :s + 1].copy_(_as_tensor(per_seq).view(4, s + 1))
+        for g, out in enumerate(h.table_views(s, width)):
+            self.rows.gather(g, h.table_rows[:s], width, out, on_device=False)
         if pad:
             query_lens, starts = query_lens + (1,) * pad, starts + (0,) * pad
         host = h.views(t, s, len(logits), width, query_lens, starts, None, pad)
@@ -246,8 +259,24 @@ class StepInputBuilder:
         # whole buffers: contiguous, so the copies stay asynchronous from pinned memory (a few hundred KB)
         d.per_token.copy_(h.per_token, non_blocking=True)
         d.per_seq.copy_(h.per_seq, non_blocking=True)
-        for dst, src in zip(d.block_tables, h.block_tables, strict=True):
-            dst[:s * width].copy_(src[:s * width], non_blocking=True)
+        for g, out in enumerate(d.table_views(s, width)):  # the step's rows, gathered on the device
+            self.rows.gather(g, d.table_rows[:s], width, out, on_device=True)
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self.device))  # where the copies ran: cuda:N's stream
         return d.views(t, s, len(logits), width, query_lens, starts, host, pad)
+
+
+def _row_keys(chunks: Sequence[StepChunk]) -> list[object]:
+    """One key per chunk for its block-table row: the request id (a chunk without one, or a second chunk of
+    one request in a step, gets a key of its own)."""
+    try:
+        keys: list[object] = [c.request_id for c in chunks]
+    except AttributeError:
+        keys = [getattr(c, "request_id", None) for c in chunks]
+    if None in keys or len(set(keys)) != len(keys):
+        seen: set[object] = set()
+        for i, key in enumerate(keys):
+            if key is None or key in seen:
+                keys[i] = (key, i)
+            seen.add(keys[i])
+    return keys

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -104,6 +105,7 @@ class ModelRunner:
         batched = options.device_sampler if options.device_sampler is not None else self.device.type != "cpu"
         self.batched_sampler = BatchedSampler(self.num_ids) if batched else None
         self.requests: dict[str, RequestSampling] = {}
+        self.last_inputs_s = 0.0  # input build time (`StepInputBuilder.build`) since the engine last reset it
 
     @property
     def description(self) -> str:
@@ -115,6 +117,7 @@ class ModelRunner:
         """Forgets the requests finished since the previous step, then meets this step's new ones."""
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+        self.inputs.release(sched.finished_request_ids)  # (their block-table rows)
         for rid, params in sched.new_requests.items():
             if self.batched_sampler is not None:
                 self.requests[rid] = RequestSampling(params, None, make_row_rng(params))
@@ -155,10 +158,16 @@ class ModelRunner:
         if self.graphs.graphs_ready:
             plan = self.graphs.plan(len(chunks), sum(len(c.token_ids) for c in chunks), on_layer is not None)
             if plan.bucket is not None:
-                metadata = self.inputs.build(chunks, pad_to=plan.bucket)
+                metadata = self._build(chunks, plan.bucket)
                 return self.graphs.replay(plan.bucket)[metadata.logits_indices]
-        metadata = self.inputs.build(chunks)
+        metadata = self._build(chunks, None)
         return self._run(metadata, on_layer)
+
+    def _build(self, chunks: Sequence[ScheduledChunk], pad_to: int | None) -> StepMetadata:
+        t0 = time.perf_counter()
+        metadata = self.inputs.build(chunks, pad_to=pad_to)
+        self.last_inputs_s += time.perf_counter() - t0  # (summed: a step retried chunk by chunk builds more than once)
+        return metadata
 
     def forward_hidden(self, metadata: StepMetadata) -> torch.Tensor:
         """The final-norm hidden states of every token of the step (padding rows included), through the
