@@ -76,6 +76,11 @@ class ProjectionView:
         return F.linear(x, self.weight, self.bias)
 
 
+def _projection(fused: str, rows: Callable[[Any], tuple[int, int]]) -> Any:
+    """A read-only property: rows `rows(module)` of the module's fused linear `fused`, as a ProjectionView."""
+    return property(lambda module: ProjectionView(getattr(module, fused), *rows(module)))
+
+
 def _fused_state_dict(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
     """Makes `module`'s state dict name the per-projection tensors of its fused linear `fused` (HF's names,
     views of the fused tensor on save; concatenated into it on load), so checkpoints keep their layout."""
@@ -116,17 +121,9 @@ class Attention(nn.Module):
         _fused_state_dict(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size),
                                              ("v_proj", self.kv_size)))
 
-    @property
-    def q_proj(self) -> ProjectionView:
-        return ProjectionView(self.qkv_proj, 0, self.q_size)
-
-    @property
-    def k_proj(self) -> ProjectionView:
-        return ProjectionView(self.qkv_proj, self.q_size, self.q_size + self.kv_size)
-
-    @property
-    def v_proj(self) -> ProjectionView:
-        return ProjectionView(self.qkv_proj, self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+    q_proj = _projection("qkv_proj", lambda m: (0, m.q_size))
+    k_proj = _projection("qkv_proj", lambda m: (m.q_size, m.q_size + m.kv_size))
+    v_proj = _projection("qkv_proj", lambda m: (m.q_size + m.kv_size, m.q_size + 2 * m.kv_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: LayerAttention,
                 metadata: Any, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
@@ -152,13 +149,8 @@ class MLP(nn.Module):
         _fused_state_dict(self, "gate_up_proj", (("gate_proj", cfg.intermediate_size),
                                                  ("up_proj", cfg.intermediate_size)))
 
-    @property
-    def gate_proj(self) -> ProjectionView:
-        return ProjectionView(self.gate_up_proj, 0, self.intermediate_size)
-
-    @property
-    def up_proj(self) -> ProjectionView:
-        return ProjectionView(self.gate_up_proj, self.intermediate_size, 2 * self.intermediate_size)
+    gate_proj = _projection("gate_up_proj", lambda m: (0, m.intermediate_size))
+    up_proj = _projection("gate_up_proj", lambda m: (m.intermediate_size, 2 * m.intermediate_size))
 
     def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
