@@ -20,6 +20,12 @@ Layout of a step of S sequences (chunks) and T tokens, chunk order:
 - `seq_lens` (S,): context length after the step; `query_start_loc` (S + 1,): where each chunk's
   tokens start in the flat batch; `logits_indices` (R,): the flat row of each chunk that needs logits.
 
+A mixed step (one-token chunks beside prompt chunks) also carries `mixed` (`MixedSplit`): its rows split by
+kernel, the one-token chunks (decode rows) apart from the prompt chunks, each part with its own
+sequence lengths, block tables and (the prompt part) query starts, so that a backend runs each part
+through its own kernel without planning on the host. The builder knows the chunk lengths as ints and
+makes the split there; mixed steps are never graph-captured, so the split's tensors are fresh each step.
+
 `host` holds the same values on the CPU (the very tensors when the engine runs there), with the
 chunk lengths and starts as Python ints, for backends that plan on the host.
 """
@@ -74,6 +80,49 @@ class StepCapacity:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixedSplit:
+    """A mixed step's rows split by kernel (see the module docstring), on the step's device. Each part keeps
+    chunk order; `decode_rows` and `prompt_rows` together name every flat row exactly once."""
+
+    decode_rows: torch.Tensor  # (D,) the flat row of each one-token chunk
+    decode_seq_lens: torch.Tensor  # (D,)
+    decode_tables: tuple[torch.Tensor, ...]  # per KV cache group, (D, W)
+    prompt_rows: torch.Tensor  # (P_tokens,) the flat rows of the other chunks, in order
+    prompt_seq_lens: torch.Tensor  # (P,)
+    prompt_query_start: torch.Tensor  # (P + 1,) where each prompt chunk starts among `prompt_rows`
+    prompt_tables: tuple[torch.Tensor, ...]  # per KV cache group, (P, W)
+    prompt_max_query_len: int
+
+
+def mixed_split(metadata: StepMetadata) -> MixedSplit | None:
+    """The split of a step with both one-token and longer chunks (None for any other step), from the host's
+    chunk lengths; the index tensors are made on the host and copied once, the gathers run on the device."""
+    lens = metadata.query_lens
+    if metadata.decode_only or 1 not in lens:
+        return None
+    decode_seqs, decode_rows, prompt_seqs, prompt_rows, prompt_loc = [], [], [], [], [0]
+    row = 0
+    for i, n in enumerate(lens):
+        if n == 1:
+            decode_seqs.append(i)
+            decode_rows.append(row)
+        else:
+            prompt_seqs.append(i)
+            prompt_rows.extend(range(row, row + n))
+            prompt_loc.append(prompt_loc[-1] + n)
+        row += n
+    d, p, r = len(decode_seqs), len(prompt_seqs), len(prompt_rows)
+    device = metadata.seq_lens.device
+    packed = _as_tensor(decode_seqs + decode_rows + prompt_seqs + prompt_rows + prompt_loc).to(device, copy=True)
+    dec_seqs, dec_rows, pr_seqs, pr_rows, pr_loc = packed.split([d, d, p, r, p + 1])
+    return MixedSplit(dec_rows, metadata.seq_lens.index_select(0, dec_seqs),
+                      tuple(t.index_select(0, dec_seqs) for t in metadata.block_tables),
+                      pr_rows, metadata.seq_lens.index_select(0, pr_seqs), pr_loc,
+                      tuple(t.index_select(0, pr_seqs) for t in metadata.block_tables),
+                      max(lens[i] for i in prompt_seqs))
+
+
+@dataclasses.dataclass(frozen=True)
 class StepMetadata:
     """One step's inputs (see the module docstring); tensors are views of the builder's buffers,
     valid until its next `build`."""
@@ -94,6 +143,7 @@ class StepMetadata:
     logits_indices: torch.Tensor
     host_copy: StepMetadata | None = None  # None: these tensors are on the CPU already
     num_padded: int = 0  # padding rows at the end (`StepInputBuilder.build(pad_to=)`), counted in num_tokens/num_seqs
+    mixed: MixedSplit | None = None  # a mixed step's rows split by kernel (on the device metadata only)
 
     @property
     def host(self) -> StepMetadata:
@@ -254,7 +304,7 @@ class StepInputBuilder:
             query_lens, starts = query_lens + (1,) * pad, starts + (0,) * pad
         host = h.views(t, s, len(logits), width, query_lens, starts, None, pad)
         if self._device is h:
-            return host
+            return _with_split(host)
         d = self._device
         # whole buffers: contiguous, so the copies stay asynchronous from pinned memory (a few hundred KB)
         d.per_token.copy_(h.per_token, non_blocking=True)
@@ -263,7 +313,12 @@ class StepInputBuilder:
             self.rows.gather(g, d.table_rows[:s], width, out, on_device=True)
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self.device))  # where the copies ran: cuda:N's stream
-        return d.views(t, s, len(logits), width, query_lens, starts, host, pad)
+        return _with_split(d.views(t, s, len(logits), width, query_lens, starts, host, pad))
+
+
+def _with_split(metadata: StepMetadata) -> StepMetadata:
+    split = mixed_split(metadata)
+    return metadata if split is None else dataclasses.replace(metadata, mixed=split)
 
 
 def _row_keys(chunks: Sequence[StepChunk]) -> list[object]:

@@ -3,10 +3,13 @@ tables, by the kernels of triton_kv_write.py, triton_decode.py and triton_prefil
 
 Each layer's K and V are the strided views of the page pool bound once by `KVLayout.bind` (`LayerKV.k`,
 `.v`, views of the pool's one storage): a CUDA graph replays them at the same addresses. A step of
-decode tokens only takes the decode kernel (one query per sequence); any other step takes the prompt
-kernel, whose varlen chunks cover decode tokens too (a chunk of one). Nothing here reads a tensor's
-value on the host, and `prepare` has nothing to plan: the kernels read positions, slots and tables
-straight from the step metadata, so a decode step can be captured in a CUDA graph as it is.
+decode tokens only takes the decode kernel (one query per sequence); a prompt step the prompt kernel
+(varlen chunks); a mixed step both: its one-token chunks (decode rows) through the decode kernel and
+its prompt chunks through the prompt kernel, each on its part of the rows as the metadata builder split
+them (`StepMetadata.mixed`), the outputs put back in row order. A decode row in the prompt kernel
+would use one row of a 32-row query tile. Nothing here reads a tensor's value on the host, and
+`prepare` has nothing to plan: the kernels read positions, slots, tables and the mixed split straight
+from the step metadata, so a decode step can be captured in a CUDA graph as it is.
 
 `use_reference(True)` swaps the kernels for their plain-torch reference (triton_reference.py), with
 the same arguments: what `torch.compile(fullgraph=True)` traces on the CPU to check that the decode
@@ -101,8 +104,19 @@ class TritonBackend:
         if metadata.decode_only:
             return self.ops.decode(q, lkv.k, lkv.v, metadata.block_tables[g], metadata.seq_lens, self.scale,
                                    lkv.window)
-        return self.ops.prefill(q, lkv.k, lkv.v, metadata.block_tables[g], metadata.seq_lens,
-                                metadata.query_start_loc, metadata.max_query_len, self.scale, lkv.window)
+        split = metadata.mixed
+        if split is None:
+            return self.ops.prefill(q, lkv.k, lkv.v, metadata.block_tables[g], metadata.seq_lens,
+                                    metadata.query_start_loc, metadata.max_query_len, self.scale, lkv.window)
+        out = torch.empty_like(q)
+        decoded = self.ops.decode(q.index_select(0, split.decode_rows), lkv.k, lkv.v, split.decode_tables[g],
+                                  split.decode_seq_lens, self.scale, lkv.window)
+        out.index_copy_(0, split.decode_rows, decoded)
+        prompted = self.ops.prefill(q.index_select(0, split.prompt_rows), lkv.k, lkv.v, split.prompt_tables[g],
+                                    split.prompt_seq_lens, split.prompt_query_start, split.prompt_max_query_len,
+                                    self.scale, lkv.window)
+        out.index_copy_(0, split.prompt_rows, prompted)
+        return out
 
 
 def why_not_triton(device: torch.device) -> str | None:
