@@ -8,7 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd.engine.sample.batched import BatchedSampler, RowRng, filter_rows, make_row_rng, uniform_noise
+from pd.engine.sample import batched
+from pd.engine.sample.batched import (BatchedSampler, RowRng, _nucleus_of_top, _nucleus_sorted, filter_rows,
+                                     make_row_rng, uniform_noise)
 from pd.engine.sample.params import SAMPLER_BYTES_PER_LOGIT, SamplingParams
 from pd.engine.sample.sampler import filter_logits, sample
 
@@ -103,7 +105,7 @@ def test_draws_follow_the_filtered_distribution():
 
 def test_top_k_rows_are_not_sorted_and_only_top_p_rows_are(monkeypatch):
     """Top-k takes torch.topk of the largest k asked (not a sort of the vocabulary); a sort runs only over the
-    rows with top_p < 1."""
+    rows with top_p < 1 (of their candidates, or of the whole row: test_top_p_rows_sort_the_vocabulary_...)."""
     sorted_rows = []
     real_sort = torch.sort
 
@@ -116,7 +118,7 @@ def test_top_k_rows_are_not_sorted_and_only_top_p_rows_are(monkeypatch):
     params = [SamplingParams(temperature=0.9, top_k=k, seed=i) for i, k in enumerate((5, 40, 1, 7))]
     params += [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.8, seed=9)]
     tokens = BatchedSampler().sample(logits, params, [make_row_rng(p) for p in params])
-    assert sorted_rows == [1]  # the one top-p row
+    assert sorted_rows and set(sorted_rows) == {1}  # the one top-p row
     for i, p in enumerate(params[:4]):
         assert tokens[i] in set(torch.topk(logits[i], p.top_k).indices.tolist())
     assert tokens[4] == int(logits[4].argmax())
@@ -208,3 +210,48 @@ def test_bad_calls_are_refused():
     assert make_row_rng(SamplingParams(temperature=1.0, seed=9)) == RowRng(9)
     assert not math.isnan(sampler.sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0, seed=1)],
                                          [RowRng(1)])[0])
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_top_p_rows_sort_the_vocabulary_only_when_the_nucleus_is_wide(monkeypatch, peaked):
+    """A peaked row's nucleus lies among its largest scores: found from a `torch.topk` candidate set, with no
+    sort as wide as the vocabulary; a flat row's nucleus is wide, and it is sorted whole. Either way the kept
+    tokens are those of the whole-row sort, ties at the border included (by id), and so are the tokens drawn."""
+    vocab = 4000
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn((4, vocab), generator=gen)
+    if peaked:
+        logits[:, :200] += 8.0 + 4.0 * torch.rand((4, 200), generator=gen)  # 200 tokens hold 99.8% of the mass
+        logits[1, 40:60] = 30.0  # a tie group the nucleus ends inside: kept by lowest id
+    else:
+        logits = logits * 0.05
+    top_p = [0.9, 0.52, 0.99, 0.3]
+    for i, p in enumerate(top_p):  # no border within float32 rounding of a running mass
+        probs = torch.softmax(logits[i].double(), dim=0).sort(descending=True).values
+        assert bool(((probs.cumsum(0) - probs) - p).abs().min() > 1e-5)
+    params = [SamplingParams(temperature=1.0, top_p=p, seed=i) for i, p in enumerate(top_p)]
+    widths = []
+    real_sort = torch.sort
+
+    def counting_sort(x, *args, **kwargs):
+        widths.append(x.shape[-1])
+        return real_sort(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    tokens = BatchedSampler().sample(logits, params, [make_row_rng(p) for p in params])
+    monkeypatch.undo()
+    if peaked:
+        assert widths and max(widths) < vocab, widths
+    else:
+        assert vocab in widths, widths
+    monkeypatch.setattr(batched, "CANDIDATES", vocab)  # every top-p row sorted whole
+    assert BatchedSampler().sample(logits, params, [make_row_rng(p) for p in params]) == tokens
+    want = _nucleus_sorted(logits.clone(), torch.tensor(top_p))
+    for size in (64, 512):
+        got, settled = _nucleus_of_top(logits.clone(), torch.tensor(top_p), size)
+        for i in range(4):
+            if settled[i]:
+                assert torch.equal(got[i], want[i]), f"row {i} keeps other tokens among {size} candidates"
+        if peaked:
+            assert bool(settled[1])
+            assert torch.isfinite(got[1]).nonzero().flatten().tolist() == list(range(40, 51))  # 11 of the 20 tied

@@ -100,7 +100,11 @@ def mixed_split(metadata: StepMetadata) -> MixedSplit | None:
     lens = metadata.query_lens
     if metadata.decode_only or 1 not in lens:
         return None
-    decode_seqs, decode_rows, prompt_seqs, prompt_rows, prompt_loc = [], [], [], [], [0]
+    decode_seqs: list[int] = []
+    decode_rows: list[int] = []
+    prompt_seqs: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_loc = [0]
     row = 0
     for i, n in enumerate(lens):
         if n == 1:

@@ -7,13 +7,17 @@ score, ties the lowest id); the others are temperature-scaled from the row's
 maximum, then top-k, then top-p filtered as `filter_logits` does (in float32
 rather than its float64: the same tokens kept but where a running mass lands
 within float32 rounding of top_p; the top token always kept), and drawn.
-Top-k takes one `torch.topk`, not a sort; only rows with top_p < 1 are sorted.
+Top-k takes one `torch.topk`, not a sort. A top-p row looks for its nucleus among
+its 64 largest scores first (a `torch.topk`, and a sort of those 64 only): a
+peaked row is settled there, with the whole-row sort's kept tokens; a row whose
+nucleus reaches past them is drawn again with 8x as many, then sorted whole
+(`_nucleus_of_top`, `_nucleus_sorted`).
 Its temporaries stay within `SAMPLER_BYTES_PER_LOGIT` bytes per drawn logit,
 what the GPU memory plan reserves (pd/cluster/gpu_share.py). A row whose
 logits are not all finite is sampled greedily and logged. Ids at or above
 `num_ids` (the tokenizer's vocabulary) are never returned. The only host
 synchronisation is the single copy of the chosen tokens (with their fallback
-flags) at the end.
+and settled flags) at the end, and one more for each redraw of a wide nucleus.
 
 Draws use the Gumbel-max trick with counter-based noise: the noise of row r
 for token t is a hash of (the request's seed, how many tokens it has drawn,
@@ -99,14 +103,42 @@ def filter_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         top_p_rows = torch.nonzero(top_p < 1.0).flatten().tolist()
     if top_p_rows:
         rows = torch.tensor(top_p_rows, device=scaled.device)
-        ordered, order = torch.sort(scaled.index_select(0, rows), dim=1, descending=True, stable=True)
-        probs = torch.softmax(ordered, dim=1)
-        drop = probs.cumsum(dim=1) - probs >= top_p.index_select(0, rows).to(probs.dtype)[:, None]
-        drop[:, 0] = False  # the top token always stays
-        ordered.masked_fill_(drop, float("-inf"))
-        del probs, drop
-        scaled.index_copy_(0, rows, torch.full_like(ordered, float("-inf")).scatter_(1, order, ordered))
+        scaled.index_copy_(0, rows, _nucleus_sorted(scaled.index_select(0, rows), top_p.index_select(0, rows)))
     return scaled
+
+
+CANDIDATES = 64  # a top-p row's first candidate set (its largest scores); 8x as many each time it falls short
+
+
+def _nucleus_of_top(rows: torch.Tensor, top_p: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` with every token outside its row's nucleus at -inf, the nucleus looked for among each row's `size`
+    largest scores (`torch.topk`, then a sort of those `size` by score, ties by id), and whether that settles
+    the row: when the candidates' mass reaches top_p before their last one and every score outside is below the
+    last kept one (so ties at the border are all candidates), the kept tokens are the whole-row sort's; an
+    unsettled row's result is not to be used."""
+    values, ids = torch.topk(rows, size, dim=1)
+    ids, by_id = torch.sort(ids, dim=1)  # ties in score ordered by id, as the whole row's stable sort orders them
+    values, order = torch.sort(values.gather(1, by_id), dim=1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    probs = torch.exp(values - torch.logsumexp(rows, dim=1, keepdim=True))
+    drop = probs.cumsum(dim=1) - probs >= top_p.to(probs.dtype)[:, None]
+    drop[:, 0] = False  # the top token always stays
+    lowest_kept = values.masked_fill(drop, float("inf")).min(dim=1).values
+    settled = drop[:, -1] & (values[:, -1] < lowest_kept)
+    kept = torch.full_like(rows, float("-inf")).scatter_(1, ids, values.masked_fill_(drop, float("-inf")))
+    return kept, settled
+
+
+def _nucleus_sorted(rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`rows` with every token outside its row's nucleus at -inf, by sorting each whole row (stable: ties by id):
+    a token stays while the mass before it is below top_p, the top token always."""
+    ordered, order = torch.sort(rows, dim=1, descending=True, stable=True)
+    probs = torch.softmax(ordered, dim=1)
+    drop = probs.cumsum(dim=1) - probs >= top_p.to(probs.dtype)[:, None]
+    drop[:, 0] = False  # the top token always stays
+    ordered.masked_fill_(drop, float("-inf"))
+    del probs, drop
+    return torch.full_like(ordered, float("-inf")).scatter_(1, order, ordered)
 
 
 class BatchedSampler:
@@ -114,7 +146,8 @@ class BatchedSampler:
 
     Guarantees: never raises for parameters `SamplingParams` accepts and any logits (nan and inf
     included); every token is below `num_ids` (or the row's width); each non-greedy row's `RowRng`
-    advances by one draw per call; one device-to-host copy per call.
+    advances by one draw per call; one device-to-host copy per call (one more per redraw of top-p rows
+    whose nucleus is wider than their candidates).
     """
 
     def __init__(self, num_ids: int | None = None):
@@ -140,21 +173,35 @@ class BatchedSampler:
             if rng is None:
                 raise ValueError(f"row {i} samples ({params[i]}) but has no RowRng")
             streams.append(rng)
-        index, chosen, finite = self._draw(rows, drawn, params, streams)
+        size: int | None = CANDIDATES
+        index, chosen, finite, settled = self._draw(rows, drawn, params, streams, size)
         tokens = greedy.clone()
         tokens[index] = chosen
-        host = torch.cat([tokens, finite.long()]).tolist()  # the step's one copy: tokens and fallback flags
-        out, ok = host[:len(params)], host[len(params):]
+        # the step's one copy: tokens, fallback flags, and which top-p rows their candidates settled
+        host = torch.cat([tokens, finite.long(), settled.long()]).tolist()
+        b = len(params)
+        out, ok, done = host[:b], host[b:b + len(drawn)], host[b + len(drawn):]
+        while not all(done):  # a nucleus wider than its candidates: those rows again, 8x the candidates or sorted
+            redo = [j for j, d in enumerate(done) if not d]
+            size = size * 8 if size is not None and size * 8 * 4 <= rows.shape[1] else None
+            _, chosen, _, settled = self._draw(rows, [drawn[j] for j in redo], params,
+                                               [streams[j] for j in redo], size)
+            again = torch.cat([chosen, settled.long()]).tolist()
+            for j, token, d in zip(redo, again[:len(redo)], again[len(redo):], strict=True):
+                out[drawn[j]], done[j] = token, d
         for i, rng, fine in zip(drawn, streams, ok, strict=True):
             rng.draws += 1
             if not fine:
                 logger.warning("non-finite logits: sampled greedily (%s)", params[i])
         return out
 
-    def _draw(self, rows: torch.Tensor, drawn: list[int], params: list[SamplingParams],
-              streams: list[RowRng]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows in `drawn` (as a device tensor), their sampled tokens and finite flags (no sync: the
-        rows' settings travel in one host-to-device copy). `streams`: the RowRng of each drawn row."""
+    def _draw(self, rows: torch.Tensor, drawn: list[int], params: list[SamplingParams], streams: list[RowRng],
+              size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows in `drawn` (as a device tensor), their sampled tokens, finite flags and settled flags (no
+        sync: the rows' settings travel in one host-to-device copy). `streams`: the RowRng of each drawn row.
+        `size`: top-p rows look for their nucleus among that many largest scores (at least their top-k), and a
+        row it does not settle (its flag False) must be drawn again; None, or a size over a quarter of the
+        vocabulary, sorts them whole (every row settled)."""
         device = rows.device
         settings = torch.tensor(
             [[params[i].temperature, params[i].top_k, params[i].top_p, i, rng.seed & _M32, (rng.seed >> 32) & _M32,
@@ -168,10 +215,22 @@ class BatchedSampler:
         finite = torch.isfinite(scores).all(dim=1)
         scores.masked_fill_(~finite[:, None], 0.0)
         as_int = settings[:, 4:].long()
-        filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2], max_k, top_p_rows)
+        if size is not None:
+            size = max(size, max_k)
+            if size * 4 > width or not top_p_rows:
+                size = None
+        settled = torch.ones(len(drawn), dtype=torch.bool, device=device)
+        filtered = filter_rows(scores, settings[:, 0], settings[:, 1].long(), settings[:, 2], max_k,
+                               top_p_rows if size is None else [])
         del scores
+        if size is not None:  # the nucleus among each top-p row's `size` largest scores
+            at = torch.tensor(top_p_rows, device=device)
+            kept, found = _nucleus_of_top(filtered.index_select(0, at), settings[:, 2].index_select(0, at), size)
+            filtered.index_copy_(0, at, kept)
+            settled.index_copy_(0, at, found)
+            del kept
         gumbel = uniform_noise(as_int[:, 0], as_int[:, 1], as_int[:, 2], width)
         gumbel.log_().neg_().log_().neg_().add_(filtered)  # -log(-log(u)) + the filtered scores
         chosen = torch.argmax(gumbel, dim=1)
         fallback = torch.argmax(torch.nan_to_num(rows.index_select(0, index).float(), nan=float("-inf")), dim=1)
-        return index, torch.where(finite, chosen, fallback), finite
+        return index, torch.where(finite, chosen, fallback), finite, settled | ~finite  # (those are greedy)
