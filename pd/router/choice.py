@@ -16,7 +16,11 @@ Guarantees:
   stop waiting at once (re-admission gives it a fresh event);
 - `pick()` raises `NoWorkerAvailable` rather than returning a dead worker;
 - in-flight counts are kept by `acquire()` / `release()` pairs, so they return
-  to zero when every request has finished, whatever its outcome.
+  to zero when every request has finished, whatever its outcome; so do the queued
+  prefill tokens, which `prefilled()` also takes off as soon as the worker has
+  computed the prompt (its first token), each lease at most once. Two leases under one
+  (request, worker) key (a retry that lands on the same worker, a caller without a
+  request id) are kept apart, so neither release undoes the other's count.
 """
 from __future__ import annotations
 
@@ -177,7 +181,8 @@ class WorkerPool:
         self._loads: dict[str, WorkerLoad] = {}
         self.index = index  # a pd.router.kv_index.KVIndex, or None
         self._metrics = metrics
-        self._leases: dict[tuple[str, str], tuple[int, int | None]] = {}  # (request, worker) -> (queued, predicted)
+        # (request, worker) -> its leases, oldest first: [queued tokens still counted, predicted hit]
+        self._leases: dict[tuple[str, str], list[list]] = {}
         self.last_predicted: dict[tuple[str, str], int | None] = {}  # (request, role) -> predicted hit, for tests
         self._best_hit = 0
         self.last_best_hit: dict[tuple[str, str], int] = {}  # (request, role) -> best hit of any candidate
@@ -246,7 +251,7 @@ class WorkerPool:
         load.num_in_flight += 1
         queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
         load.num_queued_tokens += queued
-        self._leases[(request_id, load.endpoint.worker_id)] = (queued, predicted)
+        self._leases.setdefault((request_id, load.endpoint.worker_id), []).append([queued, predicted])
         self.last_predicted[(request_id, role.value)] = predicted
         self.last_best_hit[(request_id, role.value)] = self._best_hit
         if len(self.last_predicted) > 10_000:  # bounded: tests and benchmarks read only recent ones
@@ -257,10 +262,27 @@ class WorkerPool:
     def release(self, load: WorkerLoad, request_id: str = "", num_cached_tokens: int | None = None) -> None:
         """Undoes `acquire`; `num_cached_tokens` (the worker's actual hit, when it said) is counted."""
         load.num_in_flight = max(0, load.num_in_flight - 1)
-        queued, predicted = self._leases.pop((request_id, load.endpoint.worker_id), (0, None))
+        key = (request_id, load.endpoint.worker_id)
+        leases = self._leases.get(key)
+        queued, predicted = leases.pop() if leases else (0, None)
+        if leases == []:
+            del self._leases[key]
         load.num_queued_tokens = max(0, load.num_queued_tokens - queued)
         if self._metrics is not None and num_cached_tokens is not None and self.index is not None:
             self._metrics.record_actual_hit(load.endpoint.role.value, num_cached_tokens, predicted)
+
+    def prefilled(self, load: WorkerLoad, request_id: str = "") -> None:
+        """The worker has computed the request's prompt (its first token came): its tokens leave
+        the worker's queued prefill work now, not when the request ends (a decode can run for
+        minutes). Idempotent: a lease's tokens are taken off once, here or in `release`."""
+        leases = self._leases.get((request_id, load.endpoint.worker_id))
+        if leases:
+            load.num_queued_tokens = max(0, load.num_queued_tokens - leases[-1][0])
+            leases[-1][0] = 0
+
+    def num_leases(self) -> int:
+        """Leases not yet released (0 once every request has ended); for tests and stats."""
+        return sum(len(v) for v in self._leases.values())
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         load = self._loads.get(worker_id)

@@ -7,7 +7,7 @@ import pytest
 
 from pd.cluster.router_config import RouterSection
 from pd.cluster.roles import Role, WorkerEndpoint
-from pd.router.choice import PrefixAware, WorkerLoad
+from pd.router.choice import PrefixAware, RoundRobin, WorkerLoad, WorkerPool
 
 
 def _load(wid: str, queued: int = 0, in_flight: int = 0, waiting: int = 0, pool: int = 0) -> WorkerLoad:
@@ -87,3 +87,41 @@ def test_a_hit_counts_less_once_the_queue_ahead_takes_over_half_the_pool():
     assert whole.choose([p0, p1], hits) is p0
     with pytest.raises(ValueError, match="evict_from"):
         PrefixAware(evict_from=1.0)
+
+
+def _pool(policy=None) -> WorkerPool:
+    pool = WorkerPool(policy or PrefixAware())
+    for wid in ("p0", "p1"):
+        pool.add(WorkerEndpoint(wid, Role.PREFILL, f"http://{wid}"))
+    return pool
+
+
+def test_queued_prefill_tokens_leave_at_the_first_token_and_never_twice():
+    pool = _pool()
+    prompt = list(range(100))
+    a = pool.acquire(Role.PREFILL, prompt, "r1")
+    assert a.num_queued_tokens == 100 and a.num_in_flight == 1  # no index: nothing predicted cached
+    b = pool.acquire(Role.PREFILL, prompt[:40], "r2")
+    assert b is not a and b.num_queued_tokens == 40  # p0 has 100 queued: p1 is cheaper
+    pool.prefilled(a, "r1")  # r1's prompt is computed; it still decodes (in flight)
+    assert (a.num_queued_tokens, a.num_in_flight) == (0, 1)
+    pool.prefilled(a, "r1")
+    pool.release(a, "r1")  # its tokens were taken off once, at the first token
+    assert (a.num_queued_tokens, a.num_in_flight) == (0, 0)
+    pool.release(b, "r2")  # ended before its first token (an abort, a failure): taken off here
+    assert (b.num_queued_tokens, b.num_in_flight, pool.num_leases()) == (0, 0, 0)
+
+
+def test_two_leases_under_one_key_are_kept_apart():
+    # a retry on the same worker, or callers without a request id: one release must not undo the other
+    pool = _pool(RoundRobin())
+    first = pool.acquire(Role.PREFILL, list(range(30)))
+    pool.release(pool.acquire(Role.PREFILL, [1]))  # rotate: the next lease lands on p0 again
+    second = pool.acquire(Role.PREFILL, list(range(50)))
+    assert first is second and first.num_queued_tokens == 80 and pool.num_leases() == 2
+    pool.prefilled(second)
+    pool.release(second)
+    pool.release(first)
+    assert (first.num_queued_tokens, first.num_in_flight, pool.num_leases()) == (0, 0, 0)
+    pool.release(first, "unknown")  # a release without a lease takes off nothing and never goes below 0
+    assert (first.num_queued_tokens, first.num_in_flight) == (0, 0)
