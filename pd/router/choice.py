@@ -158,8 +158,8 @@ class PrefixAware:
         if not self.evict_aware or load.num_pool_tokens <= 0:
             return hit
         taken = load.num_queued_tokens / load.num_pool_tokens
-        fresh = min(float(fresh), hit)  # blocks the queued prompts compute or reuse are the newest: they stay
-        return fresh + (hit - fresh) * min(1.0, max(0.0, 1.0 - (taken - self.evict_from) / (1.0 - self.evict_from)))
+        kept = min(float(fresh), hit)  # blocks the queued prompts compute or reuse are the newest: they stay
+        return kept + (hit - kept) * min(1.0, max(0.0, 1.0 - (taken - self.evict_from) / (1.0 - self.evict_from)))
 
     def score(self, load: WorkerLoad, hit_tokens: int | None, fresh: int = 0) -> float:
         return (self.surviving_hit(load, hit_tokens, fresh) - self.queue_weight * load.num_queued_tokens
