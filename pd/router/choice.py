@@ -133,7 +133,12 @@ class PrefixAware:
     2048-token step). So a hit counts whole only while the work queued ahead of it
     takes at most `evict_from` (half) of the worker's pool, then less, down to
     nothing once that work would fill the pool (`surviving_hit`; the pool's size
-    comes from the worker's stats, `num_blocks`).
+    comes from the worker's stats, `num_blocks`). The part of the hit that prompts queued on w
+    compute or reuse (`fresh`) counts whole: those blocks are the newest there.
+
+    `pending_hits` (off by default) also counts, as hit, the blocks that prompts already sent to w
+    will compute before this one runs (the index learns of them only once computed). On bursts of one
+    tenant (`route_bench --workload bursts`) it sent whole bursts to one P: more hits, a worse TTFT p90.
     """
 
     def __init__(self, queue_weight: float = 0.25, running_weight: float = 16.0, evict_aware: bool = True,
