@@ -16,11 +16,16 @@ Guarantees:
   stop waiting at once (re-admission gives it a fresh event);
 - `pick()` raises `NoWorkerAvailable` rather than returning a dead worker;
 - in-flight counts are kept by `acquire()` / `release()` pairs, so they return
-  to zero when every request has finished, whatever its outcome.
+  to zero when every request has finished, whatever its outcome; so do the queued
+  prefill tokens, which `prefilled()` also takes off as soon as the worker has
+  computed the prompt (its first token), each lease at most once. Two leases under one
+  (request, worker) key (a retry that lands on the same worker, a caller without a
+  request id) are kept apart, so neither release undoes the other's count.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -52,10 +57,13 @@ class WorkerLoad:
     lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set when it leaves the rotation
     num_good_probes: int = 0  # good probes in a row while out of the rotation
     num_pool_tokens: int = 0  # tokens its KV pool holds (blocks x block size; 0: not known yet)
+    # router-side: block hashes of the prompts sent to it and not computed yet (a copy per request)
+    pending_blocks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad: ...
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None,
+               fresh: Mapping[str, int] | None = None) -> WorkerLoad: ...
 
 
 class LeastLoaded:
@@ -65,7 +73,8 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._turns = _Turns()
 
-    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None,
+               fresh: Mapping[str, int] | None = None) -> WorkerLoad:
         turn = self._turns.next(candidates)
         n = len(candidates)
         return min(
@@ -78,7 +87,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turns = _Turns()
 
-    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None,
+               fresh: Mapping[str, int] | None = None) -> WorkerLoad:
         return candidates[self._turns.next(candidates) % len(candidates)]
 
 
@@ -123,11 +133,16 @@ class PrefixAware:
     2048-token step). So a hit counts whole only while the work queued ahead of it
     takes at most `evict_from` (half) of the worker's pool, then less, down to
     nothing once that work would fill the pool (`surviving_hit`; the pool's size
-    comes from the worker's stats, `num_blocks`).
+    comes from the worker's stats, `num_blocks`). The part of the hit that prompts queued on w
+    compute or reuse (`fresh`) counts whole: those blocks are the newest there.
+
+    `pending_hits` (off by default) also counts, as hit, the blocks that prompts already sent to w
+    will compute before this one runs (the index learns of them only once computed). On bursts of one
+    tenant (`route_bench --workload bursts`) it sent whole bursts to one P: more hits, a worse TTFT p90.
     """
 
     def __init__(self, queue_weight: float = 0.25, running_weight: float = 16.0, evict_aware: bool = True,
-                 evict_from: float = 0.5) -> None:
+                 evict_from: float = 0.5, pending_hits: bool = False) -> None:
         if queue_weight < 0 or running_weight < 0:
             raise ValueError("queue_weight and running_weight must be >= 0")
         if not 0 <= evict_from < 1:
@@ -136,9 +151,10 @@ class PrefixAware:
         self.running_weight = running_weight
         self.evict_aware = evict_aware
         self.evict_from = evict_from
+        self.pending_hits = pending_hits  # the pool also counts blocks that prompts sent ahead will compute
         self._tiebreak = LeastLoaded()
 
-    def surviving_hit(self, load: WorkerLoad, hit_tokens: int | None) -> float:
+    def surviving_hit(self, load: WorkerLoad, hit_tokens: int | None, fresh: int = 0) -> float:
         """The hit expected to be left when the prompt runs: the work queued ahead allocates blocks
         and evicts cached ones, so (with `evict_aware`, and the pool's size known) the hit counts
         whole while that work takes at most `evict_from` of the pool, then less, down to nothing
@@ -147,15 +163,18 @@ class PrefixAware:
         if not self.evict_aware or load.num_pool_tokens <= 0:
             return hit
         taken = load.num_queued_tokens / load.num_pool_tokens
-        return hit * min(1.0, max(0.0, 1.0 - (taken - self.evict_from) / (1.0 - self.evict_from)))
+        kept = min(float(fresh), hit)  # blocks the queued prompts compute or reuse are the newest: they stay
+        return kept + (hit - kept) * min(1.0, max(0.0, 1.0 - (taken - self.evict_from) / (1.0 - self.evict_from)))
 
-    def score(self, load: WorkerLoad, hit_tokens: int | None) -> float:
-        return (self.surviving_hit(load, hit_tokens) - self.queue_weight * load.num_queued_tokens
+    def score(self, load: WorkerLoad, hit_tokens: int | None, fresh: int = 0) -> float:
+        return (self.surviving_hit(load, hit_tokens, fresh) - self.queue_weight * load.num_queued_tokens
                 - self.running_weight * load.num_in_flight)
 
-    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None) -> WorkerLoad:
-        hits = hits or {}
-        scores = [self.score(w, hits.get(w.endpoint.worker_id)) for w in candidates]
+    def choose(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None] | None = None,
+               fresh: Mapping[str, int] | None = None) -> WorkerLoad:
+        hits, fresh = hits or {}, fresh or {}
+        scores = [self.score(w, hits.get(w.endpoint.worker_id), fresh.get(w.endpoint.worker_id, 0))
+                  for w in candidates]
         best = max(scores)
         return self._tiebreak.choose([w for w, s in zip(candidates, scores, strict=True) if s == best])
 
@@ -177,9 +196,11 @@ class WorkerPool:
         self._loads: dict[str, WorkerLoad] = {}
         self.index = index  # a pd.router.kv_index.KVIndex, or None
         self._metrics = metrics
-        self._leases: dict[tuple[str, str], tuple[int, int | None]] = {}  # (request, worker) -> (queued, predicted)
+        # (request, worker) -> its leases, oldest first: [queued tokens still counted, predicted hit]
+        self._leases: dict[tuple[str, str], list[list]] = {}
         self.last_predicted: dict[tuple[str, str], int | None] = {}  # (request, role) -> predicted hit, for tests
         self._best_hit = 0
+        self._hashes: list[bytes] = []  # the prompt's block hashes, from the last pick (empty without an index)
         self.last_best_hit: dict[tuple[str, str], int] = {}  # (request, role) -> best hit of any candidate
 
     def add(self, endpoint: WorkerEndpoint) -> None:
@@ -214,7 +235,7 @@ class WorkerPool:
         block, so a prompt under one salt never counts blocks cached under another."""
         if self.index is None or not prompt_token_ids or not candidates:
             return {}
-        hashes = self.index.prompt_hashes(prompt_token_ids, cache_salt=cache_salt)
+        hashes = self._hashes = self.index.prompt_hashes(prompt_token_ids, cache_salt=cache_salt)
         return self.index.prefix_hits(len(prompt_token_ids), hashes, [w.endpoint.worker_id for w in candidates])
 
     def pick_with_hit(self, role: Role, prompt_token_ids: Sequence[int] | None = None,
@@ -224,9 +245,13 @@ class WorkerPool:
         candidates = self.healthy(role)
         if not candidates:
             raise NoWorkerAvailable(f"no healthy {role.value} worker is available")
+        self._hashes = []
         hits = self._hits(candidates, prompt_token_ids, cache_salt)
         load = next((w for w in candidates if w.endpoint.worker_id == preferred), None)
-        if load is None:
+        if load is None and getattr(self._policy, "pending_hits", False) and self._hashes:
+            expected, fresh = self._with_pending(candidates, hits, len(prompt_token_ids or ()))
+            load = self._policy.choose(candidates, expected, fresh)
+        elif load is None:
             load = self._policy.choose(candidates, hits)
         self._best_hit = max((h for h in hits.values() if h is not None), default=0)
         predicted = hits.get(load.endpoint.worker_id)
@@ -238,6 +263,24 @@ class WorkerPool:
             self._metrics.record_route(role.value, mode, predicted)
         return load, predicted
 
+    def _with_pending(self, candidates: list[WorkerLoad], hits: Mapping[str, int | None],
+                      num_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Per worker, the hit expected when the prompt runs there: the longest prefix of its blocks that
+        the index says are cached or that prompts sent there ahead will compute (the router sent them;
+        the index learns of them only once computed), and how much of it those prompts touch (fresh)."""
+        assert self.index is not None  # (hashes are only computed with an index)
+        bs = self.index.hasher.block_size
+        max_blocks = min(len(self._hashes), (num_tokens - 1) // bs)
+        expected, fresh = {}, {}
+        for w in candidates:
+            cached = (hits.get(w.endpoint.worker_id) or 0) // bs
+            n = f = 0
+            while n < max_blocks and (n < cached or self._hashes[n] in w.pending_blocks):
+                f += self._hashes[n] in w.pending_blocks
+                n += 1
+            expected[w.endpoint.worker_id], fresh[w.endpoint.worker_id] = n * bs, f * bs
+        return expected, fresh
+
     def acquire(self, role: Role, prompt_token_ids: Sequence[int] | None = None, request_id: str = "",
                 preferred: str | None = None, cache_salt: str | None = None) -> WorkerLoad:
         """Picks a worker (`preferred` if healthy, else by the policy) and counts one more request
@@ -246,7 +289,9 @@ class WorkerPool:
         load.num_in_flight += 1
         queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
         load.num_queued_tokens += queued
-        self._leases[(request_id, load.endpoint.worker_id)] = (queued, predicted)
+        hashes = tuple(self._hashes)
+        load.pending_blocks.update(hashes)
+        self._leases.setdefault((request_id, load.endpoint.worker_id), []).append([queued, predicted, hashes])
         self.last_predicted[(request_id, role.value)] = predicted
         self.last_best_hit[(request_id, role.value)] = self._best_hit
         if len(self.last_predicted) > 10_000:  # bounded: tests and benchmarks read only recent ones
@@ -257,10 +302,31 @@ class WorkerPool:
     def release(self, load: WorkerLoad, request_id: str = "", num_cached_tokens: int | None = None) -> None:
         """Undoes `acquire`; `num_cached_tokens` (the worker's actual hit, when it said) is counted."""
         load.num_in_flight = max(0, load.num_in_flight - 1)
-        queued, predicted = self._leases.pop((request_id, load.endpoint.worker_id), (0, None))
+        key = (request_id, load.endpoint.worker_id)
+        leases = self._leases.get(key)
+        queued, predicted, hashes = leases.pop() if leases else (0, None, ())
+        if leases == []:
+            del self._leases[key]
         load.num_queued_tokens = max(0, load.num_queued_tokens - queued)
+        load.pending_blocks.subtract(hashes)
+        load.pending_blocks = +load.pending_blocks  # (drops the hashes counted down to 0)
         if self._metrics is not None and num_cached_tokens is not None and self.index is not None:
             self._metrics.record_actual_hit(load.endpoint.role.value, num_cached_tokens, predicted)
+
+    def prefilled(self, load: WorkerLoad, request_id: str = "") -> None:
+        """The worker has computed the request's prompt (its first token came): its tokens leave
+        the worker's queued prefill work now, not when the request ends (a decode can run for
+        minutes). Idempotent: a lease's tokens are taken off once, here or in `release`."""
+        leases = self._leases.get((request_id, load.endpoint.worker_id))
+        if leases:
+            load.num_queued_tokens = max(0, load.num_queued_tokens - leases[-1][0])
+            load.pending_blocks.subtract(leases[-1][2])
+            load.pending_blocks = +load.pending_blocks
+            leases[-1][0], leases[-1][2] = 0, ()
+
+    def num_leases(self) -> int:
+        """Leases not yet released (0 once every request has ended); for tests and stats."""
+        return sum(len(v) for v in self._leases.values())
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
         load = self._loads.get(worker_id)

@@ -317,11 +317,14 @@ class Dispatcher(StreamedFlow):
             if leg.acquired is not None:
                 leg.acquired.append(load)
             pending = figures.add_pending(worker_id, leg.num_pending_tokens)
-            produced, actual_hit = False, None
+            produced, actual_hit, computed = False, None, False
             try:
                 events = watched_events(self._client, load, request, self._recovery.first_byte_timeout_s, leg.hop)
                 async with contextlib.aclosing(events) as stream:
                     async for event in stream:
+                        if not computed and (event.timing is not None or event.token_ids):
+                            computed = True  # the prompt is computed: no longer queued prefill work here
+                            self._pool.prefilled(load, request.request_id)
                         if event.timing is not None:  # the first token's event: the work ahead is done
                             figures.remove_pending(worker_id, pending)
                             pending = None

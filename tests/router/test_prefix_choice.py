@@ -5,9 +5,11 @@ import random
 
 import pytest
 
+from kvcache.hashing import BlockHasher
 from pd.cluster.router_config import RouterSection
 from pd.cluster.roles import Role, WorkerEndpoint
-from pd.router.choice import PrefixAware, WorkerLoad
+from pd.router.choice import PrefixAware, RoundRobin, WorkerLoad, WorkerPool
+from pd.router.kv_index import KVIndex
 
 
 def _load(wid: str, queued: int = 0, in_flight: int = 0, waiting: int = 0, pool: int = 0) -> WorkerLoad:
@@ -87,3 +89,79 @@ def test_a_hit_counts_less_once_the_queue_ahead_takes_over_half_the_pool():
     assert whole.choose([p0, p1], hits) is p0
     with pytest.raises(ValueError, match="evict_from"):
         PrefixAware(evict_from=1.0)
+
+
+def _pool(policy=None) -> WorkerPool:
+    pool = WorkerPool(policy or PrefixAware())
+    for wid in ("p0", "p1"):
+        pool.add(WorkerEndpoint(wid, Role.PREFILL, f"http://{wid}"))
+    return pool
+
+
+def test_queued_prefill_tokens_leave_at_the_first_token_and_never_twice():
+    pool = _pool()
+    prompt = list(range(100))
+    a = pool.acquire(Role.PREFILL, prompt, "r1")
+    assert a.num_queued_tokens == 100 and a.num_in_flight == 1  # no index: nothing predicted cached
+    b = pool.acquire(Role.PREFILL, prompt[:40], "r2")
+    assert b is not a and b.num_queued_tokens == 40  # p0 has 100 queued: p1 is cheaper
+    pool.prefilled(a, "r1")  # r1's prompt is computed; it still decodes (in flight)
+    assert (a.num_queued_tokens, a.num_in_flight) == (0, 1)
+    pool.prefilled(a, "r1")
+    pool.release(a, "r1")  # its tokens were taken off once, at the first token
+    assert (a.num_queued_tokens, a.num_in_flight) == (0, 0)
+    pool.release(b, "r2")  # ended before its first token (an abort, a failure): taken off here
+    assert (b.num_queued_tokens, b.num_in_flight, pool.num_leases()) == (0, 0, 0)
+
+
+def test_two_leases_under_one_key_are_kept_apart():
+    # a retry on the same worker, or callers without a request id: one release must not undo the other
+    pool = _pool(RoundRobin())
+    first = pool.acquire(Role.PREFILL, list(range(30)))
+    pool.release(pool.acquire(Role.PREFILL, [1]))  # rotate: the next lease lands on p0 again
+    second = pool.acquire(Role.PREFILL, list(range(50)))
+    assert first is second and first.num_queued_tokens == 80 and pool.num_leases() == 2
+    pool.prefilled(second)
+    pool.release(second)
+    pool.release(first)
+    assert (first.num_queued_tokens, first.num_in_flight, pool.num_leases()) == (0, 0, 0)
+    pool.release(first, "unknown")  # a release without a lease takes off nothing and never goes below 0
+    assert (first.num_queued_tokens, first.num_in_flight) == (0, 0)
+
+
+def _indexed_pool(pending_hits: bool) -> WorkerPool:
+    index = KVIndex(BlockHasher(block_size=16, seed="route-test"))
+    pool = WorkerPool(PrefixAware(pending_hits=pending_hits), index)
+    for wid in ("p0", "p1"):
+        pool.add(WorkerEndpoint(wid, Role.PREFILL, f"http://{wid}"))
+        index.add_worker(wid)
+    return pool
+
+
+def test_a_burst_of_one_prefix_follows_the_first_prompt_while_it_is_computed():
+    # four prompts share 480 tokens (a tenant's system prompt) and arrive at once; no cache holds it yet
+    system = list(range(1, 481))
+    prompts = [system + [1000 + i] * 40 for i in range(4)]
+    pool = _indexed_pool(pending_hits=True)
+    first = pool.acquire(Role.PREFILL, prompts[0], "r0")
+    assert first.pending_blocks[pool.index.prompt_hashes(prompts[0])[0]] == 1
+    # each later one expects 480 tokens computed ahead on `first`: 480 - 0.25 * queued - 16 * in flight
+    # beats the idle worker's 0 while the queue stays under 4 x (480 - 16 x in flight) tokens
+    chosen = [pool.acquire(Role.PREFILL, p, f"r{i}").endpoint.worker_id for i, p in enumerate(prompts[1:], 1)]
+    assert chosen == [first.endpoint.worker_id] * 3
+    assert first.num_queued_tokens == 520 * 4  # nothing is cached yet: the index predicts no hit
+    for i in range(4):
+        pool.prefilled(first, f"r{i}")
+        pool.release(first, f"r{i}")
+    assert not first.pending_blocks and first.num_queued_tokens == 0 and pool.num_leases() == 0
+    # without the pending blocks the burst is spread by load: the system prompt is computed on both
+    plain = _indexed_pool(pending_hits=False)
+    assert len({plain.acquire(Role.PREFILL, p, f"r{i}").endpoint.worker_id for i, p in enumerate(prompts)}) == 2
+
+
+def test_blocks_that_queued_prompts_touch_are_not_expected_to_be_evicted():
+    policy = PrefixAware()
+    busy = _load("p0", queued=4000, pool=3072)  # past its pool: an untouched hit is expected evicted
+    assert policy.surviving_hit(busy, 480) == 0
+    assert policy.surviving_hit(busy, 480, fresh=320) == 320  # what the queue computes or reuses stays
+    assert policy.surviving_hit(busy, 480, fresh=999) == 480

@@ -10,6 +10,7 @@ from pd.tools.route_bench.workload import (
     PREAMBLE,
     Abort,
     BranchingWorkload,
+    BurstWorkload,
     Node,
     Workload,
     arrival_offsets,
@@ -100,3 +101,32 @@ def test_unbounded_bound_counts_full_blocks_of_earlier_prompts():
     bound = unbounded_bound([Node(first, children=(Node(first + "b" * 16),))], block_size=16)
     # first: no hit, 32 tokens; second: 48 tokens, blocks 1-2 seen, and its last token is never a hit: 32
     assert bound == pytest.approx(32 / (32 + 48))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_burst_workload_sends_one_tenants_trees_at_one_instant(seed):
+    work = BurstWorkload(seed=seed)
+    bursts = work.bursts_of_trees()
+    assert bursts == BurstWorkload(seed=seed).bursts_of_trees()  # a pure function of its seed
+    assert len(bursts) == work.bursts
+    trees, starts = work.trees(), work.arrivals()
+    assert len(trees) == len(starts) == sum(len(b) for b in bursts)
+    i = 0
+    for burst, start in zip(bursts, arrival_offsets(work.bursts, work.rate, seed), strict=True):
+        tenants = {t.tenant for t in burst[:work.burst_size]}
+        assert len(tenants) == 1 and None not in tenants  # burst_size conversations of one tenant
+        assert all(t.tenant is None for t in burst[work.burst_size:])  # then maybe a free one-off
+        assert starts[i:i + len(burst)] == [start] * len(burst)  # all sent at the burst's instant
+        i += len(burst)
+    nodes = _nodes(trees)
+    assert any(n.abort is not Abort.NONE for n in nodes) and any(n.children for n in nodes)
+    counts: dict[int, int] = {}
+    for b in bursts:
+        counts[b[0].tenant] = counts.get(b[0].tenant, 0) + 1
+    assert len(counts) > 1  # tenants differ in popularity, but more than one shows up
+    tok = ByteTokenizer()
+    assert all(len(tok.encode(n.prompt)) < 2048 for n in nodes)  # fits route_bench's max_model_len
+    with pytest.raises(ValueError, match="open loop"):
+        BurstWorkload(rate=0.0)
+    with pytest.raises(ValueError, match="bursts"):
+        BurstWorkload(bursts=0)

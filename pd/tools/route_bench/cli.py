@@ -1,12 +1,13 @@
 """Prefix-aware vs least-loaded vs round-robin routing on one workload, side by side.
 
-`python -m pd.tools.route_bench [--workload sessions|branching] [--seeds 3] ...`
+`python -m pd.tools.route_bench [--workload sessions|branching|bursts] [--seeds 3] ...`
 
 Starts a 2P2D deployment for each policy (real Workers, each in a process of its own as a
 deployment runs them, with engines, ZMQ connectors and KV event streams; the real Router
 and its KV index in this process; loopback HTTP), runs the same workload against it
-(pd.tools.route_bench.workload: `sessions`, multi-turn chains, or `branching`, tree-shaped
-multi-tenant traffic with one-offs and client aborts) and prints one table row per policy.
+(pd.tools.route_bench.workload: `sessions`, multi-turn chains; `branching`, tree-shaped
+multi-tenant traffic with one-offs and client aborts; `bursts`, those trees arriving in bursts of
+one tenant's conversations) and prints one table row per policy.
 The load is closed loop by default (`--concurrency` conversations at once, the next one
 starting when one ends) or open loop with `--rate R` (conversations start at Poisson
 arrival times, R per second, whatever the deployment's speed, as users arrive). Columns:
@@ -25,10 +26,13 @@ Aborted requests are counted apart and left out of every other figure. Under eac
 table a line per policy gives the share of requests on the busiest P and D, and for
 the slowest tenth of requests their mean TTFT stages (the router's `pdkv_timing`),
 prompt, cached and best-hit tokens. With `--seeds N` the workload runs with seeds
-seed..seed+N-1 and a last table compares, per seed, prefix_aware's hit rate to its
-oracle and its TTFT p90 to least_loaded's. `--repeats K` runs each seed and policy K
-times, each on a fresh deployment, and pools their requests into one row: the TTFT p90
-of one ~100-request run is its 10th-slowest request and varies from run to run.
+seed..seed+N-1. A last table puts the policies side by side per seed: prefix_aware's hit
+rate over its oracle, and the TTFT p50 / p90 of prefix_aware, least_loaded and round_robin
+with prefix_aware's ratios to the other two. After each run the index is compared with
+every worker's cache (pd.tools.route_bench.exactness): the `index exact` column.
+`--repeats K` runs each seed and policy K times, each on a fresh deployment, and pools
+their requests into one row: the TTFT p90 of one ~100-request run is its 10th-slowest
+request and varies from run to run.
 `--side-by-side` runs the policies at once, each deployment in a child process, so that
 they share the machine's load (on a shared machine; on a quiet one, one after another
 gives each deployment the cores it would have alone).
@@ -55,7 +59,10 @@ import torch
 
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role
-from pd.tools.route_bench.workload import Abort, BranchingWorkload, Node, Workload, arrival_offsets, unbounded_bound
+from pd.tools.route_bench.exactness import index_matches_caches
+from pd.tools.route_bench.report import METHOD, format_summary, format_table
+from pd.tools.route_bench.workload import (Abort, BranchingWorkload, BurstWorkload, Node, Workload, arrival_offsets,
+                                           unbounded_bound)
 from pd.tools.percentile import percentile
 from pd.tools.sse_stream import SSEStream
 from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
@@ -63,8 +70,9 @@ from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 ARCH = {"vocab_size": 260, "hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 8,
         "num_kv_heads": 4}
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
-WORKLOADS = {"sessions": Workload, "branching": BranchingWorkload}
-KV_MEMORY_MB = {"sessions": 16.0, "branching": 12.0}  # 256 and 192 blocks per worker: every worker evicts
+WORKLOADS: dict[str, type] = {"sessions": Workload, "branching": BranchingWorkload, "bursts": BurstWorkload}
+KV_MEMORY_MB = {"sessions": 16.0, "branching": 12.0, "bursts": 12.0}  # 256, 192, 192 blocks: every worker evicts
+AnyWorkload = Workload | BranchingWorkload | BurstWorkload
 
 
 def bench_config(kv_memory_mb: float) -> DeployConfig:
@@ -151,13 +159,16 @@ async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens:
                   (route.get("prefill_worker"), route.get("decode_worker")), stages)
 
 
-async def _drive(url: str, trees: list[Node], work: Workload | BranchingWorkload,
+async def _drive(url: str, trees: list[Node], work: AnyWorkload,
                  pool) -> tuple[list[Record], int, float]:
     """Runs `work.concurrency` trees at once (closed loop), or starts each tree at its Poisson arrival
     time (`work.rate` > 0, open loop: later trees do not wait for earlier ones); a node's children go
     together once it answered."""
     sem = asyncio.Semaphore(work.concurrency if work.rate <= 0 else len(trees) or 1)
-    offsets = arrival_offsets(len(trees), work.rate, work.seed) if work.rate > 0 else [0.0] * len(trees)
+    if isinstance(work, BurstWorkload):
+        offsets = work.arrivals()
+    else:
+        offsets = arrival_offsets(len(trees), work.rate, work.seed) if work.rate > 0 else [0.0] * len(trees)
     max_tokens, abort_max_tokens = work.max_tokens, getattr(work, "abort_max_tokens", work.max_tokens)
     records: list[Record] = []
     aborted = 0
@@ -192,9 +203,10 @@ class Run:
     aborted: int
     seconds: float
     blocks_p_to_d: int
+    index_exact: dict[str, bool] = dataclasses.field(default_factory=dict)  # per worker, after the run
 
 
-def run_policy(policy: str, work: Workload | BranchingWorkload, kv_memory_mb: float, options: dict,
+def run_policy(policy: str, work: AnyWorkload, kv_memory_mb: float, options: dict,
                repeats: int = 1) -> dict:
     """`repeats` runs, each on a fresh deployment (cold caches), pooled into one table row."""
     runs = []
@@ -205,11 +217,12 @@ def run_policy(policy: str, work: Workload | BranchingWorkload, kv_memory_mb: fl
     return summarize(policy, work.seed, runs)
 
 
-def measure(dep: PinnedDeployment, work: Workload | BranchingWorkload) -> Run:
+def measure(dep: PinnedDeployment, work: AnyWorkload) -> Run:
     """Runs the workload against the deployment."""
     assert dep.router is not None  # (set by __enter__)
     records, aborted, seconds = asyncio.run(_drive(dep.url, work.trees(), work, dep.router.pool))
-    return Run(records, aborted, seconds, _blocks_recv(dep))
+    blocks = _blocks_recv(dep)
+    return Run(records, aborted, seconds, blocks, dep.run(index_matches_caches(dep.router), 120.0))
 
 
 def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
@@ -231,7 +244,8 @@ def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
             "tok_per_s": sum(r.completion_tokens for r in records) / seconds,
             "blocks_p_to_d": round(sum(run.blocks_p_to_d for run in runs) / len(runs)),
             "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
-            "slowest_stages_s": _slowest_stages(records), "seconds": seconds}
+            "slowest_stages_s": _slowest_stages(records), "seconds": seconds,
+            "index_checks": [ok for run in runs for ok in run.index_exact.values()]}
 
 
 def _busiest(records: list[Record], hop: int) -> float:
@@ -257,31 +271,6 @@ def _slowest_stages(records: list[Record]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def format_table(rows: list[dict], bound: float) -> str:
-    head = ("| policy | prefix hit rate | oracle (best P) | choice loss | late loss | TTFT p50 s | TTFT p90 s "
-            "| req/s | gen tok/s | blocks P->D | aborted |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head] + [f"| {r['policy']} | {r['hit_rate']:.3f} | {r['oracle']:.3f} | {r['choice_loss']:.3f} | "
-                      f"{r['late_loss']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | "
-                      f"{r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {r['blocks_p_to_d']} | {r['aborted']} |"
-                      for r in rows]
-    lines.append(f"\nunbounded single-cache bound on the hit rate: {bound:.3f}")
-    return "\n".join(lines)
-
-
-def format_summary(rows: list[dict]) -> str:
-    """Per seed: prefix_aware's hit rate over its oracle, least_loaded's TTFT p90 over prefix_aware's."""
-    lines = ["| seed | hit rate | oracle | hit / oracle | TTFT p90 s (prefix_aware) | TTFT p90 s (least_loaded) "
-             "| least_loaded / prefix_aware |", "|---|---|---|---|---|---|---|"]
-    for seed in sorted({r["seed"] for r in rows}):
-        by = {r["policy"]: r for r in rows if r["seed"] == seed}
-        pa, ll = by.get("prefix_aware"), by.get("least_loaded")
-        if pa is None or ll is None:
-            continue
-        lines.append(f"| {seed} | {pa['hit_rate']:.3f} | {pa['oracle']:.3f} | {pa['hit_rate'] / pa['oracle']:.3f} | "
-                     f"{pa['ttft_p90_s']:.3f} | {ll['ttft_p90_s']:.3f} | {ll['ttft_p90_s'] / pa['ttft_p90_s']:.2f} |")
-    return "\n".join(lines)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pd.tools.route_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="sessions")
@@ -301,6 +290,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--running-weight", type=float, default=None)
     ap.add_argument("--evict-aware", type=int, choices=(0, 1), default=None, help="prefix_aware: 0 counts hits whole")
     ap.add_argument("--evict-from", type=float, default=None)
+    ap.add_argument("--pending-hits", type=int, choices=(0, 1), default=None,
+                    help="prefix_aware: 1 also counts the blocks that prompts sent ahead to a worker will compute")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--side-by-side", action="store_true",
@@ -346,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.ERROR)  # the table is the output; per-request warnings are noise here
     os.environ.setdefault("PDKV_LOG_LEVEL", "ERROR")  # the same for the worker processes (pd.tools.pinned_worker)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a worker writing to an aborted client
-    options = {k: v for k in ("queue_weight", "running_weight", "evict_aware", "evict_from")
+    options = {k: v for k in ("queue_weight", "running_weight", "evict_aware", "evict_from", "pending_hits")
                if (v := getattr(args, k)) is not None}
     first = given.pop("seed", 0)
     kv_memory_mb = args.kv_memory_mb or KV_MEMORY_MB[args.workload]
@@ -363,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"seed {seed} {policy}: done in {time.perf_counter() - t0:.1f}s", flush=True)
             t0 = time.perf_counter()
         pooled = f", {args.repeats} runs per policy pooled" if args.repeats > 1 else ""
-        load = (f"open loop, {work.rate:g} conversations/s" if work.rate > 0
+        load = (f"open loop, bursts of {work.burst_size} trees, {work.rate:g} bursts/s"
+                if isinstance(work, BurstWorkload) else f"open loop, {work.rate:g} conversations/s" if work.rate > 0
                 else f"closed loop, {work.concurrency} at once")
         print(f"\nseed {seed} ({load}{pooled}):\n" + format_table(seed_rows, unbounded_bound(work.trees())),
               flush=True)
@@ -372,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"requests; slowest tenth, mean stage s: {r['slowest_stages_s']}", flush=True)
         rows += seed_rows
     print("\n" + format_summary(rows))
+    print("\n" + METHOD)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -18,6 +18,12 @@ workloads are pure functions of their parameters and seed.
   client goes away, after the first streamed chunk or right after the answer's headers;
   always a leaf) are mixed in. With `--kv-memory-mb 12` (192 blocks per worker) every
   worker evicts.
+- `BurstWorkload` (`--workload bursts`): the branching trees arriving in bursts. Tenants
+  are unequally popular (tenant t drawn with weight 1 / (t + 1)); each burst is
+  `burst_size` new conversation trees of one tenant, all sent at the same instant (a
+  team starting its day, a batch job), plus, with probability `one_off_rate`, a free
+  one-off; bursts start at Poisson times, `rate` a second. A burst of one tenant is what
+  piles up on the worker that holds its system prompt. Always open loop.
 """
 from __future__ import annotations
 
@@ -197,3 +203,60 @@ def unbounded_bound(trees: list[Node], block_size: int = 16) -> float:
                 hit, total = hit + n * block_size, total + len(p)
             seen.update(p[:(i + 1) * block_size] for i in range(len(p) // block_size))
     return hit / total if total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BurstWorkload:
+    tenants: int = 8
+    bursts: int = 10
+    burst_size: int = 4  # trees of one tenant started at one instant
+    depth: int = 3
+    branch_rate: float = 0.35
+    one_off_rate: float = 0.5  # a burst also carries a free one-off prompt with this probability
+    abort_rate: float = 0.1
+    block_size: int = 16
+    min_system_tokens: int = 170
+    max_system_tokens: int = 640
+    max_tokens: int = 8
+    abort_max_tokens: int = 64
+    concurrency: int = 8  # (unused: bursts are an open loop)
+    rate: float = 1.0  # bursts started per second, Poisson
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bursts < 1 or self.burst_size < 1 or not 0 <= self.one_off_rate <= 1:
+            raise ValueError("bursts and burst_size must be >= 1, one_off_rate within [0, 1]")
+        if self.rate <= 0:
+            raise ValueError("bursts arrive in an open loop: rate (bursts a second) must be > 0")
+        _ = self._trees_of  # (checks the branching parameters)
+
+    @property
+    def _trees_of(self) -> BranchingWorkload:
+        return BranchingWorkload(tenants=self.tenants, roots=1, depth=self.depth, branch_rate=self.branch_rate,
+                                 one_offs=0, abort_rate=self.abort_rate, block_size=self.block_size,
+                                 min_system_tokens=self.min_system_tokens, max_system_tokens=self.max_system_tokens,
+                                 rate=self.rate, seed=self.seed)
+
+    def bursts_of_trees(self) -> list[list[Node]]:
+        """Each burst's trees: `burst_size` conversations of one tenant, then maybe a free one-off."""
+        rng = random.Random(f"bursts-{self.seed}")
+        shape = self._trees_of
+        systems = shape.system_prompts(rng)
+        weights = [1.0 / (t + 1) for t in range(self.tenants)]
+        out = []
+        for _ in range(self.bursts):
+            t = rng.choices(range(self.tenants), weights)[0]
+            burst = [shape._tree(rng, systems[t], t, 1) for _ in range(self.burst_size)]
+            if rng.random() < self.one_off_rate:
+                burst.append(Node("one-off: " + _words(rng, rng.randint(100, 900)), abort=shape._abort(rng)))
+            out.append(burst)
+        return out
+
+    def trees(self) -> list[Node]:
+        return [tree for burst in self.bursts_of_trees() for tree in burst]
+
+    def arrivals(self) -> list[float]:
+        """Each tree's start, in seconds from the run's start: a burst's trees share their burst's
+        Poisson arrival time (the same for every policy, given the seed)."""
+        starts = arrival_offsets(self.bursts, self.rate, self.seed)
+        return [start for start, burst in zip(starts, self.bursts_of_trees(), strict=True) for _ in burst]

@@ -1,0 +1,55 @@
+"""`pd.tools.route_bench`'s tables: one row per policy, and per seed the policies side by side
+(prefix_aware's hits against the oracle's, its TTFT p50 / p90 against least_loaded's and
+round_robin's). Pure functions of the rows `cli.summarize` makes."""
+from __future__ import annotations
+
+METHOD = ("What is real and what is simulated: the workers are real (the pdkv Worker, engine, ZMQ connector "
+          "and KV event stream, each in a process of its own) and so is the router with its KV index; the model "
+          "is simulated (`pdkv-small`: random weights, 4 layers, hidden 256, byte tokenizer, so replies are "
+          "noise of the asked length) and so are the users (the workload's prompts, arrival times and aborts, "
+          "drawn from the seed). All of it shares this machine's cores with whatever else runs on it.")
+
+
+def format_table(rows: list[dict], bound: float) -> str:
+    head = ("| policy | prefix hit rate | oracle (best P) | hit / oracle | choice loss | late loss | TTFT p50 s "
+            "| TTFT p90 s | req/s | gen tok/s | blocks P->D | aborted | index exact |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head] + [f"| {r['policy']} | {r['hit_rate']:.3f} | {r['oracle']:.3f} | {hit_ratio(r):.3f} | "
+                      f"{r['choice_loss']:.3f} | {r['late_loss']:.3f} | {r['ttft_p50_s']:.3f} | "
+                      f"{r['ttft_p90_s']:.3f} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
+                      f"{r['blocks_p_to_d']} | {r['aborted']} | {_exact(r)} |" for r in rows]
+    lines.append(f"\nunbounded single-cache bound on the hit rate: {bound:.3f}")
+    return "\n".join(lines)
+
+
+def hit_ratio(row: dict) -> float:
+    """The policy's actual hit rate over the oracle's (the best P's predicted hit at each dispatch)."""
+    return row["hit_rate"] / row["oracle"] if row["oracle"] else float("nan")
+
+
+def _exact(row: dict) -> str:
+    checks = row.get("index_checks")
+    if not checks:
+        return "not checked"
+    return f"{sum(checks)}/{len(checks)}" if not all(checks) else f"yes ({len(checks)} checks)"
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Per seed, side by side: prefix_aware's hit / oracle and TTFT p50 / p90, with least_loaded's and
+    round_robin's and the ratios prefix_aware / other (below 1: prefix_aware is faster)."""
+    lines = ["| seed | hit / oracle (prefix_aware) | TTFT p50 s pa / ll / rr | TTFT p90 s pa / ll / rr "
+             "| p50 pa/ll | p90 pa/ll | p50 pa/rr | p90 pa/rr | index exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for seed in sorted({r["seed"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["seed"] == seed}
+        pa = by.get("prefix_aware")
+        if pa is None:
+            continue
+        others = [by.get("least_loaded"), by.get("round_robin")]
+        p50 = " / ".join(f"{r['ttft_p50_s']:.3f}" if r else "-" for r in [pa, *others])
+        p90 = " / ".join(f"{r['ttft_p90_s']:.3f}" if r else "-" for r in [pa, *others])
+        ratios = [f"{pa[k] / r[k]:.2f}" if r else "-" for r in others for k in ("ttft_p50_s", "ttft_p90_s")]
+        exact = all(all(r.get("index_checks") or [False]) for r in by.values())
+        lines.append(f"| {seed} | {hit_ratio(pa):.3f} | {p50} | {p90} | {' | '.join(ratios)} | "
+                     f"{'yes' if exact else 'NO'} |")
+    return "\n".join(lines)
