@@ -23,6 +23,11 @@ import torch
 
 from pd.engine.parallel.group import TPGroup
 
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    # a plan holds plain values only: an extension type is not one of ours (never decoded into objects)
+    raise ValueError(f"msgpack extension type {code} in a step plan")
+
 STEP, NOOP, STOP = "step", "noop", "stop"
 _KIND_CODES = {STEP: 1, NOOP: 2, STOP: 3}
 _KINDS = {code: kind for kind, code in _KIND_CODES.items()}
@@ -105,7 +110,7 @@ class StepChannel:
         if size:
             self.group.broadcast_control(buffer)
         try:
-            plan = msgpack.unpackb(buffer.numpy().tobytes(), raw=False, strict_map_key=False)
+            plan = msgpack.unpackb(buffer.numpy().tobytes(), raw=False, strict_map_key=False, ext_hook=_refuse_ext)
         except (ValueError, msgpack.UnpackException) as exc:
             raise StepChannelError(f"rank {self.group.rank}: step plan {seq} is not msgpack: {exc}") from exc
         if not isinstance(plan, dict):
