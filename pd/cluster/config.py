@@ -33,6 +33,7 @@ from pd.cluster.fault_rules import parse_worker_faults
 from pd.cluster.router_config import ConnectionsSection, RouterSection  # noqa: F401  (sections of DeployConfig)
 from pd.cluster.schema import FieldError, StrictModel, clip, describe
 from pd.cluster.tracing_config import TracingSection
+from pd.cluster.tp_config import TPSettings, tp_problem
 from pd.cluster.architecture_config import MAX_POSITIONS, ArchitectureSection
 from pd.cluster.config_file import ConfigFileError, one_line, read_config_file
 from pd.engine.attention.capabilities import ATTENTION_BACKENDS, CAPABILITIES, DEFAULT_ATTENTION_BACKEND
@@ -158,11 +159,13 @@ class SchedulerSection(StrictModel):
     watermark: float = Field(0.01, ge=0.0, lt=1.0)
 
 
-class TopologySection(StrictModel):
+class TopologySection(TPSettings):
     """Which workers run where.
 
     Disaggregated: `num_prefill` P workers and `num_decode` D workers.
     Colocated: `num_colocated` workers that each prefill and decode (the baseline).
+    Each worker spans its role's TP degree of ranks (`pd.cluster.tp_config`); the per-worker
+    resources below (CPUs, threads, GPU share) are per rank.
     """
 
     mode: ModeField = Mode.DISAGGREGATED
@@ -180,11 +183,11 @@ class TopologySection(StrictModel):
         "cuda only: size each worker's KV pool from its GPU share: the pool is this fraction of "
         "(gpus_per_worker x the GPU's memory) less the weights and an activation reserve, and "
         "cache.kv_memory_mb is not used; unset: the pool is cache.kv_memory_mb, checked at start to fit the share"))
-    cpus_per_worker: float = Field(0.25, gt=0, le=64, description="what Ray reserves per worker (scheduling only)")
+    cpus_per_worker: float = Field(0.25, gt=0, le=64, description="what Ray reserves per worker rank (scheduling only)")
     # Ray sets OMP_NUM_THREADS=1 in an actor whose num_cpus is below 1, so without this a worker
     # computes on one thread whatever the machine has (`Worker.start` sets this).
     threads_per_worker: int | None = Field(
-        None, ge=1, le=256, description="torch intra-op threads in each worker process, used by torch and by the "
+        None, ge=1, le=256, description="torch intra-op threads in each worker process (rank), used by torch and the "
         "fused CPU kernels; unset: max(1, round(cpus_per_worker))")
     placement: PlacementField = Placement.SPREAD
 
@@ -330,6 +333,8 @@ class DeployConfig(StrictModel):
         if self.transfer.streaming == "layer" and self.topology.device != "cpu":
             raise FieldError("transfer.streaming", "'layer' needs the KV pool in host memory (topology.device: "
                              f"cpu); here topology.device is {self.topology.device} (use 'chunk' or 'off')")
+        if (tp_why := tp_problem(self)) is not None:
+            raise FieldError(*tp_why)
         return self
 
     @model_validator(mode="after")

@@ -41,6 +41,7 @@ def engine_config_for(spec) -> EngineConfig:
     is a tokenizer larger than the model's vocabulary (`pd.engine.text.vocab`), before anything serves."""
     cfg = spec.config
     model = _model_config(cfg)
+    _check_tp(cfg, model)
     tokenizer_vocab_size = _tokenizer_vocab_size(cfg, model)
     return EngineConfig(
         model=model,
@@ -98,10 +99,22 @@ def _tokenizer_vocab_size(cfg, model: ModelConfig) -> int:
     return tokenizer.vocab_size
 
 
+def _check_tp(cfg, model: ModelConfig) -> None:
+    """A checkpoint's heads against the config's TP degrees (random weights were checked with the config)."""
+    from pd.cluster.tp_config import checkpoint_tp_problem
+
+    problem = checkpoint_tp_problem(cfg, model.num_heads, model.num_kv_heads)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def check_model_vocabulary(cfg) -> int:
-    """The tokenizer's id count once it fits the model (VocabularyMismatch otherwise): what every worker
-    checks at start, callable before any worker starts where the checkpoint is readable."""
-    return _tokenizer_vocab_size(cfg, _model_config(cfg))
+    """The tokenizer's id count once it fits the model (VocabularyMismatch otherwise), and the model's
+    heads fit the config's TP degrees (ValueError otherwise): what every worker checks at start,
+    callable before any worker starts where the checkpoint is readable."""
+    model = _model_config(cfg)
+    _check_tp(cfg, model)
+    return _tokenizer_vocab_size(cfg, model)
 
 
 def build_engine(spec) -> tuple[Engine, KVConnector | None]:
