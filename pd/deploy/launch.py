@@ -33,7 +33,7 @@ import time
 import ray
 
 
-from pd.deploy.placement import (StartedWorker, release_placement, reserve_placement, resource_shortfall, start_workers,
+from pd.deploy.placement import (StartedWorker, release_placement, reserve_for, resource_shortfall, start_workers,
                        stop_workers)
 from pd.cluster.admin_key import generate_admin_key
 from pd.cluster.config import ConfigError, DeployConfig
@@ -72,7 +72,7 @@ class Deployment:
         self.config = config
         self.secret = secret or secrets.token_hex(32)
         self.workers: list[StartedWorker] = []
-        self.placement = None  # the workers' placement group (topology.placement), if any
+        self.placement = None  # the workers' placement group (topology.placement), or one per gang with TP > 1
         self.router: Router | None = None
         self.restarts: WorkerRestarts | None = None
         self.url: str | None = None
@@ -83,7 +83,7 @@ class Deployment:
         if not ray.is_initialized():
             raise RuntimeError("ray.init() must run before Deployment.start()")
         try:
-            self.placement = reserve_placement(self.config)
+            self.placement = reserve_for(self.config)
             self.workers = start_workers(self.config, self.secret, pg=self.placement)
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="pd-router", daemon=True)

@@ -7,12 +7,21 @@ box), CPU workers for no GPU; every worker for `topology.cpus_per_worker` CPUs;
 over nodes (`spread`) or packed onto few (`pack`), or none (`none`, each
 actor scheduled with Ray's SPREAD strategy); `start_workers` either returns
 every worker started or stops those it started and raises.
+
+Tensor parallelism (`pd.cluster.tp_config`): a worker of TP t is a gang of t ranks, each asking for
+the per-rank resources above. As soon as any role has TP > 1, every worker gets a placement group of
+its own (`reserve_gangs`): STRICT_PACK, t bundles, so that a gang always lands on one node (NCCL and
+shared memory between its ranks); `topology.placement` then no longer applies between workers. Rank 0
+(the `WorkerActor`) runs in bundle 0 and is given the group's name (a plain string); it creates its
+followers in bundles 1..t-1 (`pd.worker.gang`). `stop_workers` kills rank 0, which takes its followers
+with it, and `release_placement` removes the groups. With TP 1 everywhere nothing of this changes.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import secrets
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -46,13 +55,28 @@ def worker_roles(config: DeployConfig) -> list[tuple[str, Role]]:
            [(f"decode-{i}", Role.DECODE) for i in range(topo.num_decode)]
 
 
+def worker_tp(config: DeployConfig, role: Role) -> int:
+    """The ranks of a worker of `role` (its TP degree)."""
+    return config.topology.tp_of(role.value)
+
+
+def uses_gangs(config: DeployConfig) -> bool:
+    """Whether any worker the topology starts spans several ranks (then each gets its own group)."""
+    return any(worker_tp(config, role) > 1 for _, role in worker_roles(config))
+
+
+def num_ranks(config: DeployConfig) -> int:
+    """Processes (ranks) of every worker together: what the topology asks Ray for."""
+    return sum(worker_tp(config, role) for _, role in worker_roles(config))
+
+
 def worker_gpus(config: DeployConfig) -> float:
     """The GPU share each worker asks Ray for: `topology.gpus_per_worker` on cuda, none on cpu."""
     return config.topology.gpus_per_worker if config.topology.device == "cuda" else 0.0
 
 
 def worker_bundle(config: DeployConfig) -> dict[str, float]:
-    """Ray resources of one worker (one placement-group bundle)."""
+    """Ray resources of one worker rank (one placement-group bundle)."""
     bundle = {"CPU": float(config.topology.cpus_per_worker)}
     if config.topology.device == "cuda":
         bundle["GPU"] = worker_gpus(config)
@@ -63,15 +87,18 @@ def resource_shortfall(config: DeployConfig, cluster_resources: dict) -> str | N
     """Why the cluster's total resources cannot hold the topology, or None if they can.
 
     GPU shares below 1 count whole GPUs: a GPU holds floor(1 / share) workers (Ray never splits
-    one worker's share over two GPUs), so 2 workers at 0.6 need 2 GPUs, at 0.5 one."""
-    n = config.topology.num_workers
+    one worker's share over two GPUs), so 2 workers at 0.6 need 2 GPUs, at 0.5 one. With TP > 1 every
+    rank counts (`num_ranks`; a gang also needs its ranks' resources on one node, which the group's
+    placement timeout reports)."""
+    n = num_ranks(config)
+    what = "workers" if n == config.topology.num_workers else "worker ranks"
     for key, per_worker in worker_bundle(config).items():
         have = float(cluster_resources.get(key, 0.0))
         if key == "GPU" and per_worker < 1.0:
             need = gpus_needed(n, per_worker)
-            detail = f"{n} workers at {per_worker:g} GPU each, {workers_per_gpu(per_worker)} per GPU"
+            detail = f"{n} {what} at {per_worker:g} GPU each, {workers_per_gpu(per_worker)} per GPU"
         else:
-            need, detail = per_worker * n, f"{n} workers x {per_worker:g}"
+            need, detail = per_worker * n, f"{n} {what} x {per_worker:g}"
         if have + 1e-9 < need:
             hint = (" (device: cuda asks topology.gpus_per_worker of a GPU per worker; use device: cpu on a "
                     "machine without GPUs)" if key == "GPU" else "")
@@ -101,14 +128,41 @@ def reserve_placement(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT
     return pg
 
 
-def release_placement(pg: PlacementGroup | None) -> None:
-    """Removes a group from `reserve_placement`; never raises."""
-    if pg is None:
-        return
+def reserve_gangs(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[PlacementGroup]:
+    """One STRICT_PACK group of tp bundles per worker (in `worker_roles` order), each with a fresh
+    unique name that rank 0 looks it up by. Either every group is placed within `timeout_s`, or every
+    one is removed and RuntimeError names what the cluster lacks."""
+    tag = secrets.token_hex(4)  # two deployments (or a test's several) never share a name
+    groups = [placement_group([worker_bundle(config)] * worker_tp(config, role), strategy="STRICT_PACK",
+                              name=f"pdkv-gang-{wid}-{tag}")
+              for wid, role in worker_roles(config)]
     try:
-        remove_placement_group(pg)
-    except Exception as exc:  # noqa: BLE001 - the cluster may already be gone
-        logger.debug("placement group removal: %s", exc)
+        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, TimeoutError):
+        release_placement(groups)
+        why = resource_shortfall(config, ray.cluster_resources()) or (
+            f"each gang needs its ranks on one node; available now: {ray.available_resources()}")
+        sizes = [worker_tp(config, role) for _, role in worker_roles(config)]
+        raise RuntimeError(f"could not reserve one node per worker gang (ranks {sizes}, each rank "
+                           f"{worker_bundle(config)}) within {timeout_s:g} s: {why}") from None
+    logger.info("%d gang placement groups (STRICT_PACK) ready", len(groups))
+    return groups
+
+
+def reserve_for(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """What a deployment reserves: `reserve_gangs` when any worker has TP > 1, else `reserve_placement`."""
+    return reserve_gangs(config, timeout_s) if uses_gangs(config) else reserve_placement(config, timeout_s)
+
+
+def release_placement(pg: PlacementGroup | list[PlacementGroup] | None) -> None:
+    """Removes a group from `reserve_placement` (or the groups of `reserve_gangs`); never raises."""
+    for one in pg if isinstance(pg, list) else [pg]:
+        if one is None:
+            continue
+        try:
+            remove_placement_group(one)
+        except Exception as exc:  # noqa: BLE001 - the cluster may already be gone
+            logger.debug("placement group removal: %s", exc)
 
 
 def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle_index: int = 0) -> dict:
@@ -124,13 +178,16 @@ def actor_options(config: DeployConfig, pg: PlacementGroup | None = None, bundle
 
 
 def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TIMEOUT_S,
-                  pg: PlacementGroup | None = None) -> list[StartedWorker]:
-    """Starts every worker of the topology as an actor (worker i in bundle i of `pg`) and waits for their URLs."""
+                  pg: PlacementGroup | list[PlacementGroup] | None = None) -> list[StartedWorker]:
+    """Starts every worker of the topology as an actor (worker i in bundle i of `pg`; with a list of
+    gang groups, in bundle 0 of group i, given its name) and waits for their URLs."""
     config_json = config.to_json()
     roles = worker_roles(config)
+    gangs = pg if isinstance(pg, list) else None
     # (ray.remote made WorkerActor an actor class; mypy sees the plain class)
-    actors = [WorkerActor.options(**actor_options(config, pg, i)).remote(  # type: ignore[attr-defined]
-                  wid, role.value, config_json, secret)
+    actors = [WorkerActor.options(  # type: ignore[attr-defined]
+                  **(actor_options(config, gangs[i], 0) if gangs else actor_options(config, pg, i))).remote(
+                  wid, role.value, config_json, secret, _group_name(gangs[i]) if gangs else "")
               for i, (wid, role) in enumerate(roles)]
     try:
         answers = ray.get([a.start.remote() for a in actors], timeout=timeout_s)
@@ -145,8 +202,14 @@ def start_workers(config: DeployConfig, secret: str, timeout_s: float = START_TI
     return started
 
 
+def _group_name(pg: PlacementGroup) -> str:
+    # (the name given at creation: what rank 0 finds the group by, `ray.util.get_placement_group`)
+    return str(ray.util.placement_group_table(pg).get("name") or "")
+
+
 def stop_workers(actors: list, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Asks each actor to stop cleanly, then kills it; never raises for an already dead actor."""
+    """Asks each actor to stop cleanly (a gang's rank 0 stops its followers), then kills it (Ray ends
+    the followers a rank 0 owns with it); never raises for an already dead actor."""
     refs = []
     for actor in actors:
         try:

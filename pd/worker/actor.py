@@ -12,6 +12,11 @@ dying or a device fault in a step, either of which ends the process after
 same worker id, role and config. The new incarnation builds a fresh engine
 (a fresh engine id, empty cache) and listens on a new port once `start()` is
 called again; `pd.deploy.restarts` does that and tells the router.
+
+Tensor parallelism: with its role's TP above 1 the actor is rank 0 of a gang (`pd.worker.gang`): it
+is given its placement group's name (`gang_group`, a string) and, in `start()`, creates the other
+ranks there. A rank that dies takes the whole worker down the same way (unhealthy at once, the
+process exits after `DEATH_GRACE_S`), and the restarted actor builds a new gang.
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ def _exit_after_engine_death(worker_id: str):
 class WorkerActor:
     """Hosts one `Worker`; every method takes and returns str/int only."""
 
-    def __init__(self, worker_id: str, role: str, config_json: str, secret: str) -> None:
+    def __init__(self, worker_id: str, role: str, config_json: str, secret: str, gang_group: str = "") -> None:
         # PDKV_LOG_LEVEL reaches workers through the environment (pd.deploy.launch sets it for a local Ray).
         logging.basicConfig(level=os.environ.get("PDKV_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -63,8 +68,14 @@ class WorkerActor:
         if host in ("auto", "0.0.0.0"):
             host = ray.util.get_node_ip_address()
         self._worker_id = worker_id
+        tp = config.topology.tp_of(role)
+        gang = None
+        if tp > 1:
+            from pd.worker.gang import Gang
+
+            gang = Gang(worker_id, role, config_json, secret, host, tp, gang_group)
         self._worker = Worker(WorkerSpec(worker_id, Role(role), config, secret, host),
-                              on_engine_death=_exit_after_engine_death(worker_id))
+                              on_engine_death=_exit_after_engine_death(worker_id), gang=gang)
         self._url: str | None = None
         self._start_lock = asyncio.Lock()  # (binds to Ray's actor loop at first use)
 

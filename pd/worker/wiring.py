@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # torch-heavy: imported when a worker really starts
     from connectors.base import KVConnector
     from connectors.zmq.connector import ZmqConnector
     from pd.engine.engine import Engine
+    from pd.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ def check_model_vocabulary(cfg) -> int:
     return _tokenizer_vocab_size(cfg, model)
 
 
-def build_engine(spec) -> tuple[Engine, KVConnector | None]:
-    """(engine, connector or None) for a worker spec; the engine is not started."""
+def build_engine(spec, tp: TPGroup | None = None) -> tuple[Engine, KVConnector | None]:
+    """(engine, connector or None) for a worker spec; the engine is not started. `tp`: rank 0's group of
+    a TP gang (`pd.worker.gang`); None: one process, the engine built exactly as without TP."""
     from pd.engine.engine import Engine
 
     engine_config = engine_config_for(spec)
@@ -126,7 +128,8 @@ def build_engine(spec) -> tuple[Engine, KVConnector | None]:
     if spec.role is not Role.BOTH:
         connector = _build_connector(spec, engine_config)
     try:
-        engine = Engine(engine_config, connector=connector)
+        engine = Engine(engine_config, connector=connector) if tp is None else \
+            Engine(engine_config, connector=connector, tp=tp)
     except BaseException:
         if connector is not None:
             connector.shutdown()

@@ -21,6 +21,15 @@ Guarantees:
   without a finish (`WorkerUnavailable`), as a lost worker's would, so the router serves it elsewhere;
 - `stop()` is idempotent and releases the HTTP port, the engine thread and
   the connector's sockets.
+
+Tensor parallelism: a worker whose role has TP > 1 is rank 0 of a gang (`gang`, given by the Ray
+actor: `pd.worker.gang`); it starts the gang before its engine, hands the engine the gang's group,
+and reports the gang in `health()["tp"]`. A gang that lost a rank (`gang_failed`) is a dead engine:
+`health()` says `error`, new requests are refused, and `on_engine_death` is called once. Until KV
+moves rank to rank (connectors), a gang's P/D requests go the recompute way (`kv_by_recompute`):
+a TP > 1 prefill worker offers no blocks (its answer carries no transfer params, so the router has
+D prefill), and a TP > 1 decode worker releases the blocks P kept and prefills itself. No KV byte
+leaves or enters a gang, so none can be wrong.
 """
 from __future__ import annotations
 
@@ -79,9 +88,14 @@ class WorkerSpec:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, on_engine_death: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, on_engine_death: Callable[[BaseException], None] | None = None,
+                 gang: Any = None) -> None:
         self.spec = spec
         self._on_engine_death = on_engine_death
+        self._gang = gang  # rank 0's gang (pd.worker.gang.Gang) with TP > 1, else None
+        self._gang_failure: BaseException | None = None
+        # TP > 1: no KV crosses the gang's edge until the per-rank transfer is wired (module docstring)
+        self.kv_by_recompute = spec.config.topology.tp_of(spec.role.value) > 1 and spec.role is not Role.BOTH
         self._engine: Engine | None = None
         self._connector: KVConnector | None = None
         self._http = WorkerHTTPServer(self, spec.secret,
@@ -110,7 +124,13 @@ class Worker:
         # Before the engine exists: torch and the fused kernels (at::parallel_for) read it on every
         # op. Under Ray the process starts with OMP_NUM_THREADS=1 when its num_cpus is below 1.
         torch.set_num_threads(self.spec.config.topology.resolved_threads_per_worker)
-        self._engine, self._connector = build_engine(self.spec)
+        group = self._gang.start(self.gang_failed) if self._gang is not None else None
+        try:
+            self._engine, self._connector = build_engine(self.spec, tp=group)
+        except BaseException:
+            if self._gang is not None:
+                self._gang.stop()
+            raise
         if self._engine.config.enable_kv_events:
             from pd.worker.kv_events import KVEventPublisher
 
@@ -135,6 +155,13 @@ class Worker:
                      type(exc).__name__, exc)
         self._report_death(exc)
 
+    def gang_failed(self, exc: BaseException) -> None:
+        """A rank of this worker's gang died or hung (the gang's monitor): the worker is lost as a whole."""
+        if self._gang_failure is None:
+            self._gang_failure = exc
+            logger.error("worker %s: %s; reporting unhealthy", self.spec.worker_id, exc)
+            self._report_death(exc)
+
     def _report_death(self, exc: BaseException) -> None:
         if not self._death_reported:
             self._death_reported = True
@@ -153,9 +180,13 @@ class Worker:
         await self._http.stop()
         if self._faults is not None:
             self._faults.close()
+        if self._gang is not None:
+            self._gang.closing()  # the followers' loops end now: not a failure
         if self._engine is not None:
             self._engine.shutdown()  # (the connector reports the leases it ends: before tracing closes)
             self._engine = None
+        if self._gang is not None:
+            self._gang.stop()
         if self._lease_spans is not None:
             self._lease_spans.close()
         self._tracing.close()
@@ -175,6 +206,8 @@ class Worker:
         if engine.dead is not None:
             raise WorkerUnavailable(f"worker {self.spec.worker_id}: engine step loop died: "
                                     f"{type(engine.dead).__name__}")
+        if self._gang_failure is not None:
+            raise WorkerUnavailable(f"worker {self.spec.worker_id}: {self._gang_failure}")
         if self._device_fault() is not None:
             raise WorkerUnavailable(f"worker {self.spec.worker_id}: its device failed; restarting")
         try:
@@ -183,12 +216,23 @@ class Worker:
             raise ValueError(describe(exc)) from None
         wire = request.kv_transfer_params
         params = wire.to_params() if wire is not None else None
+        if params is not None and self.kv_by_recompute:
+            params = self._without_transfer(params)
         if params is not None and params.do_remote_prefill and self.spec.role is not Role.DECODE:
             raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
         if params is not None and params.do_remote_decode and self.spec.role is not Role.PREFILL:
             raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
         return engine.check_request(request.request_id, request.prompt_token_ids, request.sampling.to_params(),
                                     params, request.cache_salt)
+
+    def _without_transfer(self, params: TransferParams) -> None:
+        """A gang's request with its KV transfer taken out (see the module docstring): P keeps no blocks
+        (its answer names none, so D prefills); D frees P's blocks now and prefills itself."""
+        if params.do_remote_prefill and self.spec.role is Role.DECODE:
+            self.release_remote(params)
+        logger.debug("worker %s (TP %d): request by recompute, no KV transfer", self.spec.worker_id,
+                     self.spec.config.topology.tp_of(self.spec.role.value))
+        return None
 
     def begin_trace(self, job: CheckedRequest, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
@@ -293,13 +337,17 @@ class Worker:
         from pd.worker.wiring import kv_listen_ports
 
         dead = self._engine.dead if self._engine is not None else None
-        dead = dead or self._device_fault()
+        dead = dead or self._gang_failure or self._device_fault()
         status = "stopped" if self._engine is None else "error" if dead is not None else "ok"
-        return {"status": status, "worker_id": self.spec.worker_id,
-                "engine_error": f"{type(dead).__name__}: {dead}" if dead is not None else None,
-                "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
-                "num_threads": self._engine.num_threads if self._engine is not None else None,
-                "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
+        out = {"status": status, "worker_id": self.spec.worker_id,
+               "engine_error": f"{type(dead).__name__}: {dead}" if dead is not None else None,
+               "role": self.spec.role.value, "pid": os.getpid(), "uptime_s": round(time.time() - self._started_at, 3),
+               "num_threads": self._engine.num_threads if self._engine is not None else None,
+               "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
+        if self._gang is not None:
+            out["tp"] = self._gang.health()
+            out["kv_transfer"] = "recompute" if self.kv_by_recompute else "rank to rank"
+        return out
 
     def stats(self, audit: bool = False) -> dict:
         """Engine, KV cache and transfer figures; with a pool audit (`audit`) only when asked,
@@ -314,6 +362,8 @@ class Worker:
         try:
             out.update(engine_stats(self._engine, self._connector, audit=audit))
             out["kv_events"] = self._kv_events_info()
+            if audit and self._gang is not None:  # every rank's pool: rank 0's above, the followers' views here
+                out["audit"] = self._gang.audit(out["audit"], self._engine.page_pool.num_blocks)
         except Exception as exc:  # stats must not take the worker down
             logger.exception("stats failed")
             out["error"] = f"{type(exc).__name__}: {exc}"

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from pd.deploy.placement import actor_options, release_placement, reserve_placement, resource_shortfall, worker_bundle, worker_roles
+from pd.deploy.placement import (actor_options, num_ranks, release_placement, reserve_for, reserve_placement,
+                                 resource_shortfall, uses_gangs, worker_bundle, worker_roles)
 from pd.cluster.config import ConfigError, DeployConfig, Placement
 
 NODE_GPUS = 2
@@ -24,7 +25,8 @@ STORE = 80 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": NODE_GPUS, "object_store_memory": STORE})
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": 1, "num_gpus": NODE_GPUS, "object_store_memory": STORE})
     c.add_node(num_cpus=1, num_gpus=NODE_GPUS, object_store_memory=STORE)
     c.wait_for_nodes()
     ray.init(address=c.address, include_dashboard=False)
@@ -47,10 +49,10 @@ class Probe:
 
 
 def _config(device: str, placement: str, num_prefill: int = 1, num_decode: int = 1,
-            gpus_per_worker: float = 1.0) -> DeployConfig:
+            gpus_per_worker: float = 1.0, **tp) -> DeployConfig:
     return DeployConfig.from_dict({"topology": {"device": device, "placement": placement, "num_prefill": num_prefill,
                                                 "num_decode": num_decode, "cpus_per_worker": 0.25,
-                                                "gpus_per_worker": gpus_per_worker}})
+                                                "gpus_per_worker": gpus_per_worker, **tp}})
 
 
 def _wait_all_free(timeout_s: float = 30.0) -> None:
@@ -173,3 +175,44 @@ def test_placement_setting_is_validated(bad):
     with pytest.raises(ConfigError, match="topology.placement"):
         DeployConfig.from_dict({"topology": {"placement": bad}})
     assert DeployConfig().topology.placement is Placement.SPREAD
+
+
+def test_tp_gangs_get_a_strict_pack_group_each_with_a_gpu_per_rank(cluster):
+    config = _config("cuda", "spread", 1, 2, prefill_tp=2, decode_tp=1)
+    assert uses_gangs(config) and num_ranks(config) == 4
+    _wait_all_free()
+    groups = reserve_for(config, timeout_s=60)
+    try:
+        assert isinstance(groups, list) and [g.bundle_count for g in groups] == [2, 1, 1]
+        names = [ray.util.placement_group_table(g)["name"] for g in groups]
+        assert len(set(names)) == 3 and all(n.startswith("pdkv-gang-") for n in names)
+        assert all(ray.util.placement_group_table(g)["strategy"] == "STRICT_PACK" for g in groups)
+        assert _available_gpus() == 0  # every rank holds a GPU of its own
+        p_probes = [Probe.options(**actor_options(config, groups[0], r)).remote() for r in range(2)]
+        try:
+            (node0, gpus0), (node1, gpus1) = ray.get([p.where.remote() for p in p_probes], timeout=60)
+        finally:
+            for p in p_probes:
+                ray.kill(p)
+        assert node0 == node1 and len(gpus0) == len(gpus1) == 1 and gpus0 != gpus1  # one node, one GPU a rank
+    finally:
+        release_placement(groups)
+    _wait_all_free()
+    assert not uses_gangs(_config("cuda", "spread"))  # TP 1 everywhere: today's single group
+
+
+def test_a_gang_larger_than_any_node_fails_naming_the_ranks_and_releases_everything(cluster):
+    config = DeployConfig.from_dict({"topology": {"mode": "colocated", "colocated_tp": 4, "device": "cuda",
+                                                  "cpus_per_worker": 0.25}})  # 4 GPUs in all, but 2 per node
+    assert resource_shortfall(config, ray.cluster_resources()) is None
+    with pytest.raises(RuntimeError, match=r"one node per worker gang \(ranks \[4\]"):
+        reserve_for(config, timeout_s=2)
+    _wait_all_free()
+
+
+def test_resource_shortfall_counts_every_rank():
+    config = _config("cuda", "spread", 1, 2, prefill_tp=4, decode_tp=2)
+    msg = resource_shortfall(config, {"CPU": 16.0, "GPU": 6.0})
+    assert msg.startswith("the topology needs 8 GPU (8 worker ranks x 1), the Ray cluster has 6 "), msg
+    assert resource_shortfall(config, {"CPU": 16.0, "GPU": 8.0}) is None
+    assert "3 worker ranks x 0.25" in resource_shortfall(_config("cpu", "pack", prefill_tp=2), {"CPU": 0.5})
