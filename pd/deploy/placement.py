@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -133,20 +134,25 @@ def reserve_gangs(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) 
     unique name that rank 0 looks it up by. Either every group is placed within `timeout_s`, or every
     one is removed and RuntimeError names what the cluster lacks."""
     tag = secrets.token_hex(4)  # two deployments (or a test's several) never share a name
-    groups = [placement_group([worker_bundle(config)] * worker_tp(config, role), strategy="STRICT_PACK",
-                              name=f"pdkv-gang-{wid}-{tag}")
-              for wid, role in worker_roles(config)]
-    try:
-        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+    roles = worker_roles(config)
+    groups: list[PlacementGroup | None] = [None] * len(roles)
+    deadline = time.monotonic() + timeout_s
+    try:  # the largest gangs first, each placed before the next asks (first fit decreasing: pods of the
+        # largest TP, as in deploy/kuberay-rayservice-tp.yaml, are never half taken by small gangs)
+        for i in sorted(range(len(roles)), key=lambda i: -worker_tp(config, roles[i][1])):
+            wid, role = roles[i]
+            groups[i] = placement_group([worker_bundle(config)] * worker_tp(config, role), strategy="STRICT_PACK",
+                                        name=f"pdkv-gang-{wid}-{tag}")
+            ray.get(groups[i].ready(), timeout=max(0.0, deadline - time.monotonic()))
     except (ray.exceptions.GetTimeoutError, TimeoutError):
-        release_placement(groups)
+        release_placement([g for g in groups if g is not None])
         why = resource_shortfall(config, ray.cluster_resources()) or (
             f"each gang needs its ranks on one node; available now: {ray.available_resources()}")
         sizes = [worker_tp(config, role) for _, role in worker_roles(config)]
         raise RuntimeError(f"could not reserve one node per worker gang (ranks {sizes}, each rank "
                            f"{worker_bundle(config)}) within {timeout_s:g} s: {why}") from None
     logger.info("%d gang placement groups (STRICT_PACK) ready", len(groups))
-    return groups
+    return [g for g in groups if g is not None]
 
 
 def reserve_for(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S):

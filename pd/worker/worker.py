@@ -126,7 +126,8 @@ class Worker:
         torch.set_num_threads(self.spec.config.topology.resolved_threads_per_worker)
         group = self._gang.start(self.gang_failed) if self._gang is not None else None
         try:
-            self._engine, self._connector = build_engine(self.spec, tp=group)
+            self._engine, self._connector = build_engine(self.spec) if group is None else \
+                build_engine(self.spec, tp=group)
         except BaseException:
             if self._gang is not None:
                 self._gang.stop()

@@ -21,7 +21,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-MANIFESTS = ("kuberay-rayjob.yaml", "kuberay-rayservice.yaml")
+MANIFESTS = ("kuberay-rayjob.yaml", "kuberay-rayservice.yaml", "kuberay-rayservice-tp.yaml")
 AGENT_PORT = 52365  # KubeRay's dashboard-agent-listen-port unless rayStartParams sets one
 RAY_IMAGE_UID, RAY_IMAGE_GID = 1000, 100  # Ray's images run as `ray` (uid 1000) in group `users` (gid 100)
 START_TIMEOUT_S = 180.0

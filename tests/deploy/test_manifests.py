@@ -23,7 +23,7 @@ from pd.cluster.config import load_deploy_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-MANIFESTS = ("kuberay-rayjob.yaml", "kuberay-rayservice.yaml")
+MANIFESTS = ("kuberay-rayjob.yaml", "kuberay-rayservice.yaml", "kuberay-rayservice-tp.yaml")
 needs_crds = pytest.mark.skipif(not kuberay_crds.available(), reason=kuberay_crds.MISSING)
 
 # KubeRay's defaults on every Ray container: ray start's ports, the metrics port it adds
@@ -54,8 +54,24 @@ def _k8s_validate(obj: dict) -> None:
     kubernetes_validate.validate(obj, kuberay_crds.K8S_VERSION, strict=True)
 
 
-def _config():
-    return load_deploy_config(DEPLOY / "gpu-2p2d-k8s.yaml")
+def _config(name: str | None = None):
+    """The deploy config a manifest runs (its RayJob entrypoint's or its Serve app's); the 2P2D one by default."""
+    if name is None:
+        return load_deploy_config(DEPLOY / "gpu-2p2d-k8s.yaml")
+    ray_obj = _docs(name)[0]
+    if ray_obj["kind"] == "RayJob":
+        path = ray_obj["spec"]["entrypoint"].split()[2]
+    else:
+        (app,) = yaml.safe_load(ray_obj["spec"]["serveConfigV2"])["applications"]
+        path = Path(app["args"]["config"]).relative_to("/opt/pdkv").as_posix()
+    return load_deploy_config(REPO / path)
+
+
+def _gang_sizes(config) -> list[int]:
+    """The ranks (GPUs) of each worker the config starts."""
+    from pd.deploy.placement import worker_roles, worker_tp
+
+    return [worker_tp(config, role) for _, role in worker_roles(config)]
 
 
 # -- KubeRay's CRDs ---------------------------------------------------------------------------
@@ -182,9 +198,10 @@ def test_ray_start_resources_follow_the_operators_rule(name):
     from pd.deploy import serve_app
 
     assert head["resources"][serve_app.ROUTER_RESOURCE] == "1" and head["resources"]["GPU"] == "0"
+    largest_gang = max(_gang_sizes(_config(name)))  # a gang's ranks share a node: a pod holds the largest
     for group in cluster["workerGroupSpecs"]:
         limits = _ray_container(group)["resources"]["limits"]
-        assert group["resources"]["GPU"] == limits["nvidia.com/gpu"] == "1"
+        assert group["resources"]["GPU"] == limits["nvidia.com/gpu"] == str(largest_gang)
         assert float(group["resources"]["CPU"]) <= float(limits["cpu"])
 
 
@@ -229,7 +246,7 @@ def test_what_a_schema_cannot_see(name):
     assert int(cluster["rayVersion"].split(".")[1]) >= 52  # token auth needs Ray >= 2.52
 
     # no literal secrets: the API key comes from a Secret, the config file holds none
-    config = _config()
+    config = _config(name)
     assert config.router.api_key is None
     head = _ray_container(cluster["headGroupSpec"])
     env = {e["name"]: e for e in head.get("env", [])}
@@ -249,14 +266,22 @@ def test_what_a_schema_cannot_see(name):
         assert any(model_dir.is_relative_to(m["mountPath"]) and volumes[m["name"]]["persistentVolumeClaim"]["claimName"]
                    in claims for m in mounts), mounts
 
-    # one GPU pod per worker actor, enough CPUs, none on the head; a fixed topology
+    # GPU pods holding every rank of every worker (each gang whole on one pod, the largest placed
+    # first: pods of the largest TP, filled by first fit), enough CPUs, none on the head; a fixed topology
     topo = config.topology
     assert topo.device == "cuda"
     groups = cluster["workerGroupSpecs"]
-    assert sum(g["replicas"] for g in groups) == topo.num_prefill + topo.num_decode
+    pods = [int(g["resources"]["GPU"]) for g in groups for _ in range(g["replicas"])]
+    free = sorted(pods, reverse=True)
+    for size in sorted(_gang_sizes(config), reverse=True):
+        fits = [i for i, gpus in enumerate(free) if gpus >= size]
+        assert fits, f"no pod left for a gang of {size} GPUs: {free}"
+        free[fits[0]] -= size
+    assert sum(free) == 0, f"GPUs no rank uses: {free}"
     for g in groups:
         assert g["minReplicas"] == g["maxReplicas"] == g["replicas"]
-        assert float(g["resources"]["CPU"]) >= topo.cpus_per_worker + 1  # the actor plus the raylet
+        per_pod = int(g["resources"]["GPU"])  # the actors of as many ranks, plus the raylet
+        assert float(g["resources"]["CPU"]) >= per_pod * topo.cpus_per_worker + 1
     assert "nvidia.com/gpu" not in head["resources"]["requests"]
 
     # the RayJob's own Service: this job's head pod only, on the router's port
