@@ -163,19 +163,27 @@ class Gang:
             out["error"] = self._failed
         return out
 
-    def audit(self, rank0: dict, num_blocks: int, timeout_s: float = 10.0) -> dict:
-        """Rank 0's pool audit extended to every rank: `all_free` only when every follower answered
-        with its pool all free and of rank 0's size (the same block ids); `ranks` holds each answer."""
+    def audit(self, rank0: dict, num_blocks: int, outstanding: int, timeout_s: float = 10.0) -> dict:
+        """Rank 0's pool audit extended to every rank: `all_free` only when rank 0's is, and every follower
+        answered with a pool of rank 0's size (the same block ids) holding no more block-table rows than
+        rank 0 has requests `outstanding` (live, or finished with their release still to go out in the
+        next plan); `ranks` holds each rank's answer."""
         answers: list[dict] = []
         try:
             raw = ray.get([f.audit.remote() for f in self._followers], timeout=timeout_s)
             answers = [json.loads(a) for a in raw]
         except Exception as exc:  # noqa: BLE001 - a rank that cannot answer fails the audit
-            answers = [{"rank": r["rank"], "all_free": False, "detail": f"no audit: {type(exc).__name__}: {exc}"}
-                       for r in self._ranks]
-        problems = [f"rank {a['rank']}: {a.get('detail') or 'not all free'}" for a in answers if not a.get("all_free")]
-        problems += [f"rank {a['rank']}: {a['num_blocks']} blocks, rank 0 has {num_blocks}" for a in answers
-                     if a.get("num_blocks") not in (None, num_blocks)]
+            answers = [{"rank": r["rank"], "detail": f"no audit: {type(exc).__name__}: {exc}"} for r in self._ranks]
+        problems = []
+        for a in answers:
+            if "num_blocks" not in a:
+                problems.append(f"rank {a['rank']}: {a.get('detail') or 'no audit'}")
+            elif a["num_blocks"] != num_blocks:
+                problems.append(f"rank {a['rank']}: {a['num_blocks']} blocks, rank 0 has {num_blocks}")
+            elif a["num_rows_held"] > outstanding:
+                problems.append(f"rank {a['rank']}: holds the block tables of {a['num_rows_held']} requests, "
+                                f"rank 0 has {outstanding} outstanding")
+            a["all_free"] = not problems or not problems[-1].startswith(f"rank {a['rank']}:")
         out = dict(rank0)
         out["ranks"] = [{"rank": 0, **rank0}] + answers
         if problems:

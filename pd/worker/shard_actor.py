@@ -74,6 +74,7 @@ class ShardActor:
             logger.info("worker %s TP rank %d/%d serving (pid %d)", self._worker_id, self._rank, self._size,
                         os.getpid())
             self._follower.run()
+            self._follower.close()
             group.close()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the rank (module docstring)
             logger.error("worker %s TP rank %d/%d: %s: %s; exiting", self._worker_id, self._rank, self._size,
@@ -83,21 +84,16 @@ class ShardActor:
         return json.dumps({"rank": self._rank, "stopped": True})
 
     def audit(self) -> str:
-        """This rank's page pool as it stands: its size, and whether any request still holds a block
-        table here (`all_free`: none). Rank 0's KVCacheManager holds the gang's block accounting; a
-        follower holds views of the same block ids, which must be let go when their requests end."""
+        """This rank's view of the gang's pool: its size in blocks (the same block ids as rank 0's) and
+        the requests whose block tables it still holds (`num_rows_held`). Rank 0's KVCacheManager does
+        the gang's block accounting; a follower lets a request's row go with the next plan after rank 0
+        finished it, so rank 0 judges the count (`pd.worker.gang.Gang.audit`)."""
         follower = self._follower
-        if follower is None:
+        runner = getattr(follower, "runner", None)
+        if follower is None or runner is None:
             return json.dumps({"rank": self._rank, "all_free": False, "detail": "not serving"})
-        own = getattr(follower, "audit", None)
-        if callable(own):  # the follower's own audit where it has one
-            answer = dict(own())
-        else:
-            held = _held_requests(follower)
-            answer = {"all_free": held == 0, "num_requests_held": held,
-                      "detail": "" if held == 0 else f"{held} request(s) still hold block tables"}
-        answer.update(rank=self._rank, num_blocks=int(follower.page_pool.num_blocks))
-        return json.dumps(answer)
+        return json.dumps({"rank": self._rank, "num_blocks": int(follower.page_pool.num_blocks),
+                           "num_rows_held": int(runner.inputs.rows.num_assigned), "num_steps": follower.num_steps})
 
 
 JOIN_TIMEOUT_S = 120.0  # ranks still importing torch and loading weights
@@ -106,13 +102,3 @@ JOIN_TIMEOUT_S = 120.0  # ranks still importing torch and loading weights
 def _rank_device(device: str) -> str:
     # Ray gives each rank's actor its own GPU (CUDA_VISIBLE_DEVICES), so its device is cuda:0
     return "cuda:0" if device == "cuda" else "cpu"
-
-
-def _held_requests(follower) -> int:
-    """Requests whose block tables a follower still keeps (0 when it exposes none)."""
-    for name in ("num_requests", "num_live_requests"):
-        value = getattr(follower, name, None)
-        if value is not None:
-            return int(value() if callable(value) else value)
-    rows = getattr(follower, "requests", None)
-    return len(rows) if rows is not None else 0

@@ -33,6 +33,7 @@ leaves or enters a gang, so none can be wrong.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -124,7 +125,9 @@ class Worker:
         # Before the engine exists: torch and the fused kernels (at::parallel_for) read it on every
         # op. Under Ray the process starts with OMP_NUM_THREADS=1 when its num_cpus is below 1.
         torch.set_num_threads(self.spec.config.topology.resolved_threads_per_worker)
-        group = self._gang.start(self.gang_failed) if self._gang is not None else None
+        group = None
+        if self._gang is not None:  # (off the event loop: it waits for the other ranks to start and join)
+            group = await asyncio.to_thread(self._gang.start, self.gang_failed)
         try:
             self._engine, self._connector = build_engine(self.spec) if group is None else \
                 build_engine(self.spec, tp=group)
@@ -364,11 +367,19 @@ class Worker:
             out.update(engine_stats(self._engine, self._connector, audit=audit))
             out["kv_events"] = self._kv_events_info()
             if audit and self._gang is not None:  # every rank's pool: rank 0's above, the followers' views here
-                out["audit"] = self._gang.audit(out["audit"], self._engine.page_pool.num_blocks)
+                out["audit"] = self._gang.audit(out["audit"], self._engine.page_pool.num_blocks,
+                                                self._outstanding_requests())
         except Exception as exc:  # stats must not take the worker down
             logger.exception("stats failed")
             out["error"] = f"{type(exc).__name__}: {exc}"
         return out
+
+    def _outstanding_requests(self) -> int:
+        """Requests a gang's followers may still hold block tables for: those rank 0's runner holds, and
+        those it released whose release goes to the followers with the next plan (the TP runner's set)."""
+        runner = self._require_engine().runner
+        pending = getattr(runner, "_finished", ())  # (pd.engine.runner.tp_runner.TPModelRunner)
+        return runner.inputs.rows.num_assigned + len(pending)
 
     def _require_engine(self):
         if self._engine is None:
