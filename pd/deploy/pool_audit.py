@@ -1,7 +1,8 @@
 """The KV pool audit after a run: every worker of the deployment is asked, none is taken on trust.
 
 `PoolAuditReport` guarantees: it is `clean` only when every worker the deployment has answered
-its audit and every one of those pools is all free, so an audit that reached no worker, or fewer
+its audit and every one of those pools is all free (a TP gang's audit is all free only when every
+rank's is: `pd.worker.gang.Gang.audit`), so an audit that reached no worker, or fewer
 than the deployment has, is never reported as clean; `lines()` says how many of how many were
 audited and names each worker that leaked or did not answer (with why).
 """
@@ -41,9 +42,15 @@ class PoolAuditReport:
     def clean(self) -> bool:
         return self.complete and not self.leaks
 
+    @property
+    def num_ranks(self) -> int:
+        """Ranks audited: a TP gang's audit carries one entry per rank (`ranks`), any other worker is one."""
+        return sum(len(a.get("ranks") or [a]) for a in self.audits.values())
+
     def lines(self) -> list[str]:
         verdict = "all free" if self.clean else "NOT all free" if self.leaks else "NOT verified"
-        out = [f"KV pools after the run: {verdict} ({len(self.audits)} of {len(self.expected)} workers audited)"]
+        ranks = f", {self.num_ranks} ranks" if any("ranks" in a for a in self.audits.values()) else ""
+        out = [f"KV pools after the run: {verdict} ({len(self.audits)} of {len(self.expected)} workers audited{ranks})"]
         out += [f"  {wid}: {detail}" for wid, detail in self.leaks.items()]
         missing = [wid for wid in self.expected if wid not in self.audits]
         out += [f"  {wid}: unreachable: {self.unreachable.get(wid, 'no answer')}" for wid in missing]

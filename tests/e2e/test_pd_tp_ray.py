@@ -68,4 +68,5 @@ def test_prefill_at_tp_two_and_decode_at_tp_one_serve_through_the_launcher(ray_i
         assert health["prefill-0"]["kv_transfer"] == "recompute"
         audits = _audited_ranks(dep)
         assert [a["rank"] for a in audits["prefill-0"]] == [0, 1] and len(audits["decode-0"]) == 1
+        assert dep.audit_pools().lines() == ["KV pools after the run: all free (2 of 2 workers audited, 3 ranks)"]
         assert audits["prefill-0"][1]["num_steps"] > 0
