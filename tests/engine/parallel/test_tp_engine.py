@@ -179,3 +179,20 @@ def test_a_rank_reads_exactly_its_slices_of_a_checkpoint(tmp_path, tp):
         for name in want:
             assert torch.equal(got[name], want[name]), name
         assert got["model.layers.0.self_attn.k_proj.weight"].shape[0] == MODEL.resolved_head_dim  # one KV head
+
+
+def test_a_step_plan_round_trips_and_a_malformed_chunk_is_refused():
+    from pd.engine.runner.tp_runner import decode_chunks, encode_plan
+    from pd.engine.sched.output import ScheduledChunk
+
+    chunks = [ScheduledChunk("r1", [5, 6, 7], 4, ([3, 9], [4]), True), ScheduledChunk("r2", [8], 12, ([2],), False)]
+    plan = encode_plan(chunks, ["gone"], [7, 3])
+    assert decode_chunks(plan) == chunks and plan["zero"] == [3, 7] and plan["finished"] == ["gone"]
+    for bad in (["r1", [5, "6"], 4, [[3]], True], ["r1", [5], "4", [[3]], True], [1, [5], 4, [[3]], True]):
+        with pytest.raises(ValueError, match="malformed"):
+            decode_chunks({"chunks": [bad]})
+
+
+def test_rank_0_is_the_engine_not_a_follower():
+    with pytest.raises(ValueError, match="rank 0 of a TP gang is the engine"):
+        Follower(CONFIG, _FakeGroup(2, rank=0))  # type: ignore[arg-type]
