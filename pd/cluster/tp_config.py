@@ -7,11 +7,13 @@ path) and `tp_timeout_s`, the collective timeout within which a gang notices a r
 
 `tp_problem(config)` is what `DeployConfig` checks across sections, naming the key to change:
 - each role's TP against `model.architecture` (`pd.engine.parallel.tp.check_tp`: TP divides the
-  query heads, TP and the KV heads divide one another; the message names both numbers and the
-  role). A checkpoint's shape is checked where it is read (`pd.deploy.config_check`, the workers);
+  query heads, TP and the KV heads divide one another; and TP divides the MLP width; the message
+  names both numbers and the role). A checkpoint's shape is checked where it is read
+  (`pd.deploy.config_check`, the workers);
 - TP > 1 refuses what cannot run sharded: `attention_backend: fused` (its C++ kernel takes a
   whole model's packed weights), `transfer.streaming: layer` (it publishes slices from inside
-  the forward of one process), and a GPU share below 1 on cuda (NCCL refuses two ranks on one GPU);
+  the forward of one process), `transfer.kv_audit_rate` above 0 (the audit recomputes on rank 0
+  alone), and a GPU share below 1 on cuda (NCCL refuses two ranks on one GPU);
 - a TP above 1 for a role the mode does not run is refused rather than ignored.
 This module imports no torch: the router validates configs too.
 """
@@ -71,12 +73,18 @@ def tp_problem(config: DeployConfig) -> tuple[str, str] | None:
                 check_tp(tp, arch.num_heads, arch.num_kv_heads, _ROLE_NAMES[role])
             except ValueError as exc:
                 return key, f"{exc} (model.architecture)"
+            if arch.intermediate_size % tp:
+                return key, (f"{_ROLE_NAMES[role]} TP {tp} and an MLP intermediate size of {arch.intermediate_size}: "
+                             "TP must divide the intermediate size (model.architecture)")
         if config.model.attention_backend == "fused":
             return key, (f"is {tp}: model.attention_backend 'fused' runs a whole model's packed weights in one "
                          "process and cannot run a shard; use 'auto' or 'torch' with TP > 1")
         if config.transfer.streaming == "layer":
             return key, (f"is {tp}: transfer.streaming 'layer' publishes KV slices from inside one process's "
                          "forward, and a gang's KV is spread over its ranks; use 'chunk' or 'off' with TP > 1")
+        if config.transfer.kv_audit_rate > 0:
+            return key, (f"is {tp}: transfer.kv_audit_rate recomputes a pulled block on rank 0 alone, which holds "
+                         "only its own heads; set it to 0 with TP > 1")
         if topo.device == "cuda" and topo.gpus_per_worker != 1.0:
             return key, (f"is {tp}: each rank needs a GPU of its own (NCCL refuses two ranks on one GPU); "
                          f"set topology.gpus_per_worker to 1 (it is {topo.gpus_per_worker:g})")

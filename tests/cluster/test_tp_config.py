@@ -32,7 +32,8 @@ def test_tp_is_one_by_default_and_round_trips():
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (8, 8), (6, 2), (4, 1)])
 def test_every_tp_the_rule_accepts_validates_and_every_other_names_both_numbers(num_heads, num_kv_heads):
-    arch = {"hidden_size": 8 * num_heads, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    arch = {"hidden_size": 8 * num_heads, "intermediate_size": 24 * num_heads, "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads}
     fits = valid_tps(num_heads, num_kv_heads)
     for tp in range(1, 9):
         data = {"model": {"architecture": arch}, "topology": {"decode_tp": tp}}
@@ -63,6 +64,9 @@ def test_each_role_is_checked_on_its_own():
     ({"transfer": {"streaming": "layer"}, "topology": {"decode_tp": 2}}, "decode_tp", "'layer'"),
     ({"topology": {"decode_tp": 2, "device": "cuda", "gpus_per_worker": 0.5}}, "decode_tp", "gpus_per_worker"),
     ({"topology": {"colocated_tp": 2}}, "colocated_tp", "starts no colocated worker"),
+    ({"transfer": {"kv_audit_rate": 0.5}, "topology": {"prefill_tp": 2}}, "prefill_tp", "kv_audit_rate"),
+    ({"model": {"architecture": {"intermediate_size": 130}}, "topology": {"decode_tp": 4}}, "decode_tp",
+     "intermediate size of 130"),
     ({"topology": {"mode": "colocated", "prefill_tp": 2}}, "prefill_tp", "starts no prefill worker"),
     ({"topology": {"prefill_tp": 0}}, "prefill_tp", "greater than or equal to 1"),
     ({"topology": {"prefill_tp": 2.0}}, "prefill_tp", "int"),
@@ -76,6 +80,7 @@ def test_what_tp_cannot_run_is_refused_with_the_reason(data, key, reason):
 
 def test_the_same_settings_at_tp_one_stay_valid():
     for data in ({"model": {"attention_backend": "fused"}}, {"transfer": {"streaming": "layer"}},
+                 {"transfer": {"kv_audit_rate": 0.5}}, {"model": {"architecture": {"intermediate_size": 130}}},
                  {"topology": {"device": "cuda", "gpus_per_worker": 0.5}}):
         DeployConfig.from_dict(data)
 
