@@ -19,15 +19,14 @@ This module imports no torch: the router validates configs too.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pydantic import Field
 
 from pd.cluster.schema import StrictModel
 from pd.engine.parallel.tp import check_tp
 
-if TYPE_CHECKING:
-    from pd.cluster.config import DeployConfig
+DeployConfig = Any  # (pd.cluster.config.DeployConfig, which imports this module: named here, not imported)
 
 MAX_TP = 64  # ranks of one worker: more than any node has devices
 ROLE_TP_KEYS = {"prefill": "prefill_tp", "decode": "decode_tp", "both": "colocated_tp"}

@@ -141,9 +141,9 @@ def reserve_gangs(config: DeployConfig, timeout_s: float = PLACEMENT_TIMEOUT_S) 
         # largest TP, as in deploy/kuberay-rayservice-tp.yaml, are never half taken by small gangs)
         for i in sorted(range(len(roles)), key=lambda i: -worker_tp(config, roles[i][1])):
             wid, role = roles[i]
-            groups[i] = placement_group([worker_bundle(config)] * worker_tp(config, role), strategy="STRICT_PACK",
-                                        name=f"pdkv-gang-{wid}-{tag}")
-            ray.get(groups[i].ready(), timeout=max(0.0, deadline - time.monotonic()))
+            group = groups[i] = placement_group([worker_bundle(config)] * worker_tp(config, role),
+                                                strategy="STRICT_PACK", name=f"pdkv-gang-{wid}-{tag}")
+            ray.get(group.ready(), timeout=max(0.0, deadline - time.monotonic()))
     except (ray.exceptions.GetTimeoutError, TimeoutError):
         release_placement([g for g in groups if g is not None])
         why = resource_shortfall(config, ray.cluster_resources()) or (

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import ray
@@ -63,7 +64,7 @@ class Gang:
         self._failed: str | None = None
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
-        self._group = None
+        self._group: Any = None  # rank 0's TPGroup once joined
 
     # -- life cycle -------------------------------------------------------
     def start(self, on_failure: Callable[[BaseException], None]):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 import ray
 
@@ -45,7 +46,7 @@ class ShardActor:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._worker_id, self._role, self._rank, self._size = worker_id, Role(role), rank, size
         self._address, self._config_json, self._secret, self._host = address, config_json, secret, host
-        self._follower = None
+        self._follower: Any = None  # (pd.engine.parallel.follower.Follower, built in run())
 
     def ready(self) -> str:
         """Where this rank runs: {"pid", "node_id"} (rank 0 waits for the pid when it reaps a gang)."""
@@ -70,11 +71,11 @@ class ShardActor:
             device = _rank_device(topo.device)
             group = TPGroup(self._rank, self._size, self._address, device, timeout_s=topo.tp_timeout_s,
                             join_timeout_s=JOIN_TIMEOUT_S)
-            self._follower = Follower(engine_config, group)
+            follower = self._follower = Follower(engine_config, group)
             logger.info("worker %s TP rank %d/%d serving (pid %d)", self._worker_id, self._rank, self._size,
                         os.getpid())
-            self._follower.run()
-            self._follower.close()
+            follower.run()
+            follower.close()
             group.close()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the rank (module docstring)
             logger.error("worker %s TP rank %d/%d: %s: %s; exiting", self._worker_id, self._rank, self._size,

@@ -221,7 +221,8 @@ class Worker:
         wire = request.kv_transfer_params
         params = wire.to_params() if wire is not None else None
         if params is not None and self.kv_by_recompute:
-            params = self._without_transfer(params)
+            self._without_transfer(params)
+            params = None
         if params is not None and params.do_remote_prefill and self.spec.role is not Role.DECODE:
             raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
         if params is not None and params.do_remote_decode and self.spec.role is not Role.PREFILL:
@@ -230,13 +231,12 @@ class Worker:
                                     params, request.cache_salt)
 
     def _without_transfer(self, params: TransferParams) -> None:
-        """A gang's request with its KV transfer taken out (see the module docstring): P keeps no blocks
-        (its answer names none, so D prefills); D frees P's blocks now and prefills itself."""
+        """A gang's request is run with its KV transfer taken out (see the module docstring): P keeps no
+        blocks (its answer names none, so D prefills); D frees P's blocks now (here) and prefills itself."""
         if params.do_remote_prefill and self.spec.role is Role.DECODE:
             self.release_remote(params)
         logger.debug("worker %s (TP %d): request by recompute, no KV transfer", self.spec.worker_id,
                      self.spec.config.topology.tp_of(self.spec.role.value))
-        return None
 
     def begin_trace(self, job: CheckedRequest, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
