@@ -26,10 +26,11 @@ Tensor parallelism: a worker whose role has TP > 1 is rank 0 of a gang (`gang`, 
 actor: `pd.worker.gang`); it starts the gang before its engine, hands the engine the gang's group,
 and reports the gang in `health()["tp"]`. A gang that lost a rank (`gang_failed`) is a dead engine:
 `health()` says `error`, new requests are refused, and `on_engine_death` is called once. Until KV
-moves rank to rank (connectors), a gang's P/D requests go the recompute way (`kv_by_recompute`):
-a TP > 1 prefill worker offers no blocks (its answer carries no transfer params, so the router has
-D prefill), and a TP > 1 decode worker releases the blocks P kept and prefills itself. No KV byte
-leaves or enters a gang, so none can be wrong.
+moves rank to rank (connectors), a deployment whose prefill or decode workers are gangs moves no KV
+at all (`kv_by_recompute`, decided from the shared config, so P and D agree): a prefill worker keeps
+no blocks for D (its answer carries no transfer params, so the router has D prefill the prompt), and
+a decode worker takes no KV (it prefills itself). No KV byte leaves or enters a gang, so none can be
+wrong.
 """
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ class Worker:
         self._on_engine_death = on_engine_death
         self._gang = gang  # rank 0's gang (pd.worker.gang.Gang) with TP > 1, else None
         self._gang_failure: BaseException | None = None
-        # TP > 1: no KV crosses the gang's edge until the per-rank transfer is wired (module docstring)
-        self.kv_by_recompute = spec.config.topology.tp_of(spec.role.value) > 1 and spec.role is not Role.BOTH
+        # P or D gangs: no KV crosses a gang's edge until the per-rank transfer is wired (module docstring)
+        topo = spec.config.topology
+        self.kv_by_recompute = spec.role is not Role.BOTH and max(topo.prefill_tp, topo.decode_tp) > 1
         self._engine: Engine | None = None
         self._connector: KVConnector | None = None
         self._http = WorkerHTTPServer(self, spec.secret,
@@ -231,12 +233,10 @@ class Worker:
                                     params, request.cache_salt)
 
     def _without_transfer(self, params: TransferParams) -> None:
-        """A gang's request is run with its KV transfer taken out (see the module docstring): P keeps no
-        blocks (its answer names none, so D prefills); D frees P's blocks now (here) and prefills itself."""
-        if params.do_remote_prefill and self.spec.role is Role.DECODE:
-            self.release_remote(params)
-        logger.debug("worker %s (TP %d): request by recompute, no KV transfer", self.spec.worker_id,
-                     self.spec.config.topology.tp_of(self.spec.role.value))
+        """A request run with its KV transfer taken out (see the module docstring): P keeps no blocks (its
+        answer names none, so D prefills); D loads nothing and prefills itself (P kept nothing for it)."""
+        logger.debug("worker %s: request %s by recompute (TP gangs move no KV yet)", self.spec.worker_id,
+                     "with do_remote_prefill" if params.do_remote_prefill else "with do_remote_decode")
 
     def begin_trace(self, job: CheckedRequest, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
@@ -350,7 +350,8 @@ class Worker:
                "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
         if self._gang is not None:
             out["tp"] = self._gang.health()
-            out["kv_transfer"] = "recompute" if self.kv_by_recompute else "rank to rank"
+        if self.kv_by_recompute:
+            out["kv_transfer"] = "recompute"  # (TP gangs move no KV yet)
         return out
 
     def stats(self, audit: bool = False) -> dict:

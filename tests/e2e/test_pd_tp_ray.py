@@ -65,8 +65,21 @@ def test_prefill_at_tp_two_and_decode_at_tp_one_serve_through_the_launcher(ray_i
         health = _health(dep)
         assert health["prefill-0"]["tp"]["size"] == 2 and "tp" not in health["decode-0"]
         # until KV moves rank to rank, no KV leaves a gang: D prefills what a TP 2 P computed
-        assert health["prefill-0"]["kv_transfer"] == "recompute"
+        assert health["prefill-0"]["kv_transfer"] == health["decode-0"]["kv_transfer"] == "recompute"
         audits = _audited_ranks(dep)
         assert [a["rank"] for a in audits["prefill-0"]] == [0, 1] and len(audits["decode-0"]) == 1
         assert dep.audit_pools().lines() == ["KV pools after the run: all free (2 of 2 workers audited, 3 ranks)"]
         assert audits["prefill-0"][1]["num_steps"] > 0
+
+
+def test_with_a_decode_gang_prefill_keeps_nothing_and_decode_prefills_itself(ray_instance, reference):
+    config = e2e_config("local-tp.yaml", topology__prefill_tp=1, topology__decode_tp=2,
+                        transfer__lease_s=60.0)  # a block P kept for D would outlive the audit's wait
+    with Deployment(config) as dep:
+        assert _tokens(dep.url) == reference
+        health = _health(dep)
+        assert health["decode-0"]["tp"]["size"] == 2 and "tp" not in health["prefill-0"]
+        assert health["prefill-0"]["kv_transfer"] == health["decode-0"]["kv_transfer"] == "recompute"
+        audits = _audited_ranks(dep)  # P's pool all free: it kept no block for D
+        assert len(audits["prefill-0"]) == 1 and [a["rank"] for a in audits["decode-0"]] == [0, 1]
+        assert audits["decode-0"][1]["num_steps"] > 0
