@@ -35,6 +35,17 @@ def test_run_load_prints_report_and_writes_files(tmp_path):
     assert plot.stat().st_size > 1000
 
 
+def test_run_load_serves_a_tp_gang_and_audits_every_rank():
+    """deploy/local-tp.yaml (P a gang of 2 ranks, D at TP 1) under the default load: every request succeeds
+    and the pool audit names every rank of every worker."""
+    cmd = [a if a != "deploy/local.yaml" else "deploy/local-tp.yaml" for a in BASE] + ["--run-load"]
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Successful requests:                                      32" in out.stdout
+    assert "Failed requests:                                           0" in out.stdout
+    assert "KV pools after the run: all free (2 of 2 workers audited, 3 ranks)" in out.stdout
+
+
 def test_sigterm_shuts_down_cleanly():
     proc = subprocess.Popen(BASE, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
