@@ -2,7 +2,8 @@
 2 ranks, gloo between two processes): SIGKILL of either rank while requests stream takes the worker out
 of the router's rotation within 5 s, every stream ends (with an error: no other worker could take it),
 Ray restarts the whole gang with a fresh rendezvous, the next request succeeds with the undisturbed
-tokens, and no process of the old gang is left (the killed one, its peer, any follower)."""
+tokens, and no process of the old gang is left (the killed one, its peer, any follower). A follower that
+hangs (SIGSTOP) does the same once a collective waited `tp_timeout_s` for it."""
 from __future__ import annotations
 
 import json
@@ -21,12 +22,14 @@ from tests.reliability.test_ray_recovery import Stream
 UNHEALTHY_WITHIN_S = 5.0
 BACK_WITHIN_S = 150.0  # a new rank 0 process, then a new follower: each imports torch and builds its shard
 NUM_TOKENS = 400  # long enough that the kill lands mid-decode on two busy cores
+TP_TIMEOUT_S = 5.0  # a hung rank is seen at the collective timeout (a dead one at once)
 
 
 @pytest.fixture(scope="module")
 def gang(ray_instance):
     config = e2e_config("local-tp.yaml", topology__mode="colocated", topology__prefill_tp=1,
-                        topology__colocated_tp=2, router__request_timeout_s=60.0)
+                        topology__colocated_tp=2, topology__tp_timeout_s=TP_TIMEOUT_S,
+                        router__request_timeout_s=60.0)
     with Deployment(config) as dep:
         want = complete(dep.url, PROMPTS[0], max_tokens=8, ignore_eos=True)["choices"][0]["token_ids"]
         yield dep, want
@@ -63,8 +66,9 @@ def _wait(predicate, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-def test_a_rank_killed_mid_decode_takes_the_gang_out_and_it_comes_back(gang, rank, fault_record):
+@pytest.mark.parametrize("rank, how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
+                         ids=["kill-rank-1", "kill-rank-0", "hang-rank-1"])
+def test_a_rank_lost_mid_decode_takes_the_gang_out_and_it_comes_back(gang, rank, how, fault_record):
     dep, want = gang
     load = dep.router.pool.get("both-0")
     _wait(lambda: load.healthy, BACK_WITHIN_S, "the worker in rotation")
@@ -76,8 +80,9 @@ def test_a_rank_killed_mid_decode_takes_the_gang_out_and_it_comes_back(gang, ran
         s.start()
     _wait(lambda: all(len(s.token_ids) >= 4 for s in streams), 60, "tokens streaming")
 
-    os.kill(old[rank], signal.SIGKILL)
-    took = _wait(lambda: not load.healthy, UNHEALTHY_WITHIN_S, f"rank {rank} killed: the worker out of rotation")
+    os.kill(old[rank], how)
+    within = UNHEALTHY_WITHIN_S + (TP_TIMEOUT_S if how == signal.SIGSTOP else 0.0)
+    took = _wait(lambda: not load.healthy, within, f"rank {rank} {how.name}: the worker out of rotation")
     for s in streams:
         s.join(60)
         assert not s.is_alive(), "a stream did not end"
@@ -90,6 +95,6 @@ def test_a_rank_killed_mid_decode_takes_the_gang_out_and_it_comes_back(gang, ran
     health = _tp_health(dep)
     new = [r["pid"] for r in health["tp"]["ranks"]]
     assert not set(new) & set(old) and _followers() == new[1:]  # a fresh gang, no orphan follower
-    fault_record(fault=f"SIGKILL of TP rank {rank} mid-decode", where="colocated gang of 2 (gloo)",
+    fault_record(fault=f"{how.name} of TP rank {rank} mid-decode", where="colocated gang of 2 (gloo)",
                  user_saw="the streams end with an error", pdkv_did=f"out of rotation in {took:.1f} s, "
                  f"the whole gang restarted by Ray (back in {back:.0f} s), no process left", pools="new gang")
