@@ -12,6 +12,10 @@ Guarantees:
   cache until `cache_blocks` is called (remote KV not landed yet);
 - `free` releases a request's blocks tail-first; `pop_blocks_for_free` hands
   them to the caller instead (who must `free_blocks(reversed(...))` later).
+- with `block_ids_only_grow` (no group drops leading blocks: no sliding window,
+  no Mamba), a request's block ids change only by `allocate_slots` appending
+  the blocks it returns, until the request is freed: a caller may keep a
+  running request's ids and extend them itself instead of asking again.
 
 Decisions (block ids, hit lengths, None results, free counts) match vLLM
 0.25.1's KVCacheManager for full-attention, sliding-window and Mamba groups.
@@ -70,6 +74,7 @@ class KVCacheManager:
         # the coordinator's instance: its `.blocks` is also the "no hits" marker
         self.empty_kv_cache_blocks = self.coordinator.empty_kv_cache_blocks
         self._no_blocks = self.empty_kv_cache_blocks.blocks
+        self.block_ids_only_grow = not self.coordinator.skipping_managers  # (see the module docstring)
 
     # ------------------------------------------------------------------ queries
     @property

@@ -137,39 +137,65 @@ class Scheduler(ConnectorOutcomes):
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
-        budget = self.config.max_num_batched_tokens
-        preempted: list[RequestState] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            state = self.running[i]
-            req = state.request
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while self.mgr.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                if victim.request.request_id in self._stream_chunks:  # its published blocks are leased
-                    self._finish(victim, RequestStatus.FINISHED_ERROR, "preempted while its KV streamed")
-                else:
-                    self._preempt(victim)
-                preempted.append(victim)
-                if victim is state:
-                    break
-            if preempted and preempted[-1] is state:
-                break
-            chunks.append(self._chunk(state, num_new))
-            budget -= num_new
-            i += 1
+        budget, preempted = self._schedule_running(chunks)
+        num_running_chunks = len(chunks)
         self._promote_finished_loads()
         if not preempted:
             self._admit_waiting(chunks, budget)
         meta = self.connector.build_connector_meta()
         self.stats.num_steps += 1
         finished = self._runner_requests.take_finished()
-        new = self._runner_requests.new(chunks, self.requests)
+        # (a running request's chunk is never its first: the runner met it when it was admitted)
+        new = self._runner_requests.new(chunks[num_running_chunks:], self.requests)
         return SchedulerOutput(chunks=chunks, connector_metadata=meta, stream_steps=self._stream_steps(chunks),
                                num_preempted=len(preempted), new_requests=new, finished_request_ids=finished)
+
+    def _schedule_running(self, chunks: list[ScheduledChunk]) -> tuple[int, list[RequestState]]:
+        """Gives running requests their next tokens in order, preempting from the back of `running` when the
+        KV cache is full; returns the token budget left and the requests preempted. Written for the steady
+        decode step (one token each, most steps no new block): no per-request helper calls there, and the
+        block ids of the previous chunk reused while the request gained no block."""
+        budget = self.config.max_num_batched_tokens
+        preempted: list[RequestState] = []
+        running, mgr, allocate = self.running, self.mgr, self.mgr.allocate_slots
+        no_new_blocks = mgr.empty_kv_cache_blocks
+        ids_only_grow = mgr.block_ids_only_grow
+        streamed, max_len = self._stream_chunks, self.max_model_len
+        make_chunk, append = ScheduledChunk.of, chunks.append
+        i = 0
+        while i < len(running) and budget > 0:
+            state = running[i]
+            req = state.request
+            start = req.num_computed_tokens
+            num_tokens = req.num_tokens
+            num_new = num_tokens - start
+            if num_new != 1 or streamed or start >= max_len:  # (else one decode token: every cap allows it)
+                num_new = self._num_new_tokens(req, start, budget)
+                if num_new <= 0:
+                    i += 1
+                    continue
+            new_blocks = allocate(req, num_new)
+            while new_blocks is None:
+                victim = running.pop()
+                if victim.request.request_id in streamed:  # its published blocks are leased
+                    self._finish(victim, RequestStatus.FINISHED_ERROR, "preempted while its KV streamed")
+                else:
+                    self._preempt(victim)
+                preempted.append(victim)
+                if victim is state:
+                    break
+                new_blocks = allocate(req, num_new)
+            if new_blocks is None:
+                break
+            rid = req.request_id
+            block_ids = state.block_ids
+            if block_ids is None or new_blocks is not no_new_blocks or not ids_only_grow:
+                block_ids = state.block_ids = mgr.get_block_ids(rid)
+            end = start + num_new
+            append(make_chunk(rid, req.all_token_ids[start:end], start, block_ids, end == num_tokens))
+            budget -= num_new
+            i += 1
+        return budget, preempted
 
     def _stream_steps(self, chunks: list[ScheduledChunk]) -> list[StreamStep]:
         """The chunks of streamed prefills, as the connector's `layer_hook` takes them."""
@@ -194,13 +220,9 @@ class Scheduler(ConnectorOutcomes):
     def _chunk(self, state: RequestState, num_new: int) -> ScheduledChunk:
         req = state.request
         start = req.num_computed_tokens
-        return ScheduledChunk(
-            request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + num_new],
-            start=start,
-            block_ids=self.mgr.get_block_ids(req.request_id),
-            needs_logits=start + num_new == req.num_tokens,
-        )
+        state.block_ids = self.mgr.get_block_ids(req.request_id)
+        return ScheduledChunk.of(req.request_id, req.all_token_ids[start:start + num_new], start, state.block_ids,
+                                 start + num_new == req.num_tokens)
 
     def _preempt(self, state: RequestState) -> None:
         req = state.request
@@ -277,29 +299,36 @@ class Scheduler(ConnectorOutcomes):
                            connector_output: ConnectorOutput) -> list[RequestOutput]:
         """Applies the step: first what the connector reported, then each chunk's progress and token."""
         outputs = self._apply_connector_output(connector_output)
-        num_step_tokens = sum(len(chunk.token_ids) for chunk in sched.chunks)
+        requests, running_status, stop_reason = self.requests, RequestStatus.RUNNING, self._stop_reason
+        num_step_tokens = -1  # (counted when a prompt's first token needs it)
+        step_output = RequestOutput.step_tokens
         for chunk in sched.chunks:
-            state = self.requests.get(chunk.request_id)
-            if state is None or state.request.is_finished() or state.request.status != RequestStatus.RUNNING:
-                continue  # finished or reset while the step ran
-            req = state.request
-            req.num_computed_tokens += len(chunk.token_ids)
-            if not state.timed:  # the batch its prompt shared: what its compute time also paid for
-                state.num_batched_tokens += num_step_tokens - len(chunk.token_ids)
-            if not chunk.needs_logits:
-                if chunk.request_id in self._stream_chunks:
-                    self.connector.on_prefill_progress(req, self.mgr.get_block_ids(chunk.request_id))
+            rid = chunk.request_id
+            state = requests.get(rid)
+            if state is None:
                 continue
-            token = sampled[chunk.request_id]
+            req = state.request
+            if req.status != running_status:
+                continue  # finished (every finished status differs) or reset while the step ran
+            num_new = len(chunk.token_ids)
+            req.num_computed_tokens += num_new
+            if not state.timed:  # the batch its prompt shared: what its compute time also paid for
+                if num_step_tokens < 0:
+                    num_step_tokens = sum(len(c.token_ids) for c in sched.chunks)
+                state.num_batched_tokens += num_step_tokens - num_new
+            if not chunk.needs_logits:
+                if rid in self._stream_chunks:
+                    self.connector.on_prefill_progress(req, self.mgr.get_block_ids(rid))
+                continue
+            token = sampled[rid]
             req.append_output_token_ids(token)
-            reason = self._stop_reason(state, token)
-            timing = state.take_timing(req.num_prompt_tokens)
+            reason = stop_reason(state, token)
+            timing = None if state.timed else state.take_timing(req.num_prompt_tokens)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens or 0,
-                                             timing=timing))
+                outputs.append(step_output(rid, [token], state.num_cached_tokens or 0, timing))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
-            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
+            outputs.append(RequestOutput(rid, [token], True, reason, kv_transfer_params=params,
                                          num_cached_tokens=state.num_cached_tokens or 0, timing=timing))
         return outputs
 
