@@ -161,6 +161,23 @@ class KVCacheManager:
             num_external_computed_tokens, watermark, reserved_blocks, full_sequence_must_fit,
             self.enable_caching and not delay_cache_blocks)
 
+    def allocate_slots_in_order(self, requests: Sequence[Request],
+                                num_new_tokens: Sequence[int]) -> list[KVCacheBlocks]:
+        """`allocate_slots(request, n)` for each pair in turn (the plain call, as running requests make it
+        every step), stopping at the first that does not fit. Returns one result per request served, in
+        order: a list shorter than `requests` means `requests[len(result)]` did not fit, and it and the ones
+        after it were left as they were (windows released aside). One call for a whole decode batch: the
+        requests whose blocks already hold their slots cost no call each."""
+        if self.watermark_blocks and any(r.status in _WATERMARK_STATES for r in requests):
+            served: list[KVCacheBlocks] = []
+            for request, num_new in zip(requests, num_new_tokens, strict=True):
+                result = self.allocate_slots(request, num_new)
+                if result is None:
+                    break
+                served.append(result)
+            return served
+        return self.coordinator.allocate_slots_in_order(requests, num_new_tokens, self.enable_caching)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to `num_computed_tokens` into the
         prefix cache (after a delayed allocation's KV has landed)."""

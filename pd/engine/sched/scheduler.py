@@ -79,6 +79,12 @@ class Scheduler(ConnectorOutcomes):
             raise ValueError(f"request id {rid!r} is already in use")
         # Prompt length and KV capacity were checked at the engine's edge (Engine.check_fits).
         assert state.request.num_tokens < self.max_model_len, (rid, state.request.num_tokens, self.max_model_len)
+        params = state.params
+        stop = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop.add(self.eos_token_id)
+        state.stop_token_ids = frozenset(stop)
+        state.max_num_tokens = min(state.request.num_prompt_tokens + params.max_tokens, self.max_model_len)
         self.requests[rid] = state
         self.waiting.append(state)
         # e.g. lease heartbeats start now, not when the request reaches the head (the no-op connector
@@ -153,28 +159,41 @@ class Scheduler(ConnectorOutcomes):
     def _schedule_running(self, chunks: list[ScheduledChunk]) -> tuple[int, list[RequestState]]:
         """Gives running requests their next tokens in order, preempting from the back of `running` when the
         KV cache is full; returns the token budget left and the requests preempted. Written for the steady
-        decode step (one token each, most steps no new block): no per-request helper calls there, and the
-        block ids of the previous chunk reused while the request gained no block."""
+        decode step: the requests that fit the budget are planned, then allocated in one call
+        (`allocate_slots_in_order`); only where the cache runs out does a request go one at a time."""
         budget = self.config.max_num_batched_tokens
         preempted: list[RequestState] = []
-        running, mgr, allocate = self.running, self.mgr, self.mgr.allocate_slots
-        no_new_blocks = mgr.empty_kv_cache_blocks
-        ids_only_grow = mgr.block_ids_only_grow
+        running, mgr = self.running, self.mgr
         streamed, max_len = self._stream_chunks, self.max_model_len
-        make_chunk, append = ScheduledChunk.of, chunks.append
         i = 0
         while i < len(running) and budget > 0:
-            state = running[i]
-            req = state.request
-            start = req.num_computed_tokens
-            num_tokens = req.num_tokens
-            num_new = num_tokens - start
-            if num_new != 1 or streamed or start >= max_len:  # (else one decode token: every cap allows it)
-                num_new = self._num_new_tokens(req, start, budget)
-                if num_new <= 0:
-                    i += 1
-                    continue
-            new_blocks = allocate(req, num_new)
+            planned: list[RequestState] = []
+            nums: list[int] = []
+            places: list[int] = []
+            left = budget
+            for j in range(i, len(running)):
+                if left <= 0:
+                    break
+                req = running[j].request
+                start = req.num_computed_tokens
+                num_new = req.num_tokens - start
+                if num_new != 1 or streamed or start >= max_len:  # (else one decode token: every cap allows it)
+                    num_new = self._num_new_tokens(req, start, left)
+                    if num_new <= 0:
+                        continue
+                planned.append(running[j])
+                nums.append(num_new)
+                places.append(j)
+                left -= num_new
+            served = mgr.allocate_slots_in_order([state.request for state in planned], nums)
+            for state, num_new, new_blocks in zip(planned, nums, served, strict=False):  # (served: a prefix)
+                self._append_chunk(chunks, state, num_new, new_blocks)
+                budget -= num_new
+            if len(served) == len(planned):
+                break  # (the plan went to the end of `running` or of the budget)
+            # the KV cache is full: preempt from the back until this request fits or is itself preempted
+            state, num_new = planned[len(served)], nums[len(served)]
+            new_blocks = None
             while new_blocks is None:
                 victim = running.pop()
                 if victim.request.request_id in streamed:  # its published blocks are leased
@@ -183,19 +202,23 @@ class Scheduler(ConnectorOutcomes):
                     self._preempt(victim)
                 preempted.append(victim)
                 if victim is state:
-                    break
-                new_blocks = allocate(req, num_new)
-            if new_blocks is None:
-                break
-            rid = req.request_id
-            block_ids = state.block_ids
-            if block_ids is None or new_blocks is not no_new_blocks or not ids_only_grow:
-                block_ids = state.block_ids = mgr.get_block_ids(rid)
-            end = start + num_new
-            append(make_chunk(rid, req.all_token_ids[start:end], start, block_ids, end == num_tokens))
+                    return budget, preempted
+                new_blocks = mgr.allocate_slots(state.request, num_new)
+            self._append_chunk(chunks, state, num_new, new_blocks)
             budget -= num_new
-            i += 1
+            i = places[len(served)] + 1  # (victims leave from the back: its place is unchanged)
         return budget, preempted
+
+    def _append_chunk(self, chunks: list[ScheduledChunk], state: RequestState, num_new: int, new_blocks) -> None:
+        """A running request's chunk, with the block ids of its previous one while it gained no block."""
+        req = state.request
+        block_ids = state.block_ids
+        if block_ids is None or new_blocks is not self.mgr.empty_kv_cache_blocks or not self.mgr.block_ids_only_grow:
+            block_ids = state.block_ids = self.mgr.get_block_ids(req.request_id)
+        start = req.num_computed_tokens
+        end = start + num_new
+        chunks.append(ScheduledChunk.of(req.request_id, req.all_token_ids[start:end], start, block_ids,
+                                        end == req.num_tokens))
 
     def _stream_steps(self, chunks: list[ScheduledChunk]) -> list[StreamStep]:
         """The chunks of streamed prefills, as the connector's `layer_hook` takes them."""
@@ -299,7 +322,7 @@ class Scheduler(ConnectorOutcomes):
                            connector_output: ConnectorOutput) -> list[RequestOutput]:
         """Applies the step: first what the connector reported, then each chunk's progress and token."""
         outputs = self._apply_connector_output(connector_output)
-        requests, running_status, stop_reason = self.requests, RequestStatus.RUNNING, self._stop_reason
+        requests, running_status = self.requests, RequestStatus.RUNNING
         num_step_tokens = -1  # (counted when a prompt's first token needs it)
         step_output = RequestOutput.step_tokens
         for chunk in sched.chunks:
@@ -322,7 +345,10 @@ class Scheduler(ConnectorOutcomes):
                 continue
             token = sampled[rid]
             req.append_output_token_ids(token)
-            reason = stop_reason(state, token)
+            if token in state.stop_token_ids:
+                reason: FinishReason | None = FinishReason.STOP
+            else:
+                reason = FinishReason.LENGTH if req.num_tokens >= state.max_num_tokens else None
             timing = None if state.timed else state.take_timing(req.num_prompt_tokens)
             if reason is None:
                 outputs.append(step_output(rid, [token], state.num_cached_tokens or 0, timing))
@@ -331,14 +357,6 @@ class Scheduler(ConnectorOutcomes):
             outputs.append(RequestOutput(rid, [token], True, reason, kv_transfer_params=params,
                                          num_cached_tokens=state.num_cached_tokens or 0, timing=timing))
         return outputs
-
-    def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        req, params = state.request, state.params
-        if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
-            return FinishReason.STOP
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None,
                 error_cause: FailureCause | None = None) -> TransferParams | None:
