@@ -161,7 +161,7 @@ class KVCacheCoordinator:
         empty, max_len, align, plain = self.empty_kv_cache_blocks, self.max_model_len, self.cache_alignment, \
             self._plain_groups
         for request, num_new in zip(requests, num_new_tokens, strict=True):
-            if plain is not None and num_new > 0:  # (0 goes to allocate_slots, which refuses it)
+            if plain is not None:
                 rid, num_main = request.request_id, request.num_computed_tokens
                 num_main = (num_main if num_main < max_len else max_len) + num_new
                 num_slots = num_main if num_main < max_len else max_len

@@ -168,6 +168,8 @@ class KVCacheManager:
         order: a list shorter than `requests` means `requests[len(result)]` did not fit, and it and the ones
         after it were left as they were (windows released aside). One call for a whole decode batch: the
         requests whose blocks already hold their slots cost no call each."""
+        if min(num_new_tokens, default=1) <= 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no external computed tokens")
         if self.watermark_blocks and any(r.status in _WATERMARK_STATES for r in requests):
             served: list[KVCacheBlocks] = []
             for request, num_new in zip(requests, num_new_tokens, strict=True):
