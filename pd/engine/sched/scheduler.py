@@ -186,9 +186,7 @@ class Scheduler(ConnectorOutcomes):
                 places.append(j)
                 left -= num_new
             served = mgr.allocate_slots_in_order([state.request for state in planned], nums)
-            for state, num_new, new_blocks in zip(planned, nums, served, strict=False):  # (served: a prefix)
-                self._append_chunk(chunks, state, num_new, new_blocks)
-                budget -= num_new
+            budget -= self._append_chunks(chunks, planned, nums, served)
             if len(served) == len(planned):
                 break  # (the plan went to the end of `running` or of the budget)
             # the KV cache is full: preempt from the back until this request fits or is itself preempted
@@ -204,21 +202,29 @@ class Scheduler(ConnectorOutcomes):
                 if victim is state:
                     return budget, preempted
                 new_blocks = mgr.allocate_slots(state.request, num_new)
-            self._append_chunk(chunks, state, num_new, new_blocks)
-            budget -= num_new
+            budget -= self._append_chunks(chunks, [state], [num_new], [new_blocks])
             i = places[len(served)] + 1  # (victims leave from the back: its place is unchanged)
         return budget, preempted
 
-    def _append_chunk(self, chunks: list[ScheduledChunk], state: RequestState, num_new: int, new_blocks) -> None:
-        """A running request's chunk, with the block ids of its previous one while it gained no block."""
-        req = state.request
-        block_ids = state.block_ids
-        if block_ids is None or new_blocks is not self.mgr.empty_kv_cache_blocks or not self.mgr.block_ids_only_grow:
-            block_ids = state.block_ids = self.mgr.get_block_ids(req.request_id)
-        start = req.num_computed_tokens
-        end = start + num_new
-        chunks.append(ScheduledChunk.of(req.request_id, req.all_token_ids[start:end], start, block_ids,
-                                        end == req.num_tokens))
+    def _append_chunks(self, chunks: list[ScheduledChunk], states: list[RequestState], nums: list[int],
+                       served: list) -> int:
+        """The chunks of running requests `states[:len(served)]` (`served`: their allocations), each with the
+        block ids of its previous chunk while it gained no block; returns their tokens."""
+        mgr = self.mgr
+        no_new_blocks, ids_only_grow, get_block_ids = mgr.empty_kv_cache_blocks, mgr.block_ids_only_grow, \
+            mgr.get_block_ids
+        make_chunk, append = ScheduledChunk.of, chunks.append
+        num_tokens = 0
+        for state, num_new, new_blocks in zip(states, nums, served, strict=False):  # (served: a prefix)
+            req = state.request
+            block_ids = state.block_ids
+            if block_ids is None or new_blocks is not no_new_blocks or not ids_only_grow:
+                block_ids = state.block_ids = get_block_ids(req.request_id)
+            start = req.num_computed_tokens
+            end = start + num_new
+            append(make_chunk(req.request_id, req.all_token_ids[start:end], start, block_ids, end == req.num_tokens))
+            num_tokens += num_new
+        return num_tokens
 
     def _stream_steps(self, chunks: list[ScheduledChunk]) -> list[StreamStep]:
         """The chunks of streamed prefills, as the connector's `layer_hook` takes them."""
