@@ -8,7 +8,7 @@ Each batch runs `--steps` decode steps after `--warmup` ones, every request deco
 loaded machine steal the CPU for a few steps at a time; `--repeat N` runs each batch N times, in turn, in
 fresh engines, and reports the median of the runs' medians (for a machine whose load changes by the minute).
 
-    python -m pd.tools.step_host_bench [--batches 32 128 256] [--steps 200] [--repeat 3] [--json]
+    python -m pd.tools.step_host_bench [--batches 32 128 256] [--steps 200] [--repeat 3] [--prefix-caching] [--json]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ KEYS = ("schedule_s", "inputs_s", "update_s", "model_s")
 
 
 def measure(batch: int, steps: int, warmup: int, prompt_len: int = 32, block_size: int = 16,
-            backend: str = "torch", seed: int = 0) -> dict:
+            backend: str = "torch", seed: int = 0, prefix_caching: bool = False) -> dict:
     """Median per-step timings (microseconds) of `steps` decode steps at `batch` running requests."""
     if batch <= 0 or steps <= 0 or warmup < 0 or prompt_len <= 0:
         raise ValueError("batch, steps and prompt_len must be positive, warmup at least 0")
@@ -38,7 +38,7 @@ def measure(batch: int, steps: int, warmup: int, prompt_len: int = 32, block_siz
     blocks = batch * (-(-total // block_size)) + 8
     eng = Engine(EngineConfig(model=MODEL, block_size=block_size, num_blocks=blocks, max_num_seqs=batch,
                               max_num_batched_tokens=max(2048, batch * prompt_len), attention_backend=backend,
-                              max_model_len=total + block_size, enable_prefix_caching=False))
+                              max_model_len=total + block_size, enable_prefix_caching=prefix_caching))
     try:
         rng = random.Random(seed)
         params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--repeat", type=int, default=1, help="runs per batch; the median of their medians")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="with the prefix cache on (the engine's default; off here unless asked, as before)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -82,15 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict]] = {b: [] for b in args.batches}
     for _ in range(args.repeat):  # (batches in turn, so a burst of load spreads over them)
         for b in args.batches:
-            runs[b].append(measure(b, args.steps, args.warmup))
+            runs[b].append(measure(b, args.steps, args.warmup, prefix_caching=args.prefix_caching))
     rows = [{**runs[b][0], **{k: statistics.median(r[k] for r in runs[b]) for k in runs[b][0] if k.endswith("_us")},
              "runs": args.repeat} for b in args.batches]
     if args.json:
-        json.dump({"model": "1 layer, hidden 64, torch backend, CPU", "threads": args.threads, "rows": rows},
-                  sys.stdout)
+        json.dump({"model": "1 layer, hidden 64, torch backend, CPU", "threads": args.threads,
+                   "prefix_caching": args.prefix_caching, "rows": rows}, sys.stdout)
         print()
         return 0
-    runs_note = f", median of {args.repeat} runs" if args.repeat > 1 else ""
+    runs_note = (f", median of {args.repeat} runs" if args.repeat > 1 else "") + \
+        (", prefix cache on" if args.prefix_caching else "")
     print(f"decode step host time, median of {args.steps} steps (µs{runs_note}); 1-layer tiny model, torch backend, "
           f"CPU, {args.threads} thread(s)")
     print(f"{'batch':>6} {'schedule':>9} {'inputs':>8} {'update':>8} {'host':>8} {'model':>8}")

@@ -21,7 +21,7 @@ def test_json_rows(capsys):
 
 
 def test_table(capsys):
-    assert step_host_bench.main(["--batches", "3", "--steps", "2", "--warmup", "0"]) == 0
+    assert step_host_bench.main(["--batches", "3", "--steps", "2", "--warmup", "0", "--prefix-caching"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["batch", "schedule", "inputs", "update", "host", "model"]
     assert lines[2].split()[0] == "3"
