@@ -1,8 +1,9 @@
 """Continuous-batching scheduler on a KVCacheManager.
 
 Each `schedule()` first gives running requests their next tokens (decode
-tokens or the next prefill chunk), preempting by recompute from the back of
-the running list when `allocate_slots` fails; then, if nothing was preempted,
+tokens or the next prefill chunk; allocated in one `allocate_slots_in_order`
+call while they fit), preempting by recompute from the back of the running
+list when an allocation fails; then, if nothing was preempted,
 admits waiting requests in arrival order (prefix hit via
 `get_computed_blocks`, then the connector's external tokens) until the token
 budget, the running-request limit or the KV cache stops it.
