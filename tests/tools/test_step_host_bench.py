@@ -1,10 +1,18 @@
-"""The decode-step host-time benchmark runs end to end at small sizes: one row per batch, every request
-decoding through every measured step, timings present and consistent, the pool free afterwards."""
+"""The step host-time benchmark: runs a real engine for a few decode steps and reports its own timings, one
+row per batch, every request decoding through every measured step (measure() checks), the pool free after."""
 import json
 
 import pytest
 
 from pd.tools import step_host_bench
+
+
+def test_measure_reports_each_part_of_the_step():
+    row = step_host_bench.measure(batch=4, steps=3, warmup=1, prompt_len=8)
+    assert row["batch"] == 4 and row["steps"] == 3
+    for key in ("schedule_us", "inputs_us", "update_us", "model_us", "host_us"):
+        assert row[key] >= 0, key
+    assert row["inputs_us"] > 0  # the input build is timed apart from the model
 
 
 def test_json_rows(capsys):
