@@ -93,6 +93,13 @@ class KVCacheCoordinator:
         # "no blocks in any group": the shared empty result and "no prefix hits"
         self.no_blocks: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in self.single_type_managers)
         self.empty_kv_cache_blocks = KVCacheBlocks(self.no_blocks)
+        # per group (blocks by request, block size, cached-block counts) where every group sizes with the base
+        # formula and never skips: `allocate_slots_in_order` can then tell a no-op allocation by itself
+        plain = not self.skipping_managers and all(
+            type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
+            for m in self.single_type_managers)
+        self._plain_groups = tuple((m.req_to_blocks, m.block_size, m.num_cached_block)
+                                   for m in self.single_type_managers) if plain else None
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int,
                        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] | None,
@@ -143,6 +150,36 @@ class KVCacheCoordinator:
             num_tokens = request.num_tokens
             self.cache_blocks(request, num_main if num_main < num_tokens else num_tokens)
         return KVCacheBlocks(new) if new is not None and any(new) else self.empty_kv_cache_blocks
+
+    def allocate_slots_in_order(self, requests: Sequence, num_new_tokens: Sequence[int],
+                                cache: bool) -> list[KVCacheBlocks]:
+        """`allocate_slots(request, n)` with no hits, external tokens, lookahead, headroom or reserve, for each
+        pair in turn, stopping at the first that does not fit (`KVCacheManager.allocate_slots_in_order`).
+        With `_plain_groups`, a request whose blocks hold the slots already and that completes no block to
+        cache is answered here, with no call: its allocation would change nothing."""
+        served: list[KVCacheBlocks] = []
+        empty, max_len, align, plain = self.empty_kv_cache_blocks, self.max_model_len, self.cache_alignment, \
+            self._plain_groups
+        for request, num_new in zip(requests, num_new_tokens, strict=True):
+            if plain is not None:
+                rid, num_main = request.request_id, request.num_computed_tokens
+                num_main = (num_main if num_main < max_len else max_len) + num_new
+                num_slots = num_main if num_main < max_len else max_len
+                num_cache = num_main if num_main < request.num_tokens else request.num_tokens
+                num_cache = num_cache // align * align
+                for req_to_blocks, block_size, num_cached_block in plain:
+                    blocks = req_to_blocks.get(rid)
+                    if (blocks is None or num_slots > len(blocks) * block_size
+                            or (cache and num_cache // block_size > num_cached_block.get(rid, 0))):
+                        break
+                else:
+                    served.append(empty)
+                    continue
+            result = self.allocate_slots(request, num_new, 0, None, 0, 0, 0, 0, False, cache)
+            if result is None:
+                break
+            served.append(result)
+        return served
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],

@@ -12,6 +12,10 @@ Guarantees:
   cache until `cache_blocks` is called (remote KV not landed yet);
 - `free` releases a request's blocks tail-first; `pop_blocks_for_free` hands
   them to the caller instead (who must `free_blocks(reversed(...))` later).
+- with `block_ids_only_grow` (no group drops leading blocks: no sliding window,
+  no Mamba), a request's block ids change only by `allocate_slots` appending
+  the blocks it returns, until the request is freed: a caller may keep a
+  running request's ids and extend them itself instead of asking again.
 
 Decisions (block ids, hit lengths, None results, free counts) match vLLM
 0.25.1's KVCacheManager for full-attention, sliding-window and Mamba groups.
@@ -70,6 +74,7 @@ class KVCacheManager:
         # the coordinator's instance: its `.blocks` is also the "no hits" marker
         self.empty_kv_cache_blocks = self.coordinator.empty_kv_cache_blocks
         self._no_blocks = self.empty_kv_cache_blocks.blocks
+        self.block_ids_only_grow = not self.coordinator.skipping_managers  # (see the module docstring)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -155,6 +160,25 @@ class KVCacheManager:
             None if new_computed_blocks is None else new_computed_blocks.blocks, num_lookahead_tokens,
             num_external_computed_tokens, watermark, reserved_blocks, full_sequence_must_fit,
             self.enable_caching and not delay_cache_blocks)
+
+    def allocate_slots_in_order(self, requests: Sequence[Request],
+                                num_new_tokens: Sequence[int]) -> list[KVCacheBlocks]:
+        """`allocate_slots(request, n)` for each pair in turn (the plain call, as running requests make it
+        every step), stopping at the first that does not fit. Returns one result per request served, in
+        order: a list shorter than `requests` means `requests[len(result)]` did not fit, and it and the ones
+        after it were left as they were (windows released aside). One call for a whole decode batch: the
+        requests whose blocks already hold their slots cost no call each."""
+        if min(num_new_tokens, default=1) <= 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no external computed tokens")
+        if self.watermark_blocks and any(r.status in _WATERMARK_STATES for r in requests):
+            served: list[KVCacheBlocks] = []
+            for request, num_new in zip(requests, num_new_tokens, strict=True):
+                result = self.allocate_slots(request, num_new)
+                if result is None:
+                    break
+                served.append(result)
+            return served
+        return self.coordinator.allocate_slots_in_order(requests, num_new_tokens, self.enable_caching)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to `num_computed_tokens` into the

@@ -279,7 +279,7 @@ class Engine:
         if not sched.chunks:
             return
         ended = self.scheduler.fail_chunks(sched.chunks, failed) if failed else set()
-        num_failed = sum(c.request_id in ended for c in sched.chunks)
+        num_failed = sum(c.request_id in ended for c in sched.chunks) if ended else 0
         self._num_failed_steps = self._num_failed_steps + 1 if num_failed == len(sched.chunks) else 0
         if self._num_failed_steps >= MAX_FAILED_STEPS:
             raise RuntimeError(f"{self._num_failed_steps} engine steps in a row failed for every request in them")

@@ -8,6 +8,8 @@ import enum
 from connectors.metrics import FailureCause
 from connectors.params import TransferParams
 
+_new_object = object.__new__
+
 
 class FinishReason(str, enum.Enum):
     """Why a request ended (the value is what callers see in JSON)."""
@@ -31,6 +33,25 @@ class RequestOutput:
     error_cause: FailureCause | None = None  # set when a KV load failure ended the request
     num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache (set on the final output)
     timing: RequestTiming | None = None  # on the request's first output with a token only
+
+    @classmethod
+    def step_tokens(cls, request_id: str, new_token_ids: list[int], num_cached_tokens: int = 0,
+                    timing: RequestTiming | None = None) -> RequestOutput:
+        """`RequestOutput(request_id, new_token_ids, num_cached_tokens=..., timing=...)`, the same frozen
+        value, filled in one pass: the frozen constructor's setattr per field costs about 1 µs, and the
+        scheduler makes one of these per running request per step."""
+        out = _new_object(cls)
+        d = out.__dict__  # (fields in declaration order, as the constructor sets them)
+        d["request_id"] = request_id
+        d["new_token_ids"] = new_token_ids
+        d["finished"] = False
+        d["finish_reason"] = None
+        d["kv_transfer_params"] = None
+        d["error"] = None
+        d["error_cause"] = None
+        d["num_cached_tokens"] = num_cached_tokens
+        d["timing"] = timing
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # One streamed prefill's part in a step, as the connector's `layer_hook` takes it: (request, its block ids
 # per KV cache group, tokens computed once the step ran, whether the step ends its prompt).
 StreamStep = tuple["Request", tuple[list[int], ...], int, bool]
+_new_object = object.__new__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,20 @@ class ScheduledChunk:
     start: int
     block_ids: tuple[list[int], ...]
     needs_logits: bool  # True when the chunk reaches the end of the sequence
+
+    @classmethod
+    def of(cls, request_id: str, token_ids: list[int], start: int, block_ids: tuple[list[int], ...],
+           needs_logits: bool) -> ScheduledChunk:
+        """`ScheduledChunk(...)`, the same frozen value, filled in one pass (half the frozen constructor's
+        cost: the scheduler makes one per scheduled request per step)."""
+        chunk = _new_object(cls)
+        d = chunk.__dict__
+        d["request_id"] = request_id
+        d["token_ids"] = token_ids
+        d["start"] = start
+        d["block_ids"] = block_ids
+        d["needs_logits"] = needs_logits
+        return chunk
 
     def written_block_ids(self, block_size: int) -> set[int]:
         """The blocks this chunk writes into (from its first position's block on; never the null block 0).

@@ -33,10 +33,19 @@ class RequestState:
     num_batched_tokens: int = 0  # other requests' tokens in the steps of this one's prompt, to its first token
     compute_restarted_s: float | None = None  # re-admitted after its computed tokens were dropped
     restart_pending: bool = False  # dropped (preempted, or a failed load recomputed), not re-admitted yet
+    # the block ids (per KV cache group) its latest chunk carried: the scheduler reuses them while the request
+    # runs and gains no block (set at each admission, cleared when its blocks are dropped)
+    block_ids: tuple[list[int], ...] | None = None
+    # its stop rule, set by the scheduler as it accepts the request: a sampled token in `stop_token_ids` (its
+    # params' stop ids, and the EOS id unless ignore_eos) stops it; reaching `max_num_tokens` tokens (prompt
+    # plus max_tokens, at most the model's length) ends it for length
+    stop_token_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
 
     def restart_compute(self) -> None:
         """Its computed prompt tokens were dropped: the compute it reports starts again at its next
         admission, with a fresh batch count (the dropped work is no sample of its prompt's cost)."""
+        self.block_ids = None
         if not self.timed:
             self.num_batched_tokens = 0
             self.restart_pending = True

@@ -1,8 +1,9 @@
 """Continuous-batching scheduler on a KVCacheManager.
 
 Each `schedule()` first gives running requests their next tokens (decode
-tokens or the next prefill chunk), preempting by recompute from the back of
-the running list when `allocate_slots` fails; then, if nothing was preempted,
+tokens or the next prefill chunk; allocated in one `allocate_slots_in_order`
+call while they fit), preempting by recompute from the back of the running
+list when an allocation fails; then, if nothing was preempted,
 admits waiting requests in arrival order (prefix hit via
 `get_computed_blocks`, then the connector's external tokens) until the token
 budget, the running-request limit or the KV cache stops it.
@@ -79,6 +80,12 @@ class Scheduler(ConnectorOutcomes):
             raise ValueError(f"request id {rid!r} is already in use")
         # Prompt length and KV capacity were checked at the engine's edge (Engine.check_fits).
         assert state.request.num_tokens < self.max_model_len, (rid, state.request.num_tokens, self.max_model_len)
+        params = state.params
+        stop = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop.add(self.eos_token_id)
+        state.stop_token_ids = frozenset(stop)
+        state.max_num_tokens = min(state.request.num_prompt_tokens + params.max_tokens, self.max_model_len)
         self.requests[rid] = state
         self.waiting.append(state)
         # e.g. lease heartbeats start now, not when the request reaches the head (the no-op connector
@@ -137,39 +144,88 @@ class Scheduler(ConnectorOutcomes):
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
-        budget = self.config.max_num_batched_tokens
-        preempted: list[RequestState] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            state = self.running[i]
-            req = state.request
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while self.mgr.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                if victim.request.request_id in self._stream_chunks:  # its published blocks are leased
-                    self._finish(victim, RequestStatus.FINISHED_ERROR, "preempted while its KV streamed")
-                else:
-                    self._preempt(victim)
-                preempted.append(victim)
-                if victim is state:
-                    break
-            if preempted and preempted[-1] is state:
-                break
-            chunks.append(self._chunk(state, num_new))
-            budget -= num_new
-            i += 1
+        budget, preempted = self._schedule_running(chunks)
+        num_running_chunks = len(chunks)
         self._promote_finished_loads()
         if not preempted:
             self._admit_waiting(chunks, budget)
         meta = self.connector.build_connector_meta()
         self.stats.num_steps += 1
         finished = self._runner_requests.take_finished()
-        new = self._runner_requests.new(chunks, self.requests)
+        # (a running request's chunk is never its first: the runner met it when it was admitted)
+        new = self._runner_requests.new(chunks[num_running_chunks:], self.requests)
         return SchedulerOutput(chunks=chunks, connector_metadata=meta, stream_steps=self._stream_steps(chunks),
                                num_preempted=len(preempted), new_requests=new, finished_request_ids=finished)
+
+    def _schedule_running(self, chunks: list[ScheduledChunk]) -> tuple[int, list[RequestState]]:
+        """Gives running requests their next tokens in order, preempting from the back of `running` when the
+        KV cache is full; returns the token budget left and the requests preempted. Written for the steady
+        decode step: the requests that fit the budget are planned, then allocated in one call
+        (`allocate_slots_in_order`); only where the cache runs out does a request go one at a time."""
+        budget = self.config.max_num_batched_tokens
+        preempted: list[RequestState] = []
+        running, mgr = self.running, self.mgr
+        streamed, max_len = self._stream_chunks, self.max_model_len
+        i = 0
+        while i < len(running) and budget > 0:
+            planned: list[RequestState] = []
+            nums: list[int] = []
+            places: list[int] = []
+            left = budget
+            for j in range(i, len(running)):
+                if left <= 0:
+                    break
+                req = running[j].request
+                start = req.num_computed_tokens
+                num_new = req.num_tokens - start
+                if num_new != 1 or streamed or start >= max_len:  # (else one decode token: every cap allows it)
+                    num_new = self._num_new_tokens(req, start, left)
+                    if num_new <= 0:
+                        continue
+                planned.append(running[j])
+                nums.append(num_new)
+                places.append(j)
+                left -= num_new
+            served = mgr.allocate_slots_in_order([state.request for state in planned], nums)
+            budget -= self._append_chunks(chunks, planned, nums, served)
+            if len(served) == len(planned):
+                break  # (the plan went to the end of `running` or of the budget)
+            # the KV cache is full: preempt from the back until this request fits or is itself preempted
+            state, num_new = planned[len(served)], nums[len(served)]
+            new_blocks = None
+            while new_blocks is None:
+                victim = running.pop()
+                if victim.request.request_id in streamed:  # its published blocks are leased
+                    self._finish(victim, RequestStatus.FINISHED_ERROR, "preempted while its KV streamed")
+                else:
+                    self._preempt(victim)
+                preempted.append(victim)
+                if victim is state:
+                    return budget, preempted
+                new_blocks = mgr.allocate_slots(state.request, num_new)
+            budget -= self._append_chunks(chunks, [state], [num_new], [new_blocks])
+            i = places[len(served)] + 1  # (victims leave from the back: its place is unchanged)
+        return budget, preempted
+
+    def _append_chunks(self, chunks: list[ScheduledChunk], states: list[RequestState], nums: list[int],
+                       served: list) -> int:
+        """The chunks of running requests `states[:len(served)]` (`served`: their allocations), each with the
+        block ids of its previous chunk while it gained no block; returns their tokens."""
+        mgr = self.mgr
+        no_new_blocks, ids_only_grow, get_block_ids = mgr.empty_kv_cache_blocks, mgr.block_ids_only_grow, \
+            mgr.get_block_ids
+        make_chunk, append = ScheduledChunk.of, chunks.append
+        num_tokens = 0
+        for state, num_new, new_blocks in zip(states, nums, served, strict=False):  # (served: a prefix)
+            req = state.request
+            block_ids = state.block_ids
+            if block_ids is None or new_blocks is not no_new_blocks or not ids_only_grow:
+                block_ids = state.block_ids = get_block_ids(req.request_id)
+            start = req.num_computed_tokens
+            end = start + num_new
+            append(make_chunk(req.request_id, req.all_token_ids[start:end], start, block_ids, end == req.num_tokens))
+            num_tokens += num_new
+        return num_tokens
 
     def _stream_steps(self, chunks: list[ScheduledChunk]) -> list[StreamStep]:
         """The chunks of streamed prefills, as the connector's `layer_hook` takes them."""
@@ -194,13 +250,9 @@ class Scheduler(ConnectorOutcomes):
     def _chunk(self, state: RequestState, num_new: int) -> ScheduledChunk:
         req = state.request
         start = req.num_computed_tokens
-        return ScheduledChunk(
-            request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + num_new],
-            start=start,
-            block_ids=self.mgr.get_block_ids(req.request_id),
-            needs_logits=start + num_new == req.num_tokens,
-        )
+        state.block_ids = self.mgr.get_block_ids(req.request_id)
+        return ScheduledChunk.of(req.request_id, req.all_token_ids[start:start + num_new], start, state.block_ids,
+                                 start + num_new == req.num_tokens)
 
     def _preempt(self, state: RequestState) -> None:
         req = state.request
@@ -277,39 +329,41 @@ class Scheduler(ConnectorOutcomes):
                            connector_output: ConnectorOutput) -> list[RequestOutput]:
         """Applies the step: first what the connector reported, then each chunk's progress and token."""
         outputs = self._apply_connector_output(connector_output)
-        num_step_tokens = sum(len(chunk.token_ids) for chunk in sched.chunks)
+        requests, running_status = self.requests, RequestStatus.RUNNING
+        num_step_tokens = -1  # (counted when a prompt's first token needs it)
+        step_output = RequestOutput.step_tokens
         for chunk in sched.chunks:
-            state = self.requests.get(chunk.request_id)
-            if state is None or state.request.is_finished() or state.request.status != RequestStatus.RUNNING:
-                continue  # finished or reset while the step ran
-            req = state.request
-            req.num_computed_tokens += len(chunk.token_ids)
-            if not state.timed:  # the batch its prompt shared: what its compute time also paid for
-                state.num_batched_tokens += num_step_tokens - len(chunk.token_ids)
-            if not chunk.needs_logits:
-                if chunk.request_id in self._stream_chunks:
-                    self.connector.on_prefill_progress(req, self.mgr.get_block_ids(chunk.request_id))
+            rid = chunk.request_id
+            state = requests.get(rid)
+            if state is None:
                 continue
-            token = sampled[chunk.request_id]
+            req = state.request
+            if req.status != running_status:
+                continue  # finished (every finished status differs) or reset while the step ran
+            num_new = len(chunk.token_ids)
+            req.num_computed_tokens += num_new
+            if not state.timed:  # the batch its prompt shared: what its compute time also paid for
+                if num_step_tokens < 0:
+                    num_step_tokens = sum(len(c.token_ids) for c in sched.chunks)
+                state.num_batched_tokens += num_step_tokens - num_new
+            if not chunk.needs_logits:
+                if rid in self._stream_chunks:
+                    self.connector.on_prefill_progress(req, self.mgr.get_block_ids(rid))
+                continue
+            token = sampled[rid]
             req.append_output_token_ids(token)
-            reason = self._stop_reason(state, token)
-            timing = state.take_timing(req.num_prompt_tokens)
+            if token in state.stop_token_ids:
+                reason: FinishReason | None = FinishReason.STOP
+            else:
+                reason = FinishReason.LENGTH if req.num_tokens >= state.max_num_tokens else None
+            timing = None if state.timed else state.take_timing(req.num_prompt_tokens)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, [token], num_cached_tokens=state.num_cached_tokens or 0,
-                                             timing=timing))
+                outputs.append(step_output(rid, [token], state.num_cached_tokens or 0, timing))
                 continue
             params = self._finish(state, FINISH_STATUS[reason])
-            outputs.append(RequestOutput(req.request_id, [token], True, reason, kv_transfer_params=params,
+            outputs.append(RequestOutput(rid, [token], True, reason, kv_transfer_params=params,
                                          num_cached_tokens=state.num_cached_tokens or 0, timing=timing))
         return outputs
-
-    def _stop_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        req, params = state.request, state.params
-        if token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos):
-            return FinishReason.STOP
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, state: RequestState, status: RequestStatus, error: str | None = None,
                 error_cause: FailureCause | None = None) -> TransferParams | None:
