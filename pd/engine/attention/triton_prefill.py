@@ -77,7 +77,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query
                     ROWS: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST_DOT: tl.constexpr):
     seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: started first
     kv_head = tl.program_id(2)
     # the tile's rows are its tokens x the KV head's query group, token-major: row r is token r // ROW_STRIDE
     # of the tile, query head kv_head * GROUP + r % ROW_STRIDE (ROW_STRIDE is GROUP, or GROUP rounded up to a
