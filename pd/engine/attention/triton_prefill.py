@@ -10,10 +10,13 @@ and this step's, which the KV write stored first. That is the semantics of
 `masked_attention` over the masks `attention/torch_paged.py` builds.
 
 The caches are the per-layer strided page views (num_blocks, block_size,
-Hkv, D), as in `triton_decode`. One program computes BLOCK_M queries of one
-query head of one sequence with an online softmax in float32, visiting only
-the key tiles its causal window can reach. Decode tokens are the case
-q_len = 1, but `triton_decode` serves them with one program per KV head.
+Hkv, D), as in `triton_decode`. One program computes a tile of query tokens
+of one sequence for all the G query heads that share one KV head (GQA): the
+tile's rows are tokens x heads, so each K/V tile it loads serves the whole
+group, and the K/V tiles read per KV head do not grow with G (a tile holds at
+least MIN_TOKENS tokens whatever G). It runs an online softmax in float32,
+visiting only the key tiles its causal window can reach. Decode tokens are
+the case q_len = 1, but `triton_decode` serves them (mixed steps included).
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import triton.language as tl
 
 from pd.engine.attention.triton_decode import check_cache_shapes
 from pd.engine.attention.triton_launch import dot_precision, launcher, next_power_of_2, upcast_dot
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,7 @@ _TUNING = {  # (float32, head size up to 64 or up to 128)
     (True, 64): PrefillTuning(MIN_TOKENS, 32, 16, 4, 16, 1, pow2_stride=True),
     (True, 128): PrefillTuning(MIN_TOKENS, 32, 16, 8, 8, 1, pow2_stride=True),
 }
+
 
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
                     stride_qt, stride_qh, stride_qd,
