@@ -13,8 +13,8 @@ The caches are the per-layer strided page views (num_blocks, block_size,
 Hkv, D), as in `triton_decode`. One program computes a tile of query tokens
 of one sequence for all the G query heads that share one KV head (GQA): the
 tile's rows are tokens x heads, so each K/V tile it loads serves the whole
-group, and the K/V tiles read per KV head do not grow with G (a tile holds at
-least MIN_TOKENS tokens whatever G). It runs an online softmax in float32,
+group, and the K/V tiles read per KV head do not scale with G (a tile holds
+at least MIN_TOKENS tokens whatever G). It runs an online softmax in float32,
 visiting only the key tiles its causal window can reach. Decode tokens are
 the case q_len = 1, but `triton_decode` serves them (mixed steps included).
 """
@@ -33,12 +33,14 @@ from pd.engine.attention.triton_launch import dot_precision, launcher, next_powe
 class PrefillTuning:
     """How a prompt launch tiles. A program's tile has ROWS rows, token-major: a token's `group` query heads
     take `row_stride` rows (the group, or with `pow2_stride` the group rounded up to a power of two, the
-    extra rows masked), so it holds ROWS // row_stride >= `tokens` query tokens, whatever the group.
-    ROWS = max(min_rows, next power of two of tokens * row_stride); `key_tile` keys an iteration;
-    max(min_warps, ROWS // rows_per_warp) warps and `stages` pipeline stages."""
+    extra rows masked), so it holds ROWS // row_stride query tokens. ROWS is the next power of two of
+    `tokens` x row_stride, kept within [min_rows, max_rows]: `tokens` tokens a tile up to group 4, at least
+    MIN_TOKENS at group 8. `key_tile` keys an iteration; max(min_warps, ROWS // rows_per_warp) warps and
+    `stages` pipeline stages."""
 
     tokens: int
     min_rows: int
+    max_rows: int
     key_tile: int
     min_warps: int
     rows_per_warp: int
@@ -49,23 +51,23 @@ class PrefillTuning:
         return next_power_of_2(group) if self.pow2_stride else group
 
     def rows(self, group: int) -> int:
-        return max(self.min_rows, next_power_of_2(self.tokens * self.row_stride(group)))
+        return max(self.min_rows, min(self.max_rows, next_power_of_2(self.tokens * self.row_stride(group))))
 
     def warps(self, rows: int) -> int:
         return max(self.min_warps, rows // self.rows_per_warp)
 
 
 # Chosen with the compile check (tests/triton/test_triton_compile.py: 0 spills for groups 1-8 on sm_80 and
-# sm_90). 16-bit: tiles of up to 128 rows x 32 keys, 16 rows a warp (64 rows and more compile to Hopper's
-# wgmma). float32 dots run on FMA units, whose operands take far more registers: 16-key tiles, a warp per 8
-# rows at head size 128, and power-of-two row strides (the division by a group of 3, 5, 6 or 7 made ptxas
-# spill at sm_80 or sm_90).
-MIN_TOKENS = 16  # query tokens per program, whatever the group: K/V tiles read per KV head do not grow with it
+# sm_90). 16-bit: tiles of 32-128 rows x 32 keys, 16 rows a warp (64 rows and more compile to Hopper's
+# wgmma; 256 rows spilled at head size 128). float32 dots run on FMA units, whose operands take far more
+# registers: 16-key tiles, a warp per 8 rows at head size 128, and power-of-two row strides (the division by
+# a group of 3, 5, 6 or 7 made ptxas spill at sm_80 or sm_90).
+MIN_TOKENS = 16  # query tokens a tile holds at the least (group 8): K/V tiles read per KV head stay bounded
 _TUNING = {  # (float32, head size up to 64 or up to 128)
-    (False, 64): PrefillTuning(MIN_TOKENS, 32, 32, 4, 16, 2, pow2_stride=False),
-    (False, 128): PrefillTuning(MIN_TOKENS, 32, 32, 4, 16, 2, pow2_stride=False),
-    (True, 64): PrefillTuning(MIN_TOKENS, 32, 16, 4, 16, 1, pow2_stride=True),
-    (True, 128): PrefillTuning(MIN_TOKENS, 32, 16, 8, 8, 1, pow2_stride=True),
+    (False, 64): PrefillTuning(32, 32, 128, 32, 4, 16, 2, pow2_stride=False),
+    (False, 128): PrefillTuning(32, 32, 128, 32, 4, 16, 2, pow2_stride=False),
+    (True, 64): PrefillTuning(32, 32, 128, 16, 4, 16, 1, pow2_stride=True),
+    (True, 128): PrefillTuning(32, 32, 128, 16, 8, 8, 1, pow2_stride=True),
 }
 
 
