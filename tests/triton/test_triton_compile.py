@@ -2,10 +2,11 @@
 with no GPU: Triton's NVIDIA backend and its bundled ptxas compile them (tests/triton/triton_compile_cases.py,
 run in a subprocess without the interpreter, lists the configurations: paged decode, prompt chunks, KV
 write, split-KV decode and its reduce, RMSNorm with and without the residual add, RoPE, SiLU-and-mul, over float32/bfloat16/float16, head
-sizes 64 and 128, GQA groups 1, 7 and 8, with the constants and launch options the backend launches).
+sizes 64 and 128, GQA groups 1, 7 and 8 (every group 1-8 for the prompt kernel, whose tile packs the group),
+with the constants and launch options the backend launches).
 
 Results are cached in pytest's cache (keyed by Triton's version, each kernel's source and configuration):
-a cold run compiles 174 configurations (a few minutes on two cores), a warm one only what changed."""
+a cold run compiles 234 configurations (a few minutes on two cores), a warm one only what changed."""
 from __future__ import annotations
 
 import importlib.util

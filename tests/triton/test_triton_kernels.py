@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from triton import knobs
 
-from pd.engine.attention import triton_launch
+from pd.engine.attention import triton_launch, triton_prefill
 from pd.engine.attention.triton_decode import _decode_kernel, paged_decode
 from pd.engine.attention.triton_kv_write import write_kv
 from triton_cases import DEVICE, assert_close, make_case, run_reference, run_triton, step_tensors
@@ -34,8 +34,8 @@ def shapes(draw):
                 window=draw(st.one_of(st.none(), st.integers(1, 40))))
 
 
-def _check_layers(case, prompts_for_all: bool = False) -> None:
-    for layer in range(case.layout.model_config.num_layers):
+def _check_layers(case, prompts_for_all: bool = False, layers: tuple[int, ...] = (0, 1)) -> None:
+    for layer in layers:
         want, want_pool = run_reference(case, layer, prompts_for_all)
         got, got_pool = run_triton(case, layer, prompts_for_all=prompts_for_all)
         assert torch.equal(got_pool.buffer, want_pool.buffer), "the KV write differs from the reference's"
@@ -66,6 +66,63 @@ def test_triton_mixed_step_matches_torch_reference(shape, steps, seed):
     """A step as the runner sends it: decode tokens through the decode kernel, prompt chunks through the other."""
     case = make_case(**shape, steps=steps, seed=seed)
     _check_layers(case)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_triton_prompt_kernel_packs_every_gqa_group(group, head_dim):
+    """The prompt kernel's tile holds tokens x a KV head's whole query group: every group 1-8 (row strides
+    exact and rounded up to a power of two), chunks longer than a tile after a prefix in the pages, a
+    fresh prompt and a one-token chunk, two KV heads; windows, block sizes and dtypes taken in turn."""
+    turn = group + head_dim // 64
+    dtype, block_size, window = DTYPES[turn % 3], (4, 5, 16)[group % 3], (None, 11)[turn % 2]
+    case = make_case(2, group, head_dim, dtype, block_size, window, steps=[(29, 50), (0, 23), (70, 1)], seed=group)
+    _check_layers(case, prompts_for_all=True, layers=(0, 1) if window else (0,))  # (without one, 2 alike layers)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_prompt_kernel_small_head_size(window):
+    """Head size 16 (the engine tests' tiny models), padded to the dot's minimum."""
+    case = make_case(2, 3, 16, "float32", 4, window, steps=[(9, 40), (0, 5)], seed=4)
+    _check_layers(case, prompts_for_all=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prompt_launch_has_one_program_per_kv_head_and_query_tile(monkeypatch, dtype, head_dim):
+    """K/V tiles are read once per KV head: the launch is (sequence, query tile, KV head), each program walks
+    its keys once for its whole query group, and a tile holds at least MIN_TOKENS tokens whatever the group,
+    so the programs of a KV head, and the K/V tiles they read, have one bound whatever the group."""
+    torch_dtype = getattr(torch, dtype)
+    batch, longest, kv_heads = 3, 200, 2
+    programs_per_kv_head = {}
+    for group in range(1, 9):
+        meta = triton_prefill.prefill_meta(torch_dtype, DEVICE, group, head_dim, 16)
+        tokens = triton_prefill.tile_tokens(meta)
+        assert tokens >= triton_prefill.MIN_TOKENS and meta["ROWS"] >= tokens * group
+        grid = triton_prefill.prefill_grid(batch, longest, kv_heads, meta)
+        assert grid == (batch, -(-longest // tokens), kv_heads)
+        programs_per_kv_head[group] = grid[0] * grid[1]
+        # the launch itself uses that grid (recorded, not run)
+        launched: list[tuple] = []
+        monkeypatch.setattr(triton_prefill, "launcher", lambda fn, device, seen=launched: _Recorder(seen))
+        case = make_case(kv_heads, group, head_dim, dtype, 16, None, steps=[(0, 1)], seed=0)
+        layer = case.layout.bind(case.pool).layers[0]
+        q = torch.zeros(longest, kv_heads * group, head_dim, dtype=torch_dtype, device=DEVICE)
+        table = torch.zeros(batch, 1, dtype=torch.int32, device=DEVICE)
+        starts = torch.tensor([0, 1, 2, longest], dtype=torch.int32, device=DEVICE)
+        triton_prefill.paged_prefill(q, layer.k, layer.v, table, starts[1:], starts, longest, 1.0)
+        assert launched == [grid]
+    assert max(programs_per_kv_head.values()) <= batch * -(-longest // triton_prefill.MIN_TOKENS)
+
+
+class _Recorder:
+    def __init__(self, grids: list):
+        self.grids = grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -26,9 +26,12 @@ import torch
 
 DTYPES = {"float32": ("fp32", torch.float32), "bfloat16": ("bf16", torch.bfloat16), "float16": ("fp16", torch.float16)}
 HEAD_DIMS = (64, 128)
-# GQA groups 1-8 pad to the same 16-row tile (GROUP_PAD / the dot's minimum), so their registers match: the
-# two ends and 7 (Qwen2.5-0.5B's 14/2, not a power of two) stand for them
+# the decode kernel's GQA groups 1-8 pad to the same 16-row tile (GROUP_PAD / the dot's minimum), so their
+# registers match: the two ends and 7 (Qwen2.5-0.5B's 14/2, not a power of two) stand for them
 GROUPS = (1, 7, 8)
+# the prompt kernel packs a KV head's whole group into its tile (rows, warps and the row -> head division
+# differ per group), so every group 1-8 is compiled
+PREFILL_GROUPS = tuple(range(1, 9))
 ARCHS = (80, 90)
 BLOCK_SIZE = 16
 CUDA = torch.device("cuda")  # (only read for its type: nothing runs)
@@ -70,6 +73,7 @@ def cases():
             for group in GROUPS:
                 meta = triton_decode.decode_meta(dtype, CUDA, group, head_dim, BLOCK_SIZE)
                 yield triton_decode._decode_kernel, f"decode {dtype_name} d{head_dim} g{group}", {"*": f"*{ty}", **ints}, meta
+            for group in PREFILL_GROUPS:
                 meta = triton_prefill.prefill_meta(dtype, CUDA, group, head_dim, BLOCK_SIZE)
                 yield (triton_prefill._prefill_kernel, f"prefill {dtype_name} d{head_dim} g{group}",
                        {"*": f"*{ty}", **ints}, meta)

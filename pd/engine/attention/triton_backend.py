@@ -7,7 +7,7 @@ decode tokens only takes the decode kernel (one query per sequence); a prompt st
 (varlen chunks); a mixed step both: its one-token chunks (decode rows) through the decode kernel and
 its prompt chunks through the prompt kernel, each on its part of the rows as the metadata builder split
 them (`StepMetadata.mixed`), the outputs put back in row order. A decode row in the prompt kernel
-would use one row of a 32-row query tile. Nothing here reads a tensor's value on the host, and
+would use one token's rows of a tile of at least 16 tokens. Nothing here reads a tensor's value on the host, and
 `prepare` has nothing to plan: the kernels read positions, slots, tables and the mixed split straight
 from the step metadata, so a decode step can be captured in a CUDA graph as it is.
 
