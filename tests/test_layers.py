@@ -171,6 +171,7 @@ ZMQ_ROOM_IMPORTS = {
     "connectors.zmq.paths": {"connectors.zmq.control"},
     "connectors.zmq.producer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
     "connectors.zmq.consumer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
+    "connectors.zmq.gang": {"connectors.zmq.control", "connectors.zmq.paths"},
 }
 
 
