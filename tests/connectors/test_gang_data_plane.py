@@ -140,6 +140,7 @@ def test_each_d_rank_pulls_exactly_its_heads_from_their_p_ranks(p_tp, d_tp, num_
             else:
                 assert agent.server.served_bytes == 0  # the D ranks copied out of the mapped pool
         assert all(a.server is None for a in g.d_agents)  # a D rank serves nobody: it cannot forward
+        assert all(a.received_bytes == 0 for a in g.p_agents)
         assert all(a.server.live_tickets() == 0 for a in g.p_agents)
     finally:
         g.close()

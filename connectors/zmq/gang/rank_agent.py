@@ -32,15 +32,15 @@ _POLL_MS = 100
 
 
 class RankAgent:
-    """Rank `heads.rank`'s agent: `serve=True` on a prefill gang (a `SliceServer` on `host`), else a
-    decode gang's puller."""
+    """Rank `heads.rank`'s agent: `serve=True` on a prefill gang (a `SliceServer` on `host`); every
+    agent can pull (a decode gang's; a worker that is both prefills and decodes)."""
 
     def __init__(self, control: str, pool: KVPages, geometry: HeadGeometry, heads: RankHeads, serve: bool,
                  host: str = "127.0.0.1"):
         self.pool = pool
         self.heads = heads
         self.server = SliceServer(pool, geometry, host) if serve else None
-        self.puller = None if serve else SlicePuller(pool, geometry, heads)
+        self.puller = SlicePuller(pool, geometry, heads)  # (no socket until it pulls)
         self.received_bytes = 0  # what this rank's loads landed in its pool, in all
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -82,8 +82,7 @@ class RankAgent:
         finally:
             if self.server is not None:
                 self.server.close()
-            if self.puller is not None:
-                self.puller.close()
+            self.puller.close()
             self._sock.close(linger=1000)  # lets the last answer (stop's) out
 
     def _run(self, msg_type: str, msg: dict) -> bytes:
@@ -92,7 +91,7 @@ class RankAgent:
             self.server.grant(msg["ticket"], msg["block_ids"], msg["ttl_s"])
         elif msg_type == "revoke" and self.server is not None:
             self.server.revoke(msg["ticket"])
-        elif msg_type == "load" and self.puller is not None:
+        elif msg_type == "load":
             res = self.puller.pull(msg["ticket"], agent_wire.sources_of(msg), msg["src"], msg["dst"], msg["path"],
                                    msg["timeout_s"])
             self.received_bytes += res.nbytes
