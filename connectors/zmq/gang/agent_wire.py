@@ -37,7 +37,8 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "digests": {"id": int, "block_ids": list},
     "stop": {"id": int},
     "ok": {"id": int},
-    "loaded": {"id": int, "ok": bool, "bad": list, "cause": str, "bytes": int, "by_source": list},
+    "loaded": {"id": int, "ok": bool, "bad": list, "cause": str, "bytes": int, "by_source": list,
+               "seconds": float},
     "err": {"id": int, "reason": str},
     # D agent -> P agent, and its answer
     "slice": {"id": int, "ticket": bytes, "block_ids": list, "first": int, "count": int, "send": bool},
@@ -98,6 +99,9 @@ def _check_fields(what: str, fields: dict[str, Any], schema: dict[str, Any]) -> 
             ok = type(value) is int and value >= 0
         elif kind is float:
             ok = type(value) in (int, float) and value >= 0
+        elif name == "by_source":  # [[P rank, bytes], ...]
+            ok = isinstance(value, list) and all(
+                isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x) for x in value)
         elif kind is list and name in _INT_LISTS:
             ok = isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
         else:

@@ -47,7 +47,8 @@ class _Pending:
 
 @dataclasses.dataclass
 class GangLoadResult:
-    """How a load across the gang ended; `by_rank[d][p]`: bytes D rank d landed from P rank p."""
+    """How a load across the gang ended; `by_rank[d][p]`: bytes D rank d landed from P rank p;
+    `rank_seconds[d]`: how long D rank d's part took on that rank."""
 
     ok: bool
     bad: list[int]
@@ -55,6 +56,7 @@ class GangLoadResult:
     nbytes: int
     by_rank: dict[int, dict[int, int]]
     seconds: float
+    rank_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 class GangControl:
@@ -133,6 +135,7 @@ class GangControl:
         bad: set[int] = set()
         cause: FailureCause | None = None
         by_rank: dict[int, dict[int, int]] = {}
+        rank_seconds: dict[int, float] = {}
         nbytes = 0
         for rank, (msg_type, msg) in enumerate(answers):
             if msg_type != "loaded":
@@ -142,13 +145,14 @@ class GangControl:
                     logger.warning("KV load: rank %d refused its part: %s", rank, msg.get("reason", "")[:200])
                 continue
             by_rank[rank] = {p: n for p, n in msg["by_source"]}
+            rank_seconds[rank] = float(msg["seconds"])
             nbytes += msg["bytes"]
             bad.update(msg["bad"])
             if not msg["ok"]:
                 cause = cause or _cause(msg["cause"])
         ok = not bad and cause is None
         return GangLoadResult(ok, sorted(bad), None if ok else (cause or FailureCause.CHECKSUM), nbytes, by_rank,
-                              time.perf_counter() - start)
+                              time.perf_counter() - start, rank_seconds)
 
     def digests(self, rank: int, block_ids: list[int], timeout_s: float = 10.0) -> list[int]:
         msg_type, msg = self.command(rank, "digests", timeout_s, block_ids=block_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import zmq
 
@@ -92,11 +93,13 @@ class RankAgent:
         elif msg_type == "revoke" and self.server is not None:
             self.server.revoke(msg["ticket"])
         elif msg_type == "load":
+            start = time.perf_counter()
             res = self.puller.pull(msg["ticket"], agent_wire.sources_of(msg), msg["src"], msg["dst"], msg["path"],
                                    msg["timeout_s"])
             self.received_bytes += res.nbytes
             return agent_wire.encode("loaded", id=cid, ok=res.ok, bad=res.bad, cause=res.cause.value if res.cause
-                                     else "", bytes=res.nbytes, by_source=[[k, v] for k, v in res.by_source.items()])
+                                     else "", bytes=res.nbytes, by_source=[[k, v] for k, v in res.by_source.items()],
+                                     seconds=time.perf_counter() - start)
         elif msg_type == "digests":
             if any(not 0 <= b < self.pool.num_blocks for b in msg["block_ids"]):
                 raise ValueError(f"block ids outside a pool of {self.pool.num_blocks} blocks")
