@@ -10,7 +10,8 @@ runner or scheduler; attention imports neither the scheduler nor the CPU kernels
 whose step executor builds on attention); the runner builds on them all); the rooms above it import
 only its public parts (`ENGINE_PUBLIC`); what the router reaches
 of it imports no torch, and `sample/params.py` (the router builds sampling params too) none at all.
-`parallel/` (tensor parallelism) imports only the standard library, torch, msgpack and the KV room.
+`parallel/` (tensor parallelism) imports only the standard library, torch, msgpack and the KV, model and
+config rooms (its follower, a gang's rank r > 0, the runner too).
 
 Inside `connectors`: the contract at the top (`CONTRACT`) imports no implementation; the ZMQ
 implementation lives in `connectors.zmq` (its rooms import each other only as `ZMQ_ROOM_IMPORTS`
@@ -268,13 +269,15 @@ ENGINE_RANKS = {
     "pd.engine.sched": 3, "pd.engine.attention": 3, "pd.engine.parallel": 3,
     "pd.engine.cpu": 4, "pd.engine.step_isolation": 4,
     "pd.engine.runner": 5,
-    "pd.engine.engine": 6,
+    "pd.engine.engine": 6, "pd.engine.parallel.follower": 6,  # (a follower builds on the runner, as the engine)
     "pd.engine": 7,  # the package itself
 }
-# parallel/ (tensor parallelism's building blocks) imports the KV room and, beyond the standard library, only
-# torch and msgpack: never ray (a gang's data plane runs without it), zmq or the connectors.
+# parallel/ (tensor parallelism's building blocks) imports the KV, model and config rooms and, beyond the standard
+# library, only torch and msgpack: never ray (a gang's data plane runs without it), zmq or the connectors. The
+# follower (a gang's rank r > 0) runs steps with the runner, as the engine does.
 PARALLEL = "pd.engine.parallel"
-PARALLEL_MAY_IMPORT = frozenset({"torch", "msgpack", "pd.engine.kv", PARALLEL})
+PARALLEL_MAY_IMPORT = frozenset({"torch", "msgpack", "pd.engine.kv", "pd.engine.model", "pd.engine.config", PARALLEL})
+PARALLEL_ALSO = {f"{PARALLEL}.follower": frozenset({"pd.engine.runner"})}
 # text/ finds and converts a checkpoint's tokenizer where the checkpoint is found (model/files.py,
 # model/gguf.py), lazily; nothing else of the engine.
 TEXT_MAY_IMPORT = frozenset({"pd.engine.model.files", "pd.engine.model.gguf"})
@@ -289,6 +292,8 @@ ENGINE_PUBLIC = frozenset({
     "pd.engine.model.config", "pd.engine.model.checkpoint", "pd.engine.model.gguf", "pd.engine.kv.layout",
     "pd.engine.inputs",
     "pd.engine.attention.capabilities",
+    # a TP gang: the group and its rendezvous, the mapping rule (config checks), the ranks r > 0
+    "pd.engine.parallel.group", "pd.engine.parallel.tp", "pd.engine.parallel.follower",
 })
 
 
@@ -376,7 +381,8 @@ def _against_parallel_room(imports: dict[str, set[str]]) -> list[str]:
     wrong = []
     for module, names in sorted(imports.items()):
         for name in sorted(names):
-            if name.split(".")[0] in sys.stdlib_module_names or any(_in(name, ok) for ok in PARALLEL_MAY_IMPORT):
+            allowed = PARALLEL_MAY_IMPORT | PARALLEL_ALSO.get(module, frozenset())
+            if name.split(".")[0] in sys.stdlib_module_names or any(_in(name, ok) for ok in allowed):
                 continue
             wrong.append(f"{module} -> {name}")
     return wrong

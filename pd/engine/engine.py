@@ -27,7 +27,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -38,25 +37,20 @@ import torch
 
 from kvcache import BlockHasher, KVCacheConfig, KVCacheManager, Request
 from kvcache.audit import assert_all_free, check_invariants
-from kvcache.specs import cdiv
 
 from connectors.base import KVConnector
 from connectors.noop import or_noop
 from connectors.params import TransferParams
 from pd.engine.kv.capacity import check_fits
 from pd.engine.runner.kv_audit import KVAuditor
-from pd.engine.kv.page_pool import PagePool
-from pd.engine.model.checkpoint import load_checkpoint
 from pd.engine.config import EngineConfig
-from pd.engine.kv.layout import KVLayout
-from pd.engine.model.llama import build_model
+from pd.engine.parallel.group import TPGroup
 from pd.engine.inputs import CheckedRequest
 from pd.engine.outputs import FinishReason, PoolAudit, RequestOutput
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.output import SchedulerOutput
-from pd.engine.attention.metadata import StepCapacity
 from pd.engine.runner.kv_connector import ConnectorSeam
-from pd.engine.runner.model_runner import ModelRunner, RunnerOptions
+from pd.engine.runner.compute import build_compute
 from pd.engine.sample.params import SamplingParams
 from pd.engine.sched.scheduler import Scheduler
 from pd.engine.step_isolation import LOOP, PERTURB_KV, STEP, FaultMarks, execute_isolated
@@ -78,35 +72,27 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 class Engine:
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, tp: TPGroup | None = None):
+        """`tp`: this process's group as rank 0 of a TP gang (pd/engine/parallel/follower.py runs the other
+        ranks); None or a group of one: one process, today's path."""
         self.config = config
         connector = or_noop(connector)  # (a connector object always: the no-op where none is given)
-        if config.model_path:
-            model = load_checkpoint(config.model_path, dtype=config.dtype, device=config.device)
-        else:
-            model_config = config.model
-            if config.dtype is not None:
-                model_config = dataclasses.replace(model_config, dtype=config.dtype)
-            model = build_model(model_config, seed=config.seed, device=config.device)
-        self.model_config = model.config
+        compute = build_compute(config, connector.shares_page_pool, tp)
+        self.model_config, self.tp_shape = compute.model_config, compute.tp_shape
+        # `layout`: this process's pages (a TP rank's heads only); `canonical_layout`: a TP 1 worker's, what the
+        # block manager, the wire and the compat hash describe (the same object without TP)
+        self.layout, self.canonical_layout = compute.layout, compute.canonical_layout
+        self.page_pool, self.runner, self._gang = compute.page_pool, compute.runner, compute.gang
+        del compute  # (the runner holds the model: see build_compute)
         # text prompts: the tokenizer given, else the checkpoint's own (read when first needed), else bytes
         self._tokenizer: Tokenizer | None = tokenizer if tokenizer is not None or config.model_path else ByteTokenizer()
         self._edge = object()  # marks the requests this engine checked (CheckedRequest.checked_by)
-        self.layout = KVLayout(self.model_config, config.block_size)
-        num_blocks = config.num_blocks or self.layout.num_blocks_for_budget(config.kv_cache_bytes)
-        kv_config = KVCacheConfig(num_blocks=num_blocks, groups=self.layout.kv_cache_groups())
+        kv_config = KVCacheConfig(num_blocks=self.page_pool.num_blocks, groups=self.canonical_layout.kv_cache_groups())
         self._kv_specs = [group.spec for group in kv_config.groups]  # for check_request's check_fits
         self.kv_cache_manager = KVCacheManager(
             kv_config, config.resolved_max_model_len, enable_caching=config.enable_prefix_caching,
             watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_kv_cache_events=config.enable_kv_events)
-        self.page_pool = PagePool(num_blocks, self.layout.page_size_bytes, device=config.device,
-                                  shareable=connector.shares_page_pool)
-        capacity = StepCapacity(config.max_num_batched_tokens, config.max_num_seqs,
-                                cdiv(config.resolved_max_model_len, config.block_size))
-        self.runner = ModelRunner(model, self.layout, self.page_pool, config.attention_backend, capacity,
-                                  config.tokenizer_vocab_size, RunnerOptions(config.cuda_graphs, config.device_sampler))
-        del model  # the runner holds the backend's model; a backend's own copy must be the only one alive
         self.block_hasher = BlockHasher(block_size=config.block_size, algorithm=config.hash_algorithm,
                                         seed=config.hash_seed)
         # called on the step thread with each step's prefix-cache events, under the step lock
@@ -114,7 +100,8 @@ class Engine:
         self.connector: KVConnector = connector
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector,
                                    eos_token_id=self.model_config.eos_token_id)
-        self.kv_connector = ConnectorSeam(connector, self.page_pool)  # (registers the page pool)
+        self.kv_connector = ConnectorSeam(connector, self.page_pool,  # (registers the page pool)
+                                          None if self._gang is None else self._gang.zero_blocks)
         self.kv_audit = KVAuditor(config.kv_audit_rate, config.kv_audit_tolerance, config.engine_id, self.layout,
                                   self.page_pool, self.kv_cache_manager, self.runner.final_hidden)
         if self.kv_audit.enabled:
@@ -137,7 +124,7 @@ class Engine:
         # totals since start; inputs_s: the step's input build, apart from model_s (the rest of the forward)
         self.timing = {"schedule_s": 0.0, "inputs_s": 0.0, "model_s": 0.0, "update_s": 0.0}
         self.last_timing = dict(self.timing)  # of the latest step
-        logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, num_blocks,
+        logger.info("engine %s: %d KV blocks of %d bytes, groups=%s", config.engine_id, self.page_pool.num_blocks,
                     self.layout.page_size_bytes, [g.layer_indices for g in self.layout.groups])
 
     # ------------------------------------------------------------------ requests
@@ -214,6 +201,8 @@ class Engine:
             self.runner.update_requests(sched)
             self.runner.last_inputs_s = 0.0
             sampled, failed = execute_isolated(self._run_chunks, sched.chunks) if sched.chunks else ({}, {})
+            if self._gang is not None:  # a failure after the plan went out: the gang (this loop) ends
+                self._gang.raise_if_broken()
             if self.fault_marks.has_marks:  # a fault plan's wrong KV, before the connector seals it
                 self._perturb_marked(sched)
             connector_output = self.kv_connector.after_forward()
@@ -331,6 +320,8 @@ class Engine:
         self.num_threads = torch.get_num_threads()
         try:
             while not self._stop.is_set():
+                if self._gang is not None:
+                    self._gang.keepalive()
                 with self._lock:
                     has_pending = bool(self._pending)
                 if has_pending or self.scheduler.has_runnable_work():
@@ -343,6 +334,8 @@ class Engine:
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting caller
             logger.exception("engine step loop died")
+            if self._gang is not None:
+                self._gang.abandon()  # the followers' pending collective fails now, not at its timeout
             with self._lock:
                 self._dead = exc
                 for target in self._listeners.values():
@@ -362,9 +355,11 @@ class Engine:
         """Stop the loop thread and the connector; idempotent."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30)
+        if self._gang is not None and (thread is None or not thread.is_alive()):
+            self._gang.stop()  # the followers' loops end (not while a step may still be in a collective)
         with self._lock:  # callers still awaiting generate() must not hang
             for target in self._listeners.values():
                 self._notify(target, RuntimeError("engine shut down"))

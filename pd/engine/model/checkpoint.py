@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,16 +61,37 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: s
     """The model stored in `path` (a directory or a .gguf file), in `dtype` (default: the config's)."""
     path = checkpoint_dir(path)
     cfg = load_config(path, dtype)
+    model = build_model(cfg, seed=None, device=device)
+    params = model.state_dict(keep_vars=True)
+    fill_from_checkpoint(path, model, {name: tuple(p.shape) for name, p in params.items()})
+    return model
+
+
+# (dim, start, stop) of a full tensor: the part of it one tensor-parallel rank holds
+SliceOf = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def fill_from_checkpoint(path: str | os.PathLike, model: CausalLM, full_shapes: dict[str, tuple[int, ...]],
+                         slice_of: SliceOf | None = None) -> None:
+    """Fills `model`'s tensors (HF names) from the checkpoint at `path`.
+
+    `full_shapes`: every tensor the checkpoint must hold, with its full shape (a file tensor of another
+    shape is refused). `slice_of(name)`: the part of a full tensor `model` holds, read alone from the
+    file (safetensors' `get_slice`: a tensor-parallel rank never reads the other ranks' rows); None:
+    the whole tensor. A name in `full_shapes` that `model` lacks (a rank without the LM head) is skipped.
+    """
+    path = checkpoint_dir(path)
+    cfg = model.config
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
-    model = build_model(cfg, seed=None, device=device)
     # HF's names, each a tensor to fill: a parameter, or a view of a fused one (q|k|v, gate|up)
     params = model.state_dict(keep_vars=True)
-    expected = set(params)
+    expected = set(full_shapes)
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")  # tied: optional in the file
     loaded: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     unknown: list[str] = []
     misshaped: list[str] = []
     for file in files:
@@ -77,15 +99,18 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: s
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                if name not in params:
+                if name not in full_shapes:
                     unknown.append(f"{name} (in {file.name})")
                     continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    misshaped.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(params[name].shape)}")
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                if shape != tuple(full_shapes[name]):
+                    misshaped.append(f"{name}: file {shape} vs model {tuple(full_shapes[name])}")
                     continue
-                loaded[name] = tensor
-    missing = sorted(expected - set(loaded))
+                seen.add(name)
+                if name in params:
+                    loaded[name] = _read(part, shape, None if slice_of is None else slice_of(name))
+    missing = sorted(expected - seen)
     problems = []
     if unknown:
         problems.append(f"unknown tensors: {sorted(unknown)}")
@@ -97,9 +122,20 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, device: s
         raise CheckpointError(f"checkpoint {path} does not match {cfg.architecture}: " + "; ".join(problems))
     with torch.no_grad():
         for name, tensor in loaded.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"{name}: the part read {tuple(tensor.shape)} does not fit the model's "
+                                      f"{tuple(params[name].shape)}")
             params[name].copy_(tensor.to(dtype=params[name].dtype))
     logger.info("loaded %d tensors from %d file(s) in %s", len(loaded), len(files), path)
-    return model
+
+
+def _read(part, shape: tuple[int, ...], piece: tuple[int, int, int] | None) -> torch.Tensor:
+    """The whole tensor, or rows start:stop along dim (only those bytes are read)."""
+    if piece is None:
+        return part[:]
+    dim, start, stop = piece
+    index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+    return part[index]
 
 
 def save_checkpoint(model: CausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[Path]:

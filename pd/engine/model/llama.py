@@ -8,6 +8,10 @@ The model does not own a KV cache. Attention is delegated to a `LayerAttention`:
 an attention backend (pd/engine/attention/backend.py) that writes K/V into pages and reads them back
 through block tables, with the step's metadata; `DenseAttention` is the plain, non-paged reference
 used to check the paged path. This module is the model that runs: no backend changes its modules.
+
+Tensor parallelism (pd/engine/parallel/sharded_model.py) builds this same model over one rank's slices
+(a config with the rank's heads and MLP width) and sets `Attention.reduce` / `MLP.reduce`: the sum of
+the ranks' partial outputs of o_proj and down_proj. Unset (None, the default), nothing changes.
 """
 from __future__ import annotations
 
@@ -120,6 +124,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         _fused_state_dict(self, "qkv_proj", (("q_proj", self.q_size), ("k_proj", self.kv_size),
                                              ("v_proj", self.kv_size)))
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: all-reduce of o_proj's output
 
     q_proj = _projection("qkv_proj", lambda m: (0, m.q_size))
     k_proj = _projection("qkv_proj", lambda m: (m.q_size, m.q_size + m.kv_size))
@@ -133,8 +138,8 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rope(q, k, cos, sin)
-        out = backend.forward(q, k, v, self.layer_idx, metadata)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(backend.forward(q, k, v, self.layer_idx, metadata).reshape(t, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -148,12 +153,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         _fused_state_dict(self, "gate_up_proj", (("gate_proj", cfg.intermediate_size),
                                                  ("up_proj", cfg.intermediate_size)))
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # TP: all-reduce of down_proj's output
 
     gate_proj = _projection("gate_up_proj", lambda m: (0, m.intermediate_size))
     up_proj = _projection("gate_up_proj", lambda m: (m.intermediate_size, 2 * m.intermediate_size))
 
     def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):

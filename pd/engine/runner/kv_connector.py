@@ -34,9 +34,12 @@ class ConnectorSeam:
     due goes after the step, with the prefill's progress). Called from the step thread only.
     """
 
-    def __init__(self, connector: KVConnector, page_pool: PagePool) -> None:
+    def __init__(self, connector: KVConnector, page_pool: PagePool,
+                 zero_blocks: Callable[[set[int]], None] | None = None) -> None:
         self.connector = connector
         self.page_pool = page_pool
+        # (a TP gang's rank 0 zeroes them on every rank: `TPModelRunner.zero_blocks`)
+        self._zero_blocks = zero_blocks or page_pool.zero_blocks
         connector.register_kv_caches(page_pool)
         self._num_chunks = 0  # of the step between before_forward and after_forward
         self._layer_hook: Callable[[int], None] | None = None
@@ -60,5 +63,5 @@ class ConnectorSeam:
         sending, recving = connector.get_finished()
         invalid = set(connector.get_block_ids_with_load_errors())
         if invalid:
-            self.page_pool.zero_blocks(invalid)
+            self._zero_blocks(invalid)
         return ConnectorOutput(set(sending), set(recving), invalid, dict(connector.get_load_failures()))
