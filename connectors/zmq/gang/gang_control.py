@@ -62,11 +62,12 @@ class GangLoadResult:
 class GangControl:
     """The control socket of a gang of `size` ranks (rank 0 included: its agent registers too)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, parent_dir: str | None = None):
+        """`parent_dir`: where the private directory goes (default: the system's temporary directory)."""
         if size < 1:
             raise ValueError(f"a gang has at least one rank, not {size}")
         self.size = size
-        self._dir = tempfile.mkdtemp(prefix="pdkv-gang-")  # 0700
+        self._dir = tempfile.mkdtemp(prefix="pdkv-gang-", dir=parent_dir)  # 0700
         self.address = f"ipc://{os.path.join(self._dir, 'control')}"
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

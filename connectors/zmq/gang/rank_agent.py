@@ -43,6 +43,7 @@ class RankAgent:
         self.server = SliceServer(pool, geometry, host) if serve else None
         self.puller = SlicePuller(pool, geometry, heads)  # (no socket until it pulls)
         self.received_bytes = 0  # what this rank's loads landed in its pool, in all
+        self.received_from: dict[int, int] = {}  # ... by the P rank it came from
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control)
@@ -97,6 +98,8 @@ class RankAgent:
             res = self.puller.pull(msg["ticket"], agent_wire.sources_of(msg), msg["src"], msg["dst"], msg["path"],
                                    msg["timeout_s"])
             self.received_bytes += res.nbytes
+            for p_rank, n in res.by_source.items():
+                self.received_from[p_rank] = self.received_from.get(p_rank, 0) + n
             return agent_wire.encode("loaded", id=cid, ok=res.ok, bad=res.bad, cause=res.cause.value if res.cause
                                      else "", bytes=res.nbytes, by_source=[[k, v] for k, v in res.by_source.items()],
                                      seconds=time.perf_counter() - start)
