@@ -108,7 +108,8 @@ def run_pair(args, p_tp: int, d_tp: int, path: str) -> dict:
         d_ctl.wait_ranks(args.start_timeout_s)
         src = list(range(1, args.blocks + 1))
         dst = list(reversed(src))  # other block ids on D
-        walls, per_rank = [], {r: [] for r in range(d_tp)}
+        walls: list[float] = []
+        per_rank: dict[int, list[float]] = {r: [] for r in range(d_tp)}
         for _ in range(args.reps + 1):  # the first load warms sockets and mappings: not counted
             ticket = secrets.token_bytes(16)
             p_ctl.grant(ticket, src, ttl_s=120.0)
@@ -140,7 +141,8 @@ def run_pair(args, p_tp: int, d_tp: int, path: str) -> dict:
         p_ctl.close()
         for p in procs:
             try:
-                p.stdin.close()
+                if p.stdin is not None:
+                    p.stdin.close()
                 p.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 p.kill()

@@ -96,9 +96,9 @@ def _check_fields(what: str, fields: dict[str, Any], schema: dict[str, Any]) -> 
     for name, kind in schema.items():
         value = fields.get(name)
         if kind is int:
-            ok = type(value) is int and value >= 0
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         elif kind is float:
-            ok = type(value) in (int, float) and value >= 0
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
         elif name == "by_source":  # [[P rank, bytes], ...]
             ok = isinstance(value, list) and all(
                 isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x) for x in value)

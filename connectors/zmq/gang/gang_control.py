@@ -69,7 +69,7 @@ class GangControl:
         self.size = size
         self._dir = tempfile.mkdtemp(prefix="pdkv-gang-", dir=parent_dir)  # 0700
         self.address = f"ipc://{os.path.join(self._dir, 'control')}"
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
         self.ranks: dict[int, dict] = {}  # rank -> its `register` message
@@ -105,7 +105,8 @@ class GangControl:
 
     def read_ranks(self) -> list[int]:
         """The ranks a decode gang reads: the lowest holder of each head (replicas are never read)."""
-        ranks, seen = [], set()
+        ranks: list[int] = []
+        seen: set[int] = set()
         for info in sorted(self.ranks.values(), key=lambda i: i["rank"]):
             heads = set(range(info["first"], info["first"] + info["count"]))
             if heads - seen:

@@ -44,7 +44,7 @@ class RankAgent:
         self.puller = SlicePuller(pool, geometry, heads)  # (no socket until it pulls)
         self.received_bytes = 0  # what this rank's loads landed in its pool, in all
         self.received_from: dict[int, int] = {}  # ... by the P rank it came from
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control)
         shm = (pool.shared_path or "") if serve else ""

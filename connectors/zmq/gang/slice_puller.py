@@ -59,7 +59,7 @@ class SlicePuller:
         self.geometry = geometry
         self.mine = mine
         self._pages = pool_heads(pool, geometry)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
         self._maps: dict[str, tuple[int, torch.Tensor]] = {}
         self._next_id = 0

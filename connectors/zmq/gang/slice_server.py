@@ -42,9 +42,9 @@ class SliceServer:
         self._lock = threading.Lock()
         self.served_bytes = 0  # page bytes sent on the tcp path
         self.served_slices = 0  # slice requests answered (either path)
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        port: int = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-slice-server", daemon=True)
