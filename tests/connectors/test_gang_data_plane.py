@@ -103,9 +103,9 @@ class Gangs:
         finally:
             self.p_ctl.revoke(ticket)
 
-    def close(self):
-        self.d_ctl.close()
-        self.p_ctl.close()
+    def close(self, timeout_s: float = 5.0):
+        self.d_ctl.close(timeout_s)
+        self.p_ctl.close(timeout_s)
 
 
 @pytest.mark.parametrize("path", ["tcp", "shm"])
@@ -167,3 +167,38 @@ def test_blocks_outside_the_grant_are_refused():
         assert all(int(p.buffer.count_nonzero()) == 0 for p in g.d_pools)
     finally:
         g.close()
+
+
+def test_a_slice_failing_its_checksum_makes_every_block_it_covers_untrusted(monkeypatch):
+    from connectors.zmq.gang import slice_server
+
+    real, calls = slice_server.digest, []
+
+    def lying(view):  # the first slice served (one P rank's heads) carries wrong checksums
+        calls.append(1)
+        return real(view) + (1 if len(calls) <= len(P_BLOCKS) else 0)
+
+    monkeypatch.setattr(slice_server, "digest", lying)
+    g = Gangs(2, 1, 2)
+    try:
+        res = g.move("tcp")
+        assert not res.ok and res.cause.value == "checksum" and res.bad == sorted(D_BLOCKS)
+        assert res.by_rank[0] and sum(res.by_rank[0].values()) == g.d_agents[0].received_bytes
+        assert g.d_agents[0].received_bytes == len(P_BLOCKS) * g.layout.page_size_bytes // 2  # only the good slice
+        monkeypatch.setattr(slice_server, "digest", real)
+        assert g.move("tcp").ok  # the next load of the same blocks lands whole
+        assert torch.equal(head_view(g.d_layout, g.d_pools[0])[D_BLOCKS], g.canonical[P_BLOCKS])
+    finally:
+        g.close()
+
+
+def test_a_d_rank_that_never_answers_fails_the_load_in_bounded_time():
+    g = Gangs(1, 2, 2)
+    try:
+        g.d_agents[1].close()  # rank 1 is gone: its part never lands
+        res = g.move("tcp", timeout_s=0.5)
+        assert not res.ok and res.cause.value == "timeout" and res.bad == sorted(D_BLOCKS)
+        assert res.seconds < 5.0
+        assert g.d_agents[0].received_bytes > 0  # rank 0's part landed; the blocks are still untrusted
+    finally:
+        g.close(timeout_s=0.5)  # (rank 1 cannot answer its stop)
