@@ -11,6 +11,8 @@ the P ranks the mapping rule names; no load failed; both sides' pools end all fr
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tests.helpers.gang_engines import d_rank, p_rank
@@ -56,9 +58,10 @@ def _check_tokens(got: dict[str, list[int]], want: dict[str, list[int]]) -> None
         assert gap < TIE_GAP, f"{rid}: D diverged from TP 1 at token {first} with a top-2 gap of {gap}"
 
 
-def _run(p_tp: int, d_tp: int, data_path: str, shared: str) -> tuple[list[dict], list[dict]]:
-    with Gang(p_tp, p_rank, CONFIG, PROMPTS, data_path, shared, timeout_s=30.0) as p_gang, \
-            Gang(d_tp, d_rank, CONFIG, GREEDY, PROMPTS, data_path, shared, timeout_s=30.0) as d_gang:
+def _run(p_tp: int, d_tp: int, data_path: str, shared: str, lie_slices: int = 0,
+         d_config: EngineConfig = CONFIG) -> tuple[list[dict], list[dict]]:
+    with Gang(p_tp, p_rank, CONFIG, PROMPTS, data_path, shared, lie_slices, timeout_s=30.0) as p_gang, \
+            Gang(d_tp, d_rank, d_config, GREEDY, PROMPTS, data_path, shared, timeout_s=30.0) as d_gang:
         d_replies = d_gang.results(wait_s=200)
         p_replies = p_gang.results(wait_s=60)
     assert all("result" in r for r in p_replies + d_replies), (p_replies, d_replies)
@@ -92,6 +95,28 @@ def _check(p_tp: int, d_tp: int, data_path: str, tp1_tokens, tmp_path) -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp", "data_path"), [(2, 1, "shm"), (1, 2, "tcp")])
 def test_hetero_tp_through_the_connector_gives_tp1_tokens(p_tp, d_tp, data_path, tp1_tokens, tmp_path):
     _check(p_tp, d_tp, data_path, tp1_tokens, tmp_path)
+
+
+@pytest.mark.timeout(280)
+def test_a_p_rank_whose_heads_fail_their_checksum_is_recomputed_on_d(tp1_tokens, tmp_path):
+    """P rank 1 answers its first slice with wrong checksums: that load's blocks are untrusted (every D
+    rank's part of them), D recomputes them (the default policy) and still gives TP 1's tokens."""
+    p_res, d_res = _run(2, 1, "tcp", str(tmp_path), lie_slices=1)
+    d0 = d_res[0]
+    assert d0["errors"] == {} and d0["failures"] == {"checksum": 1}, d0
+    _check_tokens(d0["tokens"], tp1_tokens)
+    assert p_res[1]["served_slices"] >= len(PROMPTS)  # (a load may travel as several pulls)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_with_the_fail_policy_a_bad_rank_part_fails_its_request(tp1_tokens, tmp_path):
+    fail = dataclasses.replace(CONFIG, kv_load_failure_policy="fail")
+    _, d_res = _run(2, 1, "tcp", str(tmp_path), lie_slices=1, d_config=fail)
+    d0 = d_res[0]
+    assert len(d0["errors"]) == 1 and d0["failures"] == {"checksum": 1}, d0
+    for rid in set(PROMPTS) - set(d0["errors"]):
+        assert d0["tokens"][rid] == tp1_tokens[rid]
 
 
 @pytest.mark.slow

@@ -139,7 +139,29 @@ def decode_rank0(group, config: EngineConfig, params: SamplingParams, prompts: d
     return result
 
 
-def follower(group, config: EngineConfig, side: str, shared: str) -> dict:
+def _lie(slices: int) -> None:
+    """This rank's first `slices` slice answers carry wrong checksums (as if its bytes were damaged)."""
+    from connectors.zmq.gang import slice_server
+
+    real, answered = slice_server.SliceServer._answer, [0]
+
+    def answer(self, who, payload):
+        answered[0] += 1
+        if answered[0] > slices:
+            return real(self, who, payload)
+        digest = slice_server.digest
+        slice_server.digest = lambda view: digest(view) ^ 1
+        try:
+            return real(self, who, payload)
+        finally:
+            slice_server.digest = digest
+
+    slice_server.SliceServer._answer = answer
+
+
+def follower(group, config: EngineConfig, side: str, shared: str, lie_slices: int = 0) -> dict:
+    if lie_slices:
+        _lie(lie_slices)
     f = Follower(config, group, shareable_pool=side == "p")
     _wait_file(os.path.join(shared, f"{side}-control"))
     with open(os.path.join(shared, f"{side}-control")) as fh:
@@ -155,9 +177,9 @@ def follower(group, config: EngineConfig, side: str, shared: str) -> dict:
     return out
 
 
-def p_rank(group, config, prompts, data_path, shared):
+def p_rank(group, config, prompts, data_path, shared, lie_slices=0):
     return prefill_rank0(group, config, prompts, data_path, shared) if group.rank == 0 else \
-        follower(group, config, "p", shared)
+        follower(group, config, "p", shared, lie_slices)
 
 
 def d_rank(group, config, params, prompts, data_path, shared):
