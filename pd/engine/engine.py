@@ -21,6 +21,8 @@ Guarantees:
   blocks a failed chunk was writing (`Scheduler.fail_chunks`, the one rule).
   Should the loop thread still die, every waiting caller gets the error, `dead`
   says why, new requests are refused and `on_death` is called once.
+- with `tp` (rank 0 of a TP gang: runner/compute.py, runner/tp_runner.py), each forward's plan goes to the
+  other ranks first; a failure after that ends the loop (never retried), and `shutdown` stops them;
 - with `kv_audit_rate` > 0, a sampled request's landed KV is checked after the step's outputs went out
   (`pd.engine.runner.kv_audit`): no request waits for the result, and no block stays taken past the step.
 """
@@ -320,8 +322,9 @@ class Engine:
         self.num_threads = torch.get_num_threads()
         try:
             while not self._stop.is_set():
-                if self._gang is not None:
-                    self._gang.keepalive()
+                if self._gang is not None:  # (under the step lock: one sender on the gang's channel at a time)
+                    with self._step_lock:
+                        self._gang.keepalive()
                 with self._lock:
                     has_pending = bool(self._pending)
                 if has_pending or self.scheduler.has_runnable_work():
@@ -359,7 +362,8 @@ class Engine:
         if thread is not None:
             thread.join(timeout=30)
         if self._gang is not None and (thread is None or not thread.is_alive()):
-            self._gang.stop()  # the followers' loops end (not while a step may still be in a collective)
+            with self._step_lock:  # the followers' loops end (not while a step may still be in a collective)
+                self._gang.stop()
         with self._lock:  # callers still awaiting generate() must not hang
             for target in self._listeners.values():
                 self._notify(target, RuntimeError("engine shut down"))

@@ -35,7 +35,8 @@ class BackendCapabilities:
     needs_triton: bool = False  # triton must be importable
     # devices it runs on only through Triton's interpreter (TRITON_INTERPRET=1, what the tests set)
     interpreted_devices: tuple[str, ...] = ()
-    tensor_parallel: tuple[int, ...] = (1,)  # the tensor-parallel degrees it supports
+    # the tensor-parallel degrees it supports; None: any the model splits by (pd/engine/parallel/tp.py check_tp)
+    tensor_parallel: tuple[int, ...] | None = (1,)
 
     def why_not(self, device: str, dtype: str, head_size: int | None = None, block_size: int | None = None,
                 tensor_parallel: int = 1) -> str | None:
@@ -54,7 +55,7 @@ class BackendCapabilities:
             return f"'{self.name}' supports head sizes {self.head_sizes}; here it is {head_size}"
         if self.block_sizes is not None and block_size is not None and block_size not in self.block_sizes:
             return f"'{self.name}' supports block sizes {self.block_sizes}; here it is {block_size}"
-        if tensor_parallel not in self.tensor_parallel:
+        if self.tensor_parallel is not None and tensor_parallel not in self.tensor_parallel:
             return (f"'{self.name}' supports tensor-parallel degrees {self.tensor_parallel}; "
                     f"here it is {tensor_parallel}")
         return None
@@ -62,10 +63,12 @@ class BackendCapabilities:
 
 _ALL_DTYPES = ("float32", "bfloat16", "float16")
 
-TORCH = BackendCapabilities("torch", devices=("cpu", "cuda"), dtypes=_ALL_DTYPES)
+TORCH = BackendCapabilities("torch", devices=("cpu", "cuda"), dtypes=_ALL_DTYPES, tensor_parallel=None)
+# (TP 1 only: its step executor runs the whole layer stack in one C++ call, with no place for an all-reduce)
 FUSED = BackendCapabilities("fused", devices=("cpu",), dtypes=("float32",), needs_cpp_kernels=True)
+# (at TP > 1 without CUDA graphs, for now: pd/engine/runner/compute.py)
 TRITON = BackendCapabilities("triton", devices=("cuda",), dtypes=_ALL_DTYPES, graph_safe=True, needs_triton=True,
-                             interpreted_devices=("cpu",))
+                             interpreted_devices=("cpu",), tensor_parallel=None)
 
 # The backends by name: the one declaration of the names a config may give (besides AUTO).
 CAPABILITIES: dict[str, BackendCapabilities] = {c.name: c for c in (TORCH, FUSED, TRITON)}

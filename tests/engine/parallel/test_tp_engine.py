@@ -4,8 +4,9 @@ A tiny float32 random model with a sliding-window layer (4 query heads, 2 KV hea
 gangs of 2 ranks (KV heads split) and 4 ranks (each KV head on 2 ranks), with prefix caching on (a
 second wave of prompts shares the first wave's prefix). Every prompt's 16 tokens must equal TP 1's,
 computed here by a plain engine; the one allowed escape is a near-tie: at a first divergence, TP 1's
-top-2 logit gap must be under 1e-4. Rank 0's pool must be all free at the end. The TP 2 gang ends by
-rank 0's shutdown, which must end the followers' loops; the TP 4 gang ends by a follower's SIGKILL,
+top-2 logit gap must be under 1e-4. Rank 0's pool must be all free at the end. The TP 2 gang's ranks
+must hold KV in the same blocks, a block zeroed on rank 0 (a failed load's) must be zeroed on the
+follower before the next message, and rank 0's shutdown must end the followers' loops; the TP 4 gang ends by a follower's SIGKILL,
 which rank 0's engine must report (dead, with an error naming the gang) within seconds, the other
 followers' loops failing too. Refusals that need no gang (fused backend, KV audit, a TP the model
 cannot be split by) and the checkpoint slice reads are checked in this process.
@@ -57,6 +58,11 @@ def _rank0(group, config: EngineConfig, ending: str, ready_file: str) -> dict:
               "tp": engine.tp_shape.tp}
     assert_all_free(engine.kv_cache_manager)
     if ending == "stop":
+        # a failed load's pages, zeroed by the connector seam through the runner: on every rank before the next step
+        used = _used_pages(engine.page_pool)
+        engine.runner.zero_blocks({used[0]})
+        engine.runner.keepalive()  # (the next message: an empty plan carrying the blocks to zero)
+        result.update(used=used, after_zero=_used_pages(engine.page_pool))
         engine.shutdown()
         return result
     engine.start()  # idle: keepalives go out, until a follower dies
@@ -70,10 +76,15 @@ def _rank0(group, config: EngineConfig, ending: str, ready_file: str) -> dict:
     return result
 
 
+def _used_pages(pool) -> list[int]:
+    return [b for b in range(pool.num_blocks) if int(pool.buffer[b].count_nonzero())]
+
+
 def _follower(group, config: EngineConfig) -> dict:
     follower = Follower(config, group)
     follower.run()
-    info = {"steps": follower.num_steps, "num_blocks": follower.page_pool.num_blocks,
+    info = {"used": _used_pages(follower.page_pool), "steps": follower.num_steps,
+            "num_blocks": follower.page_pool.num_blocks,
             "heads": list(follower.shape.heads_of(group.rank)), "local_heads": follower.layout.num_kv_heads}
     follower.close()
     return info
@@ -120,6 +131,8 @@ def test_tp2_gives_tp1_tokens_and_stop_ends_the_followers(tp1_tokens, tmp_path):
     assert follower["heads"] == [1] and follower["local_heads"] == 1
     assert follower["num_blocks"] == rank0["num_blocks"]
     assert follower["steps"] > 0  # it ran the forwards (then returned on stop, not on an error)
+    # the same blocks hold KV on both ranks (a block id means the same tokens), and the zeroed one on neither
+    assert len(rank0["used"]) > 1 and rank0["after_zero"] == rank0["used"][1:] == follower["used"]
 
 
 @pytest.mark.timeout(200)
@@ -179,3 +192,38 @@ def test_a_rank_reads_exactly_its_slices_of_a_checkpoint(tmp_path, tp):
         for name in want:
             assert torch.equal(got[name], want[name]), name
         assert got["model.layers.0.self_attn.k_proj.weight"].shape[0] == MODEL.resolved_head_dim  # one KV head
+
+
+def test_a_step_plan_round_trips_and_a_malformed_chunk_is_refused():
+    from pd.engine.runner.tp_runner import decode_chunks, encode_plan
+    from pd.engine.sched.output import ScheduledChunk
+
+    chunks = [ScheduledChunk("r1", [5, 6, 7], 4, ([3, 9], [4]), True), ScheduledChunk("r2", [8], 12, ([2],), False)]
+    plan = encode_plan(chunks, ["gone"], [7, 3])
+    assert decode_chunks(plan) == chunks and plan["zero"] == [3, 7] and plan["finished"] == ["gone"]
+    for bad in (["r1", [5, "6"], 4, [[3]], True], ["r1", [5], "4", [[3]], True], [1, [5], 4, [[3]], True]):
+        with pytest.raises(ValueError, match="malformed"):
+            decode_chunks({"chunks": [bad]})
+
+
+def test_the_seam_zeroes_failed_loads_through_the_runner_given():
+    from connectors.noop import NoopConnector, NoopConnectorWorker
+    from pd.engine.kv.page_pool import PagePool
+    from pd.engine.runner.kv_connector import ConnectorSeam
+    from pd.engine.sched.output import SchedulerOutput
+
+    class FailedLoad(NoopConnectorWorker):
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            return {3, 4}
+
+    connector = NoopConnector()
+    connector.worker = FailedLoad()
+    zeroed: list[set[int]] = []
+    seam = ConnectorSeam(connector, PagePool(6, 64), zero_blocks=zeroed.append)
+    seam.before_forward(SchedulerOutput(chunks=[]))
+    assert seam.after_forward().invalid_block_ids == {3, 4} and zeroed == [{3, 4}]
+
+
+def test_rank_0_is_the_engine_not_a_follower():
+    with pytest.raises(ValueError, match="rank 0 of a TP gang is the engine"):
+        Follower(CONFIG, _FakeGroup(2, rank=0))  # type: ignore[arg-type]
