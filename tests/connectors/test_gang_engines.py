@@ -59,18 +59,20 @@ def _check_tokens(got: dict[str, list[int]], want: dict[str, list[int]]) -> None
 
 
 def _run(p_tp: int, d_tp: int, data_path: str, shared: str, lie_slices: int = 0,
-         d_config: EngineConfig = CONFIG) -> tuple[list[dict], list[dict]]:
-    with Gang(p_tp, p_rank, CONFIG, PROMPTS, data_path, shared, lie_slices, timeout_s=30.0) as p_gang, \
-            Gang(d_tp, d_rank, d_config, GREEDY, PROMPTS, data_path, shared, timeout_s=30.0) as d_gang:
+         d_config: EngineConfig = CONFIG, streaming: bool = False) -> tuple[list[dict], list[dict]]:
+    with Gang(p_tp, p_rank, CONFIG, PROMPTS, data_path, shared, lie_slices, streaming, timeout_s=30.0) as p_gang, \
+            Gang(d_tp, d_rank, d_config, GREEDY, PROMPTS, data_path, shared, streaming, timeout_s=30.0) as d_gang:
         d_replies = d_gang.results(wait_s=200)
         p_replies = p_gang.results(wait_s=60)
     assert all("result" in r for r in p_replies + d_replies), (p_replies, d_replies)
     return [r["result"] for r in p_replies], [r["result"] for r in d_replies]
 
 
-def _check(p_tp: int, d_tp: int, data_path: str, tp1_tokens, tmp_path) -> None:
-    p_res, d_res = _run(p_tp, d_tp, data_path, str(tmp_path))
+def _check(p_tp: int, d_tp: int, data_path: str, tp1_tokens, tmp_path, streaming: bool = False) -> None:
+    p_res, d_res = _run(p_tp, d_tp, data_path, str(tmp_path), streaming=streaming)
     d0 = d_res[0]
+    if streaming:  # every block of every prompt came as its own published part
+        assert d0["stream_parts"] >= sum(len(t) // CONFIG.block_size for t in PROMPTS.values()), d0
     assert d0["errors"] == {} and d0["failures"] == {}, d0
     _check_tokens(d0["tokens"], tp1_tokens)
     assert set(d0["paths"]["p-gang"]) == {"gang"}
@@ -95,6 +97,13 @@ def _check(p_tp: int, d_tp: int, data_path: str, tp1_tokens, tmp_path) -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp", "data_path"), [(2, 1, "shm"), (1, 2, "tcp")])
 def test_hetero_tp_through_the_connector_gives_tp1_tokens(p_tp, d_tp, data_path, tp1_tokens, tmp_path):
     _check(p_tp, d_tp, data_path, tp1_tokens, tmp_path)
+
+
+@pytest.mark.timeout(280)
+def test_chunk_streaming_between_gangs(tp1_tokens, tmp_path):
+    """`transfer.streaming: chunk` with TP: P publishes each prefill step's blocks, D's ranks pull each
+    part as it is published (whole pages: every rank its heads of them)."""
+    _check(1, 2, "shm", tp1_tokens, tmp_path, streaming=True)
 
 
 @pytest.mark.timeout(280)

@@ -1,6 +1,6 @@
 """KV between TP gangs whose ranks are real processes (pd/tools/gang_bench.py's rank agents: each
 process one rank's pool and agent, registered on its gang's control socket): P TP 1 -> D TP 2 over
-the mapped pools and P TP 2 -> D TP 1 over tcp. Each D rank ends holding exactly its heads of the
+the mapped pools, and (slow) P TP 2 -> D TP 1 over tcp. Each D rank ends holding exactly its heads of the
 canonical pages (checksums of its own pool), received its share and only from the P ranks the
 mapping rule names."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ ARGS = argparse.Namespace(kv_heads=2, head_dim=8, layers=3, block_size=4, blocks
                           start_timeout_s=120.0)
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "path"), [(1, 2, "shm"), (2, 1, "tcp")])
+@pytest.mark.parametrize(("p_tp", "d_tp", "path"), [(1, 2, "shm"), pytest.param(2, 1, "tcp", marks=pytest.mark.slow)])
 def test_rank_processes_move_their_own_heads(p_tp, d_tp, path):
     row = run_pair(ARGS, p_tp, d_tp, path)  # raises unless every D rank holds its heads
     page = _layout(ARGS).page_size_bytes

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from connectors.params import make_stream_params
 from connectors.zmq.connector import KVRole, ZmqConnector, ZmqConnectorConfig
 from connectors.zmq.gang.gang_control import GangControl
 from connectors.zmq.gang.gang_side import GangSide
@@ -34,6 +35,7 @@ from pd.engine.sample.params import SamplingParams
 SECRET = b"gang-engines-secret-0123456789"
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 WAIT_S = 120.0
+STREAM_CHUNK = 4  # streamed prefills: one block per step, each published (and pulled) on its own
 
 
 def _heads(config: EngineConfig, tp: int, rank: int) -> tuple[RankHeads, HeadGeometry]:
@@ -58,7 +60,8 @@ def _write(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _engine(group, config: EngineConfig, role: KVRole, side: str, data_path: str, shared: str) -> Engine:
+def _engine(group, config: EngineConfig, role: KVRole, side: str, data_path: str, shared: str,
+            streaming: bool = False) -> Engine:
     tp = group.world_size
     control = GangControl(tp, parent_dir=shared) if tp > 1 else None
     if control is not None:
@@ -69,7 +72,8 @@ def _engine(group, config: EngineConfig, role: KVRole, side: str, data_path: str
         gang = GangSide(tp, heads, geometry, control, load_timeout_s=30.0)
     connector = ZmqConnector(ZmqConnectorConfig(
         engine_id=f"{side}-gang", role=role, secret=SECRET, model_id="tiny-tp", lease_s=30.0, data_path=data_path,
-        transfer_timeout_s=30.0), KVLayout(config.model, config.block_size).kv_cache_groups(), gang=gang)
+        transfer_timeout_s=30.0, streaming="chunk" if streaming else "off", stream_chunk_tokens=STREAM_CHUNK),
+        KVLayout(config.model, config.block_size).kv_cache_groups(), gang=gang)
     return Engine(config, connector=connector, tp=group)
 
 
@@ -92,12 +96,24 @@ def _finished(rids):
     return lambda outs: all(r in outs and outs[r][-1].finished for r in rids)
 
 
-def prefill_rank0(group, config: EngineConfig, prompts: dict, data_path: str, shared: str) -> dict:
-    engine = _engine(group, config, KVRole.PRODUCER, "p", data_path, shared)
+def prefill_rank0(group, config: EngineConfig, prompts: dict, data_path: str, shared: str,
+                  streaming: bool = False) -> dict:
+    engine = _engine(group, config, KVRole.PRODUCER, "p", data_path, shared, streaming)
+    if streaming:  # D gets only our address; we prefill once it watches every request (each part reaches it)
+        _write(os.path.join(shared, "params"), {rid: make_stream_params("p-gang", "127.0.0.1", engine.connector.port,
+                                                                        rid).to_dict() for rid in prompts})
+        publisher, deadline = engine.connector.worker.producer.stream, time.monotonic() + WAIT_S
+        while not all(publisher.is_watched(rid) for rid in prompts):
+            if time.monotonic() > deadline:
+                raise TimeoutError("D never watched the streamed requests")
+            time.sleep(0.01)
     for rid, tokens in prompts.items():
-        engine.add_request(rid, tokens, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True})
+        engine.add_request(rid, tokens, PREFILL_ONLY,
+                           kv_transfer_params={"do_remote_decode": True, "streaming": True} if streaming else
+                           {"do_remote_decode": True})
     outs = _step_until(engine, _finished(prompts))
-    _write(os.path.join(shared, "params"), {rid: outs[rid][-1].kv_transfer_params.to_dict() for rid in prompts})
+    if not streaming:
+        _write(os.path.join(shared, "params"), {rid: outs[rid][-1].kv_transfer_params.to_dict() for rid in prompts})
     _wait_file(os.path.join(shared, "done"))
     deadline = time.monotonic() + 30  # D's DONE releases the leases: then every block is free
     while True:
@@ -116,8 +132,8 @@ def prefill_rank0(group, config: EngineConfig, prompts: dict, data_path: str, sh
 
 
 def decode_rank0(group, config: EngineConfig, params: SamplingParams, prompts: dict, data_path: str,
-                 shared: str) -> dict:
-    engine = _engine(group, config, KVRole.CONSUMER, "d", data_path, shared)
+                 shared: str, streaming: bool = False) -> dict:
+    engine = _engine(group, config, KVRole.CONSUMER, "d", data_path, shared, streaming)
     _wait_file(os.path.join(shared, "params"))
     with open(os.path.join(shared, "params")) as f:
         sent = json.load(f)
@@ -132,6 +148,7 @@ def decode_rank0(group, config: EngineConfig, params: SamplingParams, prompts: d
     agent = gang._agent if gang is not None else None
     _write(os.path.join(shared, "done"), {})
     result = {"tokens": tokens, "errors": errors, "blocks_recv": stats["blocks_recv"],
+              "stream_parts": stats.get("stream_parts_received", 0),
               "failures": stats["failures"], "paths": engine.connector.worker.consumer.data_paths(),
               "received": agent.received_bytes if agent else -1,
               "received_from": {str(k): v for k, v in agent.received_from.items()} if agent else {}}
@@ -177,11 +194,11 @@ def follower(group, config: EngineConfig, side: str, shared: str, lie_slices: in
     return out
 
 
-def p_rank(group, config, prompts, data_path, shared, lie_slices=0):
-    return prefill_rank0(group, config, prompts, data_path, shared) if group.rank == 0 else \
+def p_rank(group, config, prompts, data_path, shared, lie_slices=0, streaming=False):
+    return prefill_rank0(group, config, prompts, data_path, shared, streaming) if group.rank == 0 else \
         follower(group, config, "p", shared, lie_slices)
 
 
-def d_rank(group, config, params, prompts, data_path, shared):
-    return decode_rank0(group, config, params, prompts, data_path, shared) if group.rank == 0 else \
+def d_rank(group, config, params, prompts, data_path, shared, streaming=False):
+    return decode_rank0(group, config, params, prompts, data_path, shared, streaming) if group.rank == 0 else \
         follower(group, config, "d", shared)
