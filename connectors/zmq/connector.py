@@ -150,7 +150,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
             except ValueError as e:
                 logger.debug("no gang path for this worker: %s", e)
         if gang is not None:
-            gang.attach_pool(page_pool, serve=cfg.is_producer)
+            gang.attach_pool(page_pool, serve=cfg.is_producer, canonical_page_bytes=page_bytes)
         self._gang_in_use = gang
         if cfg.is_producer:
             self.producer = Producer(ProducerConfig(

@@ -78,7 +78,7 @@ def _check(p_tp: int, d_tp: int, data_path: str, tp1_tokens, tmp_path, streaming
     assert set(d0["paths"]["p-gang"]) == {"gang"}
     page = KVLayout(MODEL, CONFIG.block_size).page_size_bytes
     blocks = d0["blocks_recv"]
-    assert blocks > 0
+    assert blocks > 0 and d0["bytes_recv"] == blocks * page  # D's figures count canonical pages
     plan = transfer_plan(p_tp, d_tp, MODEL.num_kv_heads)
     for r, res in enumerate(d_res):
         want = {}

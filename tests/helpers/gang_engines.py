@@ -147,7 +147,7 @@ def decode_rank0(group, config: EngineConfig, params: SamplingParams, prompts: d
     gang = engine.connector.worker._gang_in_use
     agent = gang._agent if gang is not None else None
     _write(os.path.join(shared, "done"), {})
-    result = {"tokens": tokens, "errors": errors, "blocks_recv": stats["blocks_recv"],
+    result = {"tokens": tokens, "errors": errors, "blocks_recv": stats["blocks_recv"], "bytes_recv": stats["bytes_recv"],
               "stream_parts": stats.get("stream_parts_received", 0),
               "failures": stats["failures"], "paths": engine.connector.worker.consumer.data_paths(),
               "received": agent.received_bytes if agent else -1,

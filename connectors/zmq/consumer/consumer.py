@@ -169,7 +169,8 @@ class Consumer(StreamLoads):
         if job.bad and job.cause is None:
             job.cause = FailureCause.PULL_REFUSED
         ok = job.cause is None and not job.bad
-        nbytes = len(job.dst) * self.pool.page_size_bytes if ok else 0
+        page_bytes = self.gang.canonical_page_bytes if self.gang is not None and self.gang.tp > 1 else 0
+        nbytes = len(job.dst) * (page_bytes or self.pool.page_size_bytes) if ok else 0  # (canonical pages)
         job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)
         self._finished.append(job.result)
         if ok:

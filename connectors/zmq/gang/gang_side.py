@@ -65,6 +65,7 @@ class GangSide:
         self.host = host
         self.load_timeout_s = load_timeout_s
         self.register_timeout_s = register_timeout_s
+        self.canonical_page_bytes = 0  # a TP 1 page's bytes (set with the pool)
         self.shm_ok = True  # consumer: same-host gangs may map each other's pools (`data_path` not tcp)
         self._control = control
         self._agent: RankAgent | None = None
@@ -78,11 +79,13 @@ class GangSide:
         return cls(1, RankHeads(0, 0, heads), HeadGeometry(heads, size, dtype), host=host,
                    load_timeout_s=load_timeout_s)
 
-    def attach_pool(self, pool: KVPages, serve: bool) -> None:
+    def attach_pool(self, pool: KVPages, serve: bool, canonical_page_bytes: int | None = None) -> None:
         """The connector's pool (rank 0's); a gang of TP > 1 starts rank 0's agent now and waits for
-        every rank, a gang of one only when first used."""
+        every rank, a gang of one only when first used. `canonical_page_bytes`: a TP 1 page (what a
+        load's byte counts mean; default: this pool's page)."""
         with self._lock:
             self._pool, self._serve = pool, serve
+            self.canonical_page_bytes = canonical_page_bytes or pool.page_size_bytes
         if self.tp > 1:
             self.control()
 

@@ -120,7 +120,7 @@ def _heads(pages: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 def gather(pages: torch.Tensor, block_ids: list[int], first: int, count: int) -> torch.Tensor:
     """Heads `first ..` of these blocks, packed: (len(block_ids), rows, count, head_dim), contiguous."""
-    return _heads(pages, first, count).index_select(0, _index(block_ids, pages.shape[0]))
+    return _heads(pages, first, count).index_select(0, _index(block_ids, pages.shape[0]).to(pages.device))
 
 
 def scatter(pages: torch.Tensor, block_ids: list[int], first: int, packed: torch.Tensor) -> None:
@@ -128,7 +128,7 @@ def scatter(pages: torch.Tensor, block_ids: list[int], first: int, packed: torch
     dst = _heads(pages, first, packed.shape[2])
     if tuple(packed.shape) != (len(block_ids), *dst.shape[1:]) or packed.dtype != pages.dtype:
         raise ValueError(f"packed heads {tuple(packed.shape)} do not fit {(len(block_ids), *dst.shape[1:])}")
-    dst.index_copy_(0, _index(block_ids, pages.shape[0]), packed)
+    dst.index_copy_(0, _index(block_ids, pages.shape[0]).to(pages.device), packed.to(pages.device))
 
 
 def block_bytes(packed: torch.Tensor) -> list[memoryview]:

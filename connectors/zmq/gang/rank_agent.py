@@ -78,6 +78,9 @@ class RankAgent:
                     answer = self._run(msg_type, msg)
                 except (ValueError, MalformedMessage, OSError) as e:
                     answer = agent_wire.encode("err", id=msg.get("id", 0), reason=str(e)[:500])
+                except Exception as e:  # noqa: BLE001 -- a bug fails this command, not the rank's agent
+                    logger.exception("rank agent %d: %s failed", self.heads.rank, msg_type)
+                    answer = agent_wire.encode("err", id=msg.get("id", 0), reason=f"{type(e).__name__}: {e}"[:500])
                 self._sock.send(answer)
                 if msg_type == "stop":
                     return

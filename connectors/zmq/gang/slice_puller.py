@@ -97,6 +97,8 @@ class SlicePuller:
     def pull(self, ticket: bytes, sources: list[dict], src: list[int], dst: list[int], path: str,
              timeout_s: float) -> PullResult:
         """Lands this rank's heads of P blocks `src` in its blocks `dst`."""
+        if path == "shm" and self.pool.device.type != "cpu":
+            raise ValueError("the shm gang path lands in CPU pools only")
         if path not in PATHS:
             raise ValueError(f"unknown gang data path {path!r} (want one of {PATHS})")
         if len(src) != len(dst) or not dst or any(not 0 <= b < self.pool.num_blocks for b in dst):

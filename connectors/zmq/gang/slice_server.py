@@ -96,6 +96,8 @@ class SliceServer:
                     logger.debug("slice server: dropped a malformed request: %s", e)
                 except zmq.ZMQError as e:
                     logger.debug("slice server: answer not sent: %s", e)
+                except Exception:  # a bug must not end the rank's serving: that request goes unanswered
+                    logger.exception("slice server: a request failed")
         finally:
             self._sock.close(linger=0)
 
@@ -111,6 +113,8 @@ class SliceServer:
             self._sock.send_multipart([who, agent_wire.encode("err", id=msg["id"], reason=reason)])
             return
         packed = gather(self._pages, block_ids, first, count)
+        if packed.device.type != "cpu":  # a CUDA pool: the heads leave through host memory (tcp)
+            packed = packed.cpu()
         digests = [digest(b) for b in block_bytes(packed)]
         head = agent_wire.encode("sliced", id=msg["id"], digests=digests)
         self.served_slices += 1
