@@ -202,3 +202,47 @@ def test_a_d_rank_that_never_answers_fails_the_load_in_bounded_time():
         assert g.d_agents[0].received_bytes > 0  # rank 0's part landed; the blocks are still untrusted
     finally:
         g.close(timeout_s=0.5)  # (rank 1 cannot answer its stop)
+
+
+def _with_faults(g: Gangs, spec: str, side: str, rank: int) -> None:
+    """Gives rank `rank` of one side a fault plan (as a worker hands its plan to its ranks)."""
+    from connectors.links.faults import FaultPlan
+    from pd.cluster.fault_rules import ALL_POINTS
+
+    agent = (g.p_agents if side == "p" else g.d_agents)[rank]
+    agent.faults.plan = FaultPlan.parse(spec, ALL_POINTS)
+
+
+@pytest.mark.parametrize(("spec", "cause", "bad"), [("gang.rank1.slice:corrupt", "checksum", D_BLOCKS[:1]),
+                                                    ("gang.slice:drop", "timeout", D_BLOCKS),
+                                                    ("gang.slice:delay:0.3", None, [])])
+def test_fault_plans_fire_on_the_p_rank_that_holds_them(spec, cause, bad):
+    g = Gangs(2, 1, 2)
+    try:
+        _with_faults(g, spec, "p", 1)
+        res = g.move("tcp", timeout_s=1.0)
+        assert res.bad == sorted(bad) and (res.cause.value if res.cause else None) == cause
+        assert res.ok or res.seconds < 5.0
+        if cause is None:
+            assert res.seconds >= 0.3
+        half = g.layout.page_size_bytes // 2  # each P rank's head of a page
+        got_from_1 = {"checksum": (len(P_BLOCKS) - 1) * half, "timeout": 0}.get(cause, len(P_BLOCKS) * half)
+        want = {0: len(P_BLOCKS) * half, **({1: got_from_1} if got_from_1 else {})}
+        assert g.d_agents[0].received_from == want
+        assert g.p_agents[1].faults.plan.fired()[0][1] == spec.split(":")[1]
+        assert g.p_agents[0].faults.plan is None and g.move("tcp").ok  # fired once: the next load is whole
+    finally:
+        g.close()
+
+
+def test_a_d_rank_fault_fails_only_the_blocks_it_names():
+    g = Gangs(1, 2, 2)
+    try:
+        _with_faults(g, "gang.rank1.load:corrupt", "d", 1)
+        res = g.move("shm")
+        assert not res.ok and res.bad == [D_BLOCKS[0]] and res.cause.value == "checksum"
+        _with_faults(g, "gang.load:drop", "d", 0)
+        res = g.move("shm", timeout_s=0.5)
+        assert not res.ok and res.cause.value == "timeout" and res.bad == sorted(D_BLOCKS)
+    finally:
+        g.close()

@@ -54,7 +54,9 @@ class GangSide:
     head), its control made on first use."""
 
     def __init__(self, tp: int, heads: RankHeads, geometry: HeadGeometry, control: GangControl | None = None,
-                 host: str = "127.0.0.1", load_timeout_s: float = 30.0, register_timeout_s: float = 60.0):
+                 host: str = "127.0.0.1", load_timeout_s: float = 30.0, register_timeout_s: float = 60.0,
+                 faults: Any = None):
+        """`faults`: the worker's fault plan for rank 0's agent (its `gang.*` points; None: none)."""
         if (control is None) != (tp == 1):
             raise ValueError("a gang of TP > 1 comes with the control its ranks registered on (and only it)")
         if heads.rank != 0 or heads.count != geometry.num_heads:
@@ -67,6 +69,7 @@ class GangSide:
         self.register_timeout_s = register_timeout_s
         self.canonical_page_bytes = 0  # a TP 1 page's bytes (set with the pool)
         self.shm_ok = True  # consumer: same-host gangs may map each other's pools (`data_path` not tcp)
+        self.faults = faults
         self._control = control
         self._agent: RankAgent | None = None
         self._pool: KVPages | None = None
@@ -98,7 +101,7 @@ class GangSide:
                 self._control = GangControl(1)
             if self._agent is None:
                 self._agent = RankAgent(self._control.address, self._pool, self.geometry, self.heads, self._serve,
-                                        host=self.host)
+                                        host=self.host, faults=self.faults)
             control = self._control
         control.wait_ranks(self.register_timeout_s)
         return control

@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import zmq
 
+from connectors.metrics import FailureCause
 from connectors.pages import KVPages
 from connectors.zmq.control.wire import MalformedMessage
 from connectors.zmq.gang import agent_wire
 from connectors.zmq.gang.head_plan import HeadGeometry, RankHeads
+from connectors.zmq.gang.rank_faults import RankFaults
 from connectors.zmq.gang.slice_puller import SlicePuller
 from connectors.zmq.gang.slice_server import SliceServer
 from connectors.zmq.paths.page_access import InPlacePages
@@ -37,10 +40,13 @@ class RankAgent:
     agent can pull (a decode gang's; a worker that is both prefills and decodes)."""
 
     def __init__(self, control: str, pool: KVPages, geometry: HeadGeometry, heads: RankHeads, serve: bool,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", faults: Any = None):
+        """`faults`: the worker's fault plan (`connectors.links.faults.FaultPlan`, or None): its
+        `gang.*` points fire on this rank (`rank_faults.py`)."""
         self.pool = pool
         self.heads = heads
-        self.server = SliceServer(pool, geometry, host) if serve else None
+        self.faults = RankFaults(faults, heads.rank)
+        self.server = SliceServer(pool, geometry, host, self.faults) if serve else None
         self.puller = SlicePuller(pool, geometry, heads)  # (no socket until it pulls)
         self.received_bytes = 0  # what this rank's loads landed in its pool, in all
         self.received_from: dict[int, int] = {}  # ... by the P rank it came from
@@ -75,13 +81,14 @@ class RankAgent:
                     logger.warning("rank agent %d: dropped a malformed command: %s", self.heads.rank, e)
                     continue
                 try:
-                    answer = self._run(msg_type, msg)
+                    answer: bytes | None = self._run(msg_type, msg)
                 except (ValueError, MalformedMessage, OSError) as e:
                     answer = agent_wire.encode("err", id=msg.get("id", 0), reason=str(e)[:500])
                 except Exception as e:  # noqa: BLE001 -- a bug fails this command, not the rank's agent
                     logger.exception("rank agent %d: %s failed", self.heads.rank, msg_type)
                     answer = agent_wire.encode("err", id=msg.get("id", 0), reason=f"{type(e).__name__}: {e}"[:500])
-                self._sock.send(answer)
+                if answer is not None:  # (None: a fault plan dropped it)
+                    self._sock.send(answer)
                 if msg_type == "stop":
                     return
         finally:
@@ -90,16 +97,22 @@ class RankAgent:
             self.puller.close()
             self._sock.close(linger=1000)  # lets the last answer (stop's) out
 
-    def _run(self, msg_type: str, msg: dict) -> bytes:
+    def _run(self, msg_type: str, msg: dict) -> bytes | None:
         cid = msg["id"]
         if msg_type == "grant" and self.server is not None:
             self.server.grant(msg["ticket"], msg["block_ids"], msg["ttl_s"])
         elif msg_type == "revoke" and self.server is not None:
             self.server.revoke(msg["ticket"])
         elif msg_type == "load":
+            fault = self.faults.fire("load")
+            if fault == "drop":
+                return None
             start = time.perf_counter()
             res = self.puller.pull(msg["ticket"], agent_wire.sources_of(msg), msg["src"], msg["dst"], msg["path"],
                                    msg["timeout_s"])
+            if fault == "corrupt" and msg["dst"]:
+                res.bad = sorted(set(res.bad) | {msg["dst"][0]})
+                res.cause = res.cause or FailureCause.CHECKSUM
             self.received_bytes += res.nbytes
             for p_rank, n in res.by_source.items():
                 self.received_from[p_rank] = self.received_from.get(p_rank, 0) + n

@@ -24,6 +24,7 @@ from connectors.pages import KVPages
 from connectors.zmq.control.wire import MalformedMessage
 from connectors.zmq.gang import agent_wire
 from connectors.zmq.gang.head_plan import HeadGeometry, block_bytes, gather, pool_heads
+from connectors.zmq.gang.rank_faults import RankFaults
 from connectors.zmq.paths.page_access import digest
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ _POLL_MS = 100  # the serving thread notices `close` this often
 class SliceServer:
     """Serves this rank's heads of granted blocks on `endpoint` (tcp://host:port)."""
 
-    def __init__(self, pool: KVPages, geometry: HeadGeometry, host: str = "127.0.0.1"):
+    def __init__(self, pool: KVPages, geometry: HeadGeometry, host: str = "127.0.0.1",
+                 faults: RankFaults | None = None):
         self.pool = pool
+        self.faults = faults  # a fault plan's `gang.slice` points (rank_faults.py)
         self.geometry = geometry
         self._pages = pool_heads(pool, geometry)
         self._tickets: dict[bytes, tuple[frozenset[int], float]] = {}
@@ -112,15 +115,20 @@ class SliceServer:
         if reason is not None:
             self._sock.send_multipart([who, agent_wire.encode("err", id=msg["id"], reason=reason)])
             return
+        fault = self.faults.fire("slice") if self.faults is not None else None
+        if fault == "drop":
+            return
         packed = gather(self._pages, block_ids, first, count)
         if packed.device.type != "cpu":  # a CUDA pool: the heads leave through host memory (tcp)
             packed = packed.cpu()
         digests = [digest(b) for b in block_bytes(packed)]
+        if fault == "corrupt" and digests:
+            digests[0] ^= 1
         head = agent_wire.encode("sliced", id=msg["id"], digests=digests)
         self.served_slices += 1
+        frames: list = [who, head]
         if msg["send"]:
-            data = packed.reshape(-1).view(packed.dtype).numpy()
-            self._sock.send_multipart([who, head, memoryview(data).cast("B")], copy=False)
+            frames.append(memoryview(packed.reshape(-1).numpy()).cast("B"))
             self.served_bytes += packed.numel() * packed.element_size()
-        else:
-            self._sock.send_multipart([who, head])
+        for _ in range(2 if fault == "dup" else 1):
+            self._sock.send_multipart(frames, copy=False)
