@@ -5,9 +5,10 @@ gangs of 2 ranks (KV heads split) and 4 ranks (each KV head on 2 ranks), with pr
 second wave of prompts shares the first wave's prefix). Every prompt's 16 tokens must equal TP 1's,
 computed here by a plain engine; the one allowed escape is a near-tie: at a first divergence, TP 1's
 top-2 logit gap must be under 1e-4. Rank 0's pool must be all free at the end. The TP 2 gang's ranks
-must hold KV in the same blocks, a block zeroed on rank 0 (a failed load's) must be zeroed on the
-follower before the next message, and rank 0's shutdown must end the followers' loops; the TP 4 gang ends by a follower's SIGKILL,
-which rank 0's engine must report (dead, with an error naming the gang) within seconds, the other
+must hold KV in the same blocks, each rank's pages its heads of TP 1's pages (atol 1e-5), a block
+zeroed on rank 0 (a failed load's) must be zeroed on the follower before the next message, and rank
+0's shutdown must end the followers' loops; the TP 4 gang ends by a follower's SIGKILL, which rank 0's
+engine must report (dead, with an error naming the gang) within seconds, the other
 followers' loops failing too. Refusals that need no gang (fused backend, KV audit, a TP the model
 cannot be split by) and the checkpoint slice reads are checked in this process.
 """
@@ -28,6 +29,7 @@ from pd.engine.model.checkpoint import save_checkpoint
 from pd.engine.model.config import ModelConfig
 from pd.engine.model.llama import build_model
 from pd.engine.parallel.follower import Follower
+from pd.engine.parallel.head_slices import head_view
 from pd.engine.parallel.sharded_model import build_shard, setup_rank, shard_of
 from pd.engine.parallel.tp import TPShape
 from pd.engine.sample.params import SamplingParams
@@ -63,6 +65,7 @@ def _rank0(group, config: EngineConfig, ending: str, ready_file: str) -> dict:
         engine.runner.zero_blocks({used[0]})
         engine.runner.keepalive()  # (the next message: an empty plan carrying the blocks to zero)
         result.update(used=used, after_zero=_used_pages(engine.page_pool))
+        result["pages"] = _pages(engine.layout, engine.page_pool, result["after_zero"])
         engine.shutdown()
         return result
     engine.start()  # idle: keepalives go out, until a follower dies
@@ -80,10 +83,16 @@ def _used_pages(pool) -> list[int]:
     return [b for b in range(pool.num_blocks) if int(pool.buffer[b].count_nonzero())]
 
 
+def _pages(layout, pool, blocks: list[int]) -> bytes:
+    """These blocks' KV as (blocks, rows, local heads, head_dim) float32 bytes."""
+    return head_view(layout, pool)[torch.tensor(blocks, dtype=torch.long)].contiguous().numpy().tobytes()
+
+
 def _follower(group, config: EngineConfig) -> dict:
     follower = Follower(config, group)
     follower.run()
-    info = {"used": _used_pages(follower.page_pool), "steps": follower.num_steps,
+    used = _used_pages(follower.page_pool)
+    info = {"used": used, "pages": _pages(follower.layout, follower.page_pool, used), "steps": follower.num_steps,
             "num_blocks": follower.page_pool.num_blocks,
             "heads": list(follower.shape.heads_of(group.rank)), "local_heads": follower.layout.num_kv_heads}
     follower.close()
@@ -109,15 +118,20 @@ def _check_tokens(got: dict[str, list[int]], want: dict[str, list[int]]) -> None
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens() -> dict[str, list[int]]:
+def tp1() -> Engine:
     engine = Engine(dataclasses.replace(CONFIG, attention_backend="torch"))
-    tokens = _generate(engine)
+    engine.tokens = _generate(engine)  # type: ignore[attr-defined]
     assert_all_free(engine.kv_cache_manager)
-    return tokens
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tp1) -> dict[str, list[int]]:
+    return tp1.tokens
 
 
 @pytest.mark.timeout(200)  # spawning ranks imports torch: slow on a busy box, never stuck
-def test_tp2_gives_tp1_tokens_and_stop_ends_the_followers(tp1_tokens, tmp_path):
+def test_tp2_gives_tp1_tokens_and_stop_ends_the_followers(tp1, tp1_tokens, tmp_path):
     with Gang(2, _rank, CONFIG, "stop", str(tmp_path / "ready"), timeout_s=20.0) as gang:
         replies = gang.results(wait_s=150)
         gang.close()
@@ -133,6 +147,14 @@ def test_tp2_gives_tp1_tokens_and_stop_ends_the_followers(tp1_tokens, tmp_path):
     assert follower["steps"] > 0  # it ran the forwards (then returned on stop, not on an error)
     # the same blocks hold KV on both ranks (a block id means the same tokens), and the zeroed one on neither
     assert len(rank0["used"]) > 1 and rank0["after_zero"] == rank0["used"][1:] == follower["used"]
+    # each rank's pages are its heads of TP 1's pages, block for block (the canonical layout a transfer moves)
+    canonical = head_view(tp1.layout, tp1.page_pool)[torch.tensor(follower["used"], dtype=torch.long)]
+    shape = TPShape(2, MODEL.num_kv_heads, MODEL.num_heads)
+    for rank, reply in enumerate((rank0, follower)):
+        heads = shape.heads_of(rank)
+        mine = torch.frombuffer(bytearray(reply["pages"]), dtype=torch.float32).view(
+            len(follower["used"]), canonical.shape[1], len(heads), canonical.shape[3])
+        torch.testing.assert_close(mine, canonical[:, :, heads.start:heads.stop], atol=1e-5, rtol=0)
 
 
 @pytest.mark.timeout(200)
