@@ -27,3 +27,10 @@ def test_rank_processes_move_their_own_heads(p_tp, d_tp, path):
                 want[str(s.p_rank)] = want.get(str(s.p_rank), 0) + ARGS.blocks * page * s.count // ARGS.kv_heads
         assert row["by_rank"][str(r)] == want
         assert row["rank_bytes"][r] == ARGS.blocks * page // d_tp
+
+
+def test_the_bench_refuses_a_tp_the_kv_heads_cannot_be_split_by():
+    from pd.tools.gang_bench import main
+
+    with pytest.raises(ValueError, match="TP 3 and 2 KV heads"):
+        main(["--p-tp", "3", "--kv-heads", "2"])

@@ -118,9 +118,33 @@ def _heads(pages: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return pages.narrow(2, first, count)
 
 
-def gather(pages: torch.Tensor, block_ids: list[int], first: int, count: int) -> torch.Tensor:
-    """Heads `first ..` of these blocks, packed: (len(block_ids), rows, count, head_dim), contiguous."""
-    return _heads(pages, first, count).index_select(0, _index(block_ids, pages.shape[0]).to(pages.device))
+def gather(pages: torch.Tensor, block_ids: list[int], first: int, count: int,
+           scratch: Scratch | None = None) -> torch.Tensor:
+    """Heads `first ..` of these blocks, packed: (len(block_ids), rows, count, head_dim), contiguous
+    (in `scratch`'s memory when given: fresh memory costs a page fault per page on first touch)."""
+    src = _heads(pages, first, count)
+    index = _index(block_ids, pages.shape[0]).to(pages.device)
+    if scratch is None:
+        return src.index_select(0, index)
+    return torch.index_select(src, 0, index, out=scratch.take((len(block_ids), *src.shape[1:]), pages.dtype,
+                                                              pages.device))
+
+
+class Scratch:
+    """One reusable buffer (grown as needed) for packed heads; its user must be done with one
+    `take`'s tensor before the next `take`."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if self._flat is None or self._flat.numel() < nbytes or self._flat.device != device:
+            self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._flat[:nbytes].view(dtype).view(shape)
 
 
 def scatter(pages: torch.Tensor, block_ids: list[int], first: int, packed: torch.Tensor) -> None:

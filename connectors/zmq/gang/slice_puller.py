@@ -27,8 +27,8 @@ from connectors.metrics import FailureCause
 from connectors.pages import KVPages
 from connectors.zmq.control.wire import MalformedMessage
 from connectors.zmq.gang import agent_wire
-from connectors.zmq.gang.head_plan import (HeadGeometry, RankHeads, SlicePull, block_bytes, gather, head_pages,
-                                           plan_pulls, pool_heads, scatter)
+from connectors.zmq.gang.head_plan import (HeadGeometry, RankHeads, Scratch, SlicePull, block_bytes, gather,
+                                           head_pages, plan_pulls, pool_heads, scatter)
 from connectors.zmq.paths.page_access import digest
 from connectors.zmq.paths.shm_segment import map_pool
 
@@ -63,6 +63,7 @@ class SlicePuller:
         self._socks: dict[str, zmq.Socket] = {}
         self._maps: dict[str, tuple[int, torch.Tensor]] = {}
         self._next_id = 0
+        self._scratch = Scratch()  # shm: the heads copied out of a P pool, checked, then scattered
 
     def close(self) -> None:
         for sock in self._socks.values():
@@ -168,7 +169,7 @@ class SlicePuller:
                 warnings.simplefilter("ignore", UserWarning)
                 packed = torch.from_numpy(raw).view(self._pages.dtype).view(shape)
         else:
-            packed = gather(self._mapped(by_rank[step.p_rank]), src, step.p_first, step.count)
+            packed = gather(self._mapped(by_rank[step.p_rank]), src, step.p_first, step.count, self._scratch)
         good = [i for i, view in enumerate(block_bytes(packed)) if digest(view) == msg["digests"][i]]
         kept = set(good)
         result.bad.extend(dst[i] for i in range(len(dst)) if i not in kept)

@@ -23,7 +23,7 @@ import zmq
 from connectors.pages import KVPages
 from connectors.zmq.control.wire import MalformedMessage
 from connectors.zmq.gang import agent_wire
-from connectors.zmq.gang.head_plan import HeadGeometry, block_bytes, gather, pool_heads
+from connectors.zmq.gang.head_plan import HeadGeometry, Scratch, block_bytes, gather, pool_heads
 from connectors.zmq.gang.rank_faults import RankFaults
 from connectors.zmq.paths.page_access import digest
 
@@ -45,6 +45,8 @@ class SliceServer:
         self._lock = threading.Lock()
         self.served_bytes = 0  # page bytes sent on the tcp path
         self.served_slices = 0  # slice requests answered (either path)
+        self._scratch = Scratch()  # packed heads, reused once zmq sent the last ones (`_sent`)
+        self._sent: zmq.MessageTracker | None = None
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port: int = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -118,7 +120,8 @@ class SliceServer:
         fault = self.faults.fire("slice") if self.faults is not None else None
         if fault == "drop":
             return
-        packed = gather(self._pages, block_ids, first, count)
+        scratch = self._scratch if self._reusable() else None
+        packed = gather(self._pages, block_ids, first, count, scratch)
         if packed.device.type != "cpu":  # a CUDA pool: the heads leave through host memory (tcp)
             packed = packed.cpu()
         digests = [digest(b) for b in block_bytes(packed)]
@@ -131,4 +134,16 @@ class SliceServer:
             frames.append(memoryview(packed.reshape(-1).numpy()).cast("B"))
             self.served_bytes += packed.numel() * packed.element_size()
         for _ in range(2 if fault == "dup" else 1):
-            self._sock.send_multipart(frames, copy=False)
+            tracker = self._sock.send_multipart(frames, copy=False, track=True)
+        self._sent = tracker if scratch is not None and msg["send"] else self._sent
+
+    def _reusable(self) -> bool:
+        """Whether zmq is done with the scratch's last bytes (else this answer takes fresh memory)."""
+        sent = self._sent
+        if sent is None or sent.done:
+            return True
+        try:
+            sent.wait(0.05)
+        except zmq.NotDone:
+            return False
+        return True
