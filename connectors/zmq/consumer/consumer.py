@@ -28,9 +28,9 @@ import zmq
 from connectors.zmq.control import handshake as hs
 from connectors.zmq.control import wire
 from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.gang.gang_path import gang_choice
 from connectors.zmq.gang.gang_side import GangSide
-from connectors.zmq.paths.base import PathName
-from connectors.zmq.paths.choice import DataPath, PathChoice, choose_path, log_choice
+from connectors.zmq.paths.choice import choose_path, log_choice
 from connectors.zmq.consumer.consumer_session import SessionState, RemoteSession, side_socket
 from connectors.zmq.consumer.loads import LoadHandle, LoadResult, RemoteAddr
 from connectors.zmq.paths.base import PullPart
@@ -313,8 +313,8 @@ class Consumer(StreamLoads):
 
     def _open_streams(self, session: RemoteSession, msg: dict) -> None:
         cfg = self.config
-        choice = self._gang_choice(msg) or choose_path(cfg.data_path, msg, self.host_id, self.pool.device.type,
-                                                       cfg.num_tcp_streams, cfg.num_shm_streams)
+        choice = gang_choice(self.gang, msg, cfg.data_path) or choose_path(
+            cfg.data_path, msg, self.host_id, self.pool.device.type, cfg.num_tcp_streams, cfg.num_shm_streams)
         log_choice(choice, cfg.data_path, session.remote.engine_id)
         assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
@@ -327,18 +327,6 @@ class Consumer(StreamLoads):
                 self._dispatch_locked(session, job)
             session.pending = []
         self._flush_done(session)
-
-    def _gang_choice(self, welcome: dict) -> PathChoice | None:
-        """The gang path when either side is a TP gang (its WELCOME says `tp`, or ours is > 1): the
-        pages on the wire are canonical, so only every rank moving its own heads fills them."""
-        p_tp = welcome.get("tp", 1)
-        d_tp = self.gang.tp if self.gang is not None else 1
-        if (type(p_tp) is not int or p_tp <= 1) and d_tp <= 1:
-            return None
-        if self.gang is not None:
-            self.gang.shm_ok = self.config.data_path in (DataPath.AUTO, DataPath.SHM)
-        # two streams: the next pull's ticket is on its way while the ranks land this one
-        return PathChoice(PathName.GANG, 2, f"P TP {p_tp}, D TP {d_tp}: every rank moves its own KV heads")
 
     def _flush_done(self, session: RemoteSession) -> None:
         if session.pending_watch:

@@ -22,11 +22,26 @@ from connectors.zmq.control.wire import MalformedMessage, MsgType
 from connectors.zmq.gang import agent_wire
 from connectors.zmq.gang.gang_side import GangSide
 from connectors.zmq.paths.base import PathName, PathReceiver, PathServer, PathUnavailable, PullPart, Refused
+from connectors.zmq.paths.choice import DataPath, PathChoice
 from connectors.zmq.paths.page_access import PageAccess
 from connectors.zmq.paths.shm_mapped import FINAL_CREDIT, await_credit
 from connectors.zmq.paths.tcp import NO_SHM
 
 logger = logging.getLogger(__name__)
+
+
+def gang_choice(gang: GangSide | None, welcome: dict, data_path: DataPath) -> PathChoice | None:
+    """The consumer's path to a producer: `gang` when either side is a TP gang (its WELCOME says `tp`,
+    or ours is > 1), else None (the plain paths). The pages on the wire are canonical, so only every
+    rank moving its own heads fills them."""
+    p_tp = welcome.get("tp", 1)
+    d_tp = gang.tp if gang is not None else 1
+    if (type(p_tp) is not int or p_tp <= 1) and d_tp <= 1:
+        return None
+    if gang is not None:
+        gang.shm_ok = data_path in (DataPath.AUTO, DataPath.SHM)
+    # two streams: the next pull's ticket is on its way while the ranks land this one
+    return PathChoice(PathName.GANG, 2, f"P TP {p_tp}, D TP {d_tp}: every rank moves its own KV heads")
 
 
 class GangServer(PathServer):
