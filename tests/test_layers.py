@@ -166,12 +166,16 @@ def test_the_connector_checks_see_wrong_imports():
 # Inside `connectors.zmq`: what each room may import of the others. Control (wire, framing, handshake,
 # sessions) is shared by both sides and imports no other room; the data paths build on control alone,
 # so a path never reaches into the producer's or the consumer's state; the producer and the consumer
-# do not import each other.
+# do not import each other. The gang room (KV between TP gangs, each rank its heads) builds on control
+# and the paths, and both sides use it.
 ZMQ_ROOM_IMPORTS = {
     "connectors.zmq.control": set(),
     "connectors.zmq.paths": {"connectors.zmq.control"},
-    "connectors.zmq.producer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
-    "connectors.zmq.consumer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming"},
+    "connectors.zmq.producer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming",
+                                "connectors.zmq.gang"},
+    "connectors.zmq.consumer": {"connectors.zmq.control", "connectors.zmq.paths", "connectors.zmq.streaming",
+                                "connectors.zmq.gang"},
+    "connectors.zmq.gang": {"connectors.zmq.control", "connectors.zmq.paths"},
 }
 
 

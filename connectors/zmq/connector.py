@@ -31,6 +31,7 @@ from connectors.zmq.paths.cuda_staging import StreamFences, fences_for
 from connectors.links.emulated_link import EmulatedLink
 from connectors.links.link_shape import LinkShape
 from connectors.zmq.control.handshake import CompatInfo
+from connectors.zmq.gang.gang_side import GangSide
 from connectors.zmq.streaming.layer_slices import LayerClock, SlicedPages, blocks_of, choose_num_slices
 from connectors.metrics import FailureCause, TransferMetrics
 from connectors.pages import KVPages
@@ -107,8 +108,14 @@ class ZmqConnectorWorker(KVConnectorWorker):
     """Worker half: owns the producer and consumer of this engine."""
 
     def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...], metrics: TransferMetrics,
-                 num_slices: int = 1):
-        """`num_slices` > 1: layer streaming, every page moves as that many layer slices."""
+                 num_slices: int = 1, gang: GangSide | None = None):
+        """`num_slices` > 1: layer streaming, every page moves as that many layer slices. `gang`: this
+        worker's TP gang (TP > 1; `kv_cache_groups` then describe canonical pages, every KV head)."""
+        if gang is not None and gang.tp > 1 and config.streaming == "layer":
+            raise ValueError("transfer.streaming 'layer' with TP > 1: a layer slice is a byte range of a canonical "
+                             "page, but each rank holds a strided run of heads in every layer's rows, so no rank "
+                             "holds a slice; use 'chunk' (whole pages, every rank its heads) or 'off'")
+        self.gang = gang
         self.config = config
         self.num_slices = num_slices
         self.metrics = metrics
@@ -126,19 +133,32 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._offer_shm = config.allow_shm and config.emulated_link is None
         self.shares_page_pool = config.is_producer and self._offer_shm  # same-host consumers map it
         self._lease_sink: Callable[[LeaseReport], None] | None = None  # `report_leases`
+        self._gang_in_use: GangSide | None = None  # the given gang, or a gang of one (TP 1)
 
     def register_kv_caches(self, page_pool: KVPages) -> None:
         cfg = self.config
         self._fences = fences_for(page_pool)
         if cfg.streaming == "layer":  # (one slice too: publishing inside the forward needs a CPU pool)
             page_pool = self._sliced(page_pool)
-        compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_pool.page_size_bytes).hash()
+        gang = self.gang
+        # The hash describes canonical pages (a TP 1 worker's), so any P TP meets any D TP.
+        page_bytes = page_pool.page_size_bytes if gang is None else max(g.page_size_bytes for g in self._groups)
+        compat = CompatInfo.from_groups(cfg.model_id, self._groups, page_bytes).hash()
+        if gang is None and cfg.streaming != "layer":  # TP 1: a gang of one, started only if a gang meets it
+            try:
+                gang = GangSide.for_single_rank(self._groups, cfg.advertise_host or cfg.host, cfg.transfer_timeout_s)
+            except ValueError as e:
+                logger.debug("no gang path for this worker: %s", e)
+        if gang is not None:
+            gang.attach_pool(page_pool, serve=cfg.is_producer, canonical_page_bytes=page_bytes)
+        self._gang_in_use = gang
         if cfg.is_producer:
             self.producer = Producer(ProducerConfig(
                 engine_id=cfg.engine_id, secret=cfg.secret, compat_hash=compat, host=cfg.host, port=cfg.port,
                 lease_s=cfg.lease_s, io_timeout_s=cfg.io_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
                 shm_chunk_bytes=cfg.shm_chunk_bytes, offer_shm=self._offer_shm,
                 offer_device=self._offer_shm), page_pool, self.metrics)
+            self.producer.data_streams.gang = gang
             self.producer.start()
             self.advertised_port = self.producer.port
             if cfg.emulated_link is not None:
@@ -149,6 +169,7 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 num_tcp_streams=cfg.num_tcp_streams, handshake_timeout_s=cfg.handshake_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s, io_timeout_s=cfg.io_timeout_s,
                 heartbeat_interval_s=cfg.heartbeat_interval_s or cfg.lease_s / 6), page_pool, self.metrics)
+            self.consumer.gang = gang
             self.consumer.start()
 
     def _sliced(self, page_pool: KVPages) -> KVPages:
@@ -298,6 +319,8 @@ class ZmqConnectorWorker(KVConnectorWorker):
         if self.producer is not None:
             self.producer.shutdown()
             self._report_leases()  # the leases shutdown ended (outcome shutdown)
+        if self._gang_in_use is not None:
+            self._gang_in_use.close()  # stops every rank's agent
 
 
 class ZmqConnector(KVConnector):
@@ -306,8 +329,9 @@ class ZmqConnector(KVConnector):
     worker: ZmqConnectorWorker
     scheduler: ZmqConnectorScheduler
 
-    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...]):
-        """`kv_cache_groups`: the engine's `KVCacheGroupSpec`s (KVCacheConfig.groups), in group order."""
+    def __init__(self, config: ZmqConnectorConfig, kv_cache_groups: tuple[Any, ...], gang: GangSide | None = None):
+        """`kv_cache_groups`: the engine's `KVCacheGroupSpec`s (KVCacheConfig.groups), in group order;
+        canonical (every KV head) for a TP gang, whose rank 0 passes `gang` (`connectors/zmq/gang/`)."""
         self.config = config
         self.metrics = TransferMetrics()
         layouts = tuple(GroupLayout.from_spec(g.spec) for g in kv_cache_groups)
@@ -318,7 +342,7 @@ class ZmqConnector(KVConnector):
             clock = LayerClock.from_groups(kv_cache_groups, choose_num_slices(num_slots, config.stream_layer_parts))
         super().__init__(
             ZmqConnectorScheduler(config.engine_id, layouts, config.lease_s, self._endpoint, chunk, clock),
-            ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics, clock.num_slices if clock else 1))
+            ZmqConnectorWorker(config, tuple(kv_cache_groups), self.metrics, clock.num_slices if clock else 1, gang))
 
     def _endpoint(self) -> tuple[str, int, Producer | None]:
         producer = self.worker.producer

@@ -16,21 +16,22 @@ Points (`WORKER_POINTS`, used with `connectors.links.faults` rule syntax):
   (its first layer's K shifted after the forward, before the connector seals its checksums), for the
   KV audit to catch (`pd.engine.runner.kv_audit`, `transfer.kv_audit_rate`);
 plus every `connectors.links.fault_points.LINK_POINTS` point (fired by a FaultLink in
-front of the producer a decode worker pulls from).
+front of the producer a decode worker pulls from) and every `GANG_POINTS` point (fired by a TP
+gang's ranks as they move their own KV heads: `connectors/zmq/gang/rank_faults.py`).
 
 This is the pure half of the fault kit: the deploy config validates plans
 with it, and `pd.worker.faults` applies them (it alone imports the link and zmq).
 """
 from __future__ import annotations
 
-from connectors.links.fault_points import LINK_POINTS
+from connectors.links.fault_points import GANG_POINTS, LINK_POINTS
 from connectors.links.faults import FaultAction, FaultPlan, FaultSpecError
 
 WORKER_POINTS = frozenset({"worker.request_received", "worker.prefill_done", "worker.decode_token"})
 ENGINE_POINTS = frozenset({"engine.step", "engine.loop", "engine.device_oom", "engine.device_error",
                            "engine.perturb_kv"})
 CORRUPT_POINTS = frozenset({"engine.perturb_kv"})  # (engine points that do not fail: they corrupt)
-ALL_POINTS = WORKER_POINTS | ENGINE_POINTS | LINK_POINTS
+ALL_POINTS = WORKER_POINTS | ENGINE_POINTS | LINK_POINTS | GANG_POINTS
 WORKER_ACTIONS = (FaultAction.KILL, FaultAction.DELAY, FaultAction.STALL)
 
 

@@ -28,6 +28,8 @@ import zmq
 from connectors.zmq.control import handshake as hs
 from connectors.zmq.control import wire
 from connectors.zmq.consumer.consumer_config import ConsumerConfig
+from connectors.zmq.gang.gang_path import gang_choice
+from connectors.zmq.gang.gang_side import GangSide
 from connectors.zmq.paths.choice import choose_path, log_choice
 from connectors.zmq.consumer.consumer_session import SessionState, RemoteSession, side_socket
 from connectors.zmq.consumer.loads import LoadHandle, LoadResult, RemoteAddr
@@ -57,6 +59,7 @@ class Consumer(StreamLoads):
         self._streamed: dict[tuple[RemoteAddr, str], StreamedLoad] = {}  # by producer and its request id
         self._heartbeats: dict[RemoteAddr, list[str]] = {}
         self._stop = threading.Event()
+        self.gang: GangSide | None = None  # this worker's gang (a gang of one for TP 1), when it has one
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._loop, name="kv-consumer", daemon=True)
@@ -166,7 +169,8 @@ class Consumer(StreamLoads):
         if job.bad and job.cause is None:
             job.cause = FailureCause.PULL_REFUSED
         ok = job.cause is None and not job.bad
-        nbytes = len(job.dst) * self.pool.page_size_bytes if ok else 0
+        page_bytes = self.gang.canonical_page_bytes if self.gang is not None and self.gang.tp > 1 else 0
+        nbytes = len(job.dst) * (page_bytes or self.pool.page_size_bytes) if ok else 0  # (canonical pages)
         job.result = LoadResult(job.request_id, ok, sorted(set(job.bad)), job.cause, nbytes, seconds)
         self._finished.append(job.result)
         if ok:
@@ -309,14 +313,14 @@ class Consumer(StreamLoads):
 
     def _open_streams(self, session: RemoteSession, msg: dict) -> None:
         cfg = self.config
-        choice = choose_path(cfg.data_path, msg, self.host_id, self.pool.device.type, cfg.num_tcp_streams,
-                             cfg.num_shm_streams)
+        choice = gang_choice(self.gang, msg, cfg.data_path) or choose_path(
+            cfg.data_path, msg, self.host_id, self.pool.device.type, cfg.num_tcp_streams, cfg.num_shm_streams)
         log_choice(choice, cfg.data_path, session.remote.engine_id)
         assert session.handshake is not None  # (WELCOME comes only during the handshake)
         session.client = session.handshake.on_welcome(msg)
         session.streams = [PullStream(self.pool, session.remote.host, msg["data_port"], session.client, choice.path,
-                                      cfg.io_timeout_s, cfg.spin_us / 1e6, cfg.staging, cfg.device_checksums)
-                           for _ in range(choice.streams)]
+                                      cfg.io_timeout_s, cfg.spin_us / 1e6, cfg.staging, cfg.device_checksums,
+                                      self.gang) for _ in range(choice.streams)]
         with self._lock:
             session.state = SessionState.READY
             for job in session.pending:

@@ -28,6 +28,8 @@ from connectors.zmq.control import framing, wire
 from connectors.zmq.control.peer_log import quote
 from connectors.zmq.control.session import ClientSession
 from connectors.zmq.control.wire import MalformedMessage, MsgType
+from connectors.zmq.gang.gang_path import GangReceiver
+from connectors.zmq.gang.gang_side import GangSide
 from connectors.zmq.paths.base import PathName, PathReceiver, PathUnavailable, PullPart, Refused
 from connectors.zmq.paths.choice import RECEIVERS, page_access_for
 from connectors.zmq.paths.page_access import PageAccess
@@ -41,8 +43,9 @@ class PullStream:
 
     def __init__(self, pool: KVPages, host: str, data_port: int, session: ClientSession, path: PathName,
                  io_timeout_s: float, spin_s: float = 0.0, staging: StagingShape = DEFAULT_STAGING,
-                 device_checksums: bool = False):
+                 device_checksums: bool = False, gang: GangSide | None = None):
         self._pool = pool
+        self._gang = gang  # the gang path's: this worker's gang (every D rank pulls its heads)
         self._staging = staging
         self._device_checksums = device_checksums
         self._receiver: PathReceiver | None = None  # the path's consumer half, once attached
@@ -183,7 +186,7 @@ class PullStream:
             try:
                 return self._attach()
             except PathUnavailable as e:  # (a broken connection is no reason to try another path)
-                fallback = RECEIVERS[self.path].fallback(self._pool)
+                fallback = _receiver_type(self.path).fallback(self._pool)
                 if fallback is None:
                     raise
                 level = logging.INFO if self.path is PathName.SHM_MAPPED else logging.WARNING
@@ -211,7 +214,9 @@ class PullStream:
         self._polled_fd = sock.fileno()
         if msg.get("unavailable"):
             raise PathUnavailable(f"the producer: {quote(msg['unavailable'], 200)}")
-        receiver = RECEIVERS[self.path](sock, self._pool, self._spin_s, self._device_checksums)
+        receiver = _receiver_type(self.path)(sock, self._pool, self._spin_s, self._device_checksums)
+        if isinstance(receiver, GangReceiver):
+            receiver.gang = self._gang
         try:
             receiver.open(msg)
         except (OSError, ValueError) as e:  # e.g. /proc not readable, a segment of the wrong size
@@ -306,3 +311,7 @@ class PullStream:
             s.close()
         if self._receiver is not None:
             self._receiver.close()  # unmaps the segment or the producer's pool
+
+
+def _receiver_type(path: PathName) -> type[PathReceiver]:
+    return GangReceiver if path is PathName.GANG else RECEIVERS[path]

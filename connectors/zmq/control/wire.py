@@ -55,6 +55,7 @@ class MsgType(str, enum.Enum):
     CHUNK = "chunk"
     CREDIT = "credit"
     ERROR = "error"
+    TICKET = "ticket"  # gang path (either side TP > 1): the P ranks serve this pull's heads for it
 
 
 _TYPES = {t.value: t for t in MsgType}  # a dict lookup: cheaper than calling the enum
@@ -94,6 +95,7 @@ SCHEMA: dict[MsgType, dict[str, Any]] = {
     MsgType.CHUNK: {"xfer": int, "half": int, "digests": INT_LIST},
     MsgType.CREDIT: {"half": int},
     MsgType.ERROR: {"xfer": int, "reason": str},
+    MsgType.TICKET: {"xfer": int, "ticket": bytes},
 }
 
 

@@ -41,6 +41,7 @@ class PathName(str, enum.Enum):
     SHM_MAPPED = "shm_mapped"
     SHM_STAGED = "shm_staged"
     CUDA_IPC = "cuda_ipc"
+    GANG = "gang"  # either side is a TP gang: every rank moves its own heads (`connectors/zmq/gang/`)
 
 
 @dataclasses.dataclass(slots=True)

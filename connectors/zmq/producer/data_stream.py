@@ -23,7 +23,9 @@ from connectors.zmq.control import handshake as hs
 from connectors.zmq.control.peer_log import WarnLimiter
 from connectors.zmq.control.session import ProducerSession
 from connectors.zmq.control.wire import MalformedMessage, MsgType
-from connectors.zmq.paths.base import PathServer, PathUnavailable, ServeSettings
+from connectors.zmq.gang.gang_path import GangServer
+from connectors.zmq.gang.gang_side import GangSide
+from connectors.zmq.paths.base import PathName, PathServer, PathUnavailable, ServeSettings
 from connectors.zmq.paths.choice import page_access_for, server_for
 from connectors.zmq.paths.page_access import PageAccess
 from connectors.zmq.paths.tcp import NO_SHM
@@ -62,6 +64,7 @@ class DataStreams:
         self._stop = stop
         self._warn = WarnLimiter(logger)
         self.streams: set[socket.socket] = set()
+        self.gang: GangSide | None = None  # this worker's gang (a gang of one for TP 1), when it has one
         self._settings = ServeSettings(io_timeout_s=config.io_timeout_s, shm_chunk_bytes=config.shm_chunk_bytes,
                                        offer_shm=config.offer_shm, offer_device=config.offer_device)
 
@@ -86,8 +89,10 @@ class DataStreams:
         try:
             conn.settimeout(self.config.io_timeout_s)
             access = page_access_for(self.pool, self.config.staging)
-            server = server_for(attach, conn, self.pool, access, self._settings)
+            server = self._server_for(attach, conn, access)
             try:
+                if self.gang is not None and self.gang.tp > 1 and server.name is not PathName.GANG:
+                    raise PathUnavailable("this producer is a TP gang: only the gang path moves its KV")
                 fields = server.attached()
             except (PathUnavailable, OSError, ValueError) as e:  # said to the consumer: it falls back on a new
                 # connection (OSError: e.g. no room in /dev/shm for a segment)
@@ -108,6 +113,16 @@ class DataStreams:
             framing.close_quietly(conn)
             if server is not None:
                 server.close()
+
+    def _server_for(self, attach: dict, conn: socket.socket, access: PageAccess) -> PathServer:
+        """The ATTACH's path; a gang of TP > 1 serves the gang path only (any other path would send
+        rank 0's heads alone as if they were pages)."""
+        gang = self.gang
+        if attach.get("mode") == PathName.GANG.value:
+            server = GangServer(conn, self.pool, access, self._settings)
+            server.gang = gang
+            return server
+        return server_for(attach, conn, self.pool, access, self._settings)
 
     def _serve(self, conn: socket.socket, session: ProducerSession, access: PageAccess, server: PathServer) -> None:
         # Kernel-side timeouts: a read or a send is one syscall.

@@ -207,10 +207,12 @@ class Producer:
 
     def _welcome(self, ident: bytes, key: bytes, peer_engine_id: str) -> None:
         session = self.sessions.open(key, ident, peer_engine_id)
+        gang = self.data_streams.gang
+        tp = {"tp": gang.tp} if gang is not None and gang.tp > 1 else {}  # (TP 1: today's WELCOME, byte for byte)
         self._send(ident, wire.encode(MsgType.WELCOME, session=session.session_id,
                                       mac=welcome_mac(key, session.session_id),
                                       data_port=self.advertised_data_port or self.data_port, host_id=self.host_id,
-                                      shm=self.config.offer_shm, device=self._offers_device))
+                                      shm=self.config.offer_shm, device=self._offers_device, **tp))
 
     @property
     def _offers_device(self) -> bool:
