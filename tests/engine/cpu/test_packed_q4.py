@@ -20,7 +20,7 @@ from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.q4_gemm_available(),
-                                reason="the 4-bit path runs on builds with the AVX2 packed GEMM")
+                                reason="the 4-bit path runs on builds with the packed GEMM (AVX2 or AVX-512)")
 
 
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
