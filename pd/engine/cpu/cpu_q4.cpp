@@ -7,9 +7,9 @@
 // fused multiply-add gives the same single rounding. Per panel line (16 outputs at one k) that is 8
 // bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
 // A decode step at small batch reads every weight once, from memory: this reads 5.3x fewer bytes,
-// expands each k-chunk of a panel into float32 in L1 (the same values, bit for bit) and runs the
-// same register tiles on it as the float32 path, so the products and sums are those of the float32
-// panels (packed_gemm_serial, AVX2 or AVX-512), bit for bit.
+// expands them into float32 in cache (the same values, bit for bit) and runs the same register tiles
+// on them as the float32 path, so the products and sums are those of the float32 panels
+// (packed_gemm_serial, AVX2 or AVX-512), bit for bit.
 //
 // Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
 // output c + 8 in its high one; scales (P, K / 32, 2, 16) float32, d then m per output.
