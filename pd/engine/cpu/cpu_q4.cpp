@@ -7,9 +7,9 @@
 // fused multiply-add gives the same single rounding. Per panel line (16 outputs at one k) that is 8
 // bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
 // A decode step at small batch reads every weight once, from memory: this reads 5.3x fewer bytes,
-// expands each k-chunk of a panel into float32 in L1 (the same values, bit for bit) and runs the
-// same register tiles on it as the float32 path, so the products and sums are those of the float32
-// panels (panel_rows_streamed), bit for bit.
+// expands them into float32 in cache (the same values, bit for bit) and runs the same register tiles
+// on them as the float32 path, so the products and sums are those of the float32 panels
+// (packed_gemm_serial, AVX2 or AVX-512), bit for bit.
 //
 // Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
 // output c + 8 in its high one; scales (P, K / 32, 2, 16) float32, d then m per output.
@@ -18,15 +18,28 @@
 static constexpr int64_t kQ4Block = 32;  // weights per (d, m) along K
 static constexpr int64_t kQ4Ahead = 4;   // k-chunks of codes and scales prefetched ahead
 
-// Lines [k0, k0 + n) (n <= kChunk, k0 a multiple of kQ4Block) of one panel's codes and scales
+// Lines [k0, k0 + n) (n <= kChunk; k0 and n multiples of kQ4Block) of one panel's codes and scales
 // expanded into out (n, 16) float32: the exact weights.
 static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t k0, int64_t n, float* out) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b0 = k0; b0 < k0 + n; b0 += kQ4Block) {
     const float* dm = scales + (b0 / kQ4Block) * 2 * kPanel;
+#if defined(__AVX512F__)
+    // one zmm a line; two lines per 16-byte load (a block has an even number of lines)
+    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + kPanel);
+    for (int64_t k = b0; k < b0 + kQ4Block; k += 2) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 8));
+      const __m128i lo = _mm_and_si128(bytes, low4);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      float* o = out + (k - k0) * kPanel;  // line k: outputs 0-7 from the low nibbles, 8-15 from the high
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))), m));
+      _mm512_storeu_ps(o + kPanel,
+                       _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi))), m));
+    }
+#else
     const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
     const __m256 m0 = _mm256_loadu_ps(dm + kPanel), m1 = _mm256_loadu_ps(dm + kPanel + 8);
-    for (int64_t k = b0; k < std::min(b0 + kQ4Block, k0 + n); ++k) {
+    for (int64_t k = b0; k < b0 + kQ4Block; ++k) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8));
       const __m128i lo = _mm_and_si128(bytes, low4);
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
@@ -34,44 +47,79 @@ static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t 
       _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
       _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1));
     }
+#endif
   }
 }
 
+// Lines [k0, k0 + n) of one panel expanded into out (see q4_expand), with the codes and scales
+// kQ4Ahead chunks on prefetched (into the next panels past the end: they follow in memory).
+static inline void q4_expand_ahead(const uint8_t* pc, const float* ps, int64_t k0, int64_t n, float* out) {
+  const int64_t ahead = k0 + kQ4Ahead * kChunk;
+  for (int64_t b = 0; b < kChunk * 8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(pc + ahead * 8 + b), _MM_HINT_T0);
+  for (int64_t b = 0; b < (kChunk / kQ4Block) * 2 * kPanel; b += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(ps + (ahead / kQ4Block) * 2 * kPanel + b), _MM_HINT_T0);
+  q4_expand(pc, ps, k0, n, out);
+}
+
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
-// (M <= kStreamRows, K a multiple of kQ4Block): each panel k-chunk by k-chunk, expanded into L1 and
-// used by every row block there. Bit-identical to packed_gemm_serial on the float32 panels.
+// (M <= kStreamRows, K a multiple of kQ4Block), bit-identical to packed_gemm_serial on the float32
+// panels. AVX2 (one panel per tile): each panel k-chunk by k-chunk, expanded into L1 and used by every
+// row block there (rows_krange, whose sums run in the order of the float32 path's tiles). AVX-512:
+// each group of panels the float32 path tiles together (one; above kSmallRows rows, pairs) expanded
+// whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and given to the same tiles with
+// the same arguments (-ffast-math lets the compiler order a tile's sums its own way, so only the
+// same call on the same values is sure to give the same bits).
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const float* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
   if (M <= 0) return;
-  alignas(64) float part[kStreamRows][kPanel];
-  alignas(64) float w[kChunk * kPanel];
   const int64_t code_bytes = K * 8, scale_floats = (K / kQ4Block) * 2 * kPanel;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* pc = codes + p * code_bytes;
-    const float* ps = scales + p * scale_floats;
-    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-      // the codes and scales kQ4Ahead chunks on (into the next panels: they follow in memory)
-      const int64_t ahead = k0 + kQ4Ahead * kChunk;
-      for (int64_t b = 0; b < kChunk * 8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(pc + ahead * 8 + b), _MM_HINT_T0);
-      for (int64_t b = 0; b < (kChunk / kQ4Block) * 2 * kPanel; b += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(ps + (ahead / kQ4Block) * 2 * kPanel + b), _MM_HINT_T0);
-      const int64_t n = std::min(kChunk, K - k0);
-      q4_expand(pc, ps, k0, n, w);
-      rows_krange(A + k0, lda, M, w, n, part, k0 == 0, nullptr);
+  if (kPairPanels == 1) {
+    alignas(64) float part[kStreamRows][kPanel];
+    alignas(64) float w[kChunk * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* pc = codes + p * code_bytes;
+      const float* ps = scales + p * scale_floats;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t n = std::min(kChunk, K - k0);
+        q4_expand_ahead(pc, ps, k0, n, w);
+        rows_krange(A + k0, lda, M, w, n, part, k0 == 0, nullptr);
+      }
+      if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+      const int64_t n0 = p * kPanel;
+      store_part(part, M, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0));
     }
-    if (K == 0) std::fill(&part[0][0], &part[0][0] + M * kPanel, 0.f);
+    return;
+  }
+  thread_local std::vector<float> buffer;
+  buffer.resize(kPairPanels * K * kPanel + 16);
+  float* w = buffer.data() + ((-reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float)) & 15);  // 64-byte aligned
+  const bool pairs = M > kSmallRows;
+  const int64_t row_chunk = std::max<int64_t>(kRows, (65536 / std::max<int64_t>(K, 1)) / kRows * kRows);
+  for (int64_t p = p0; p < p1;) {
     const int64_t n0 = p * kPanel;
-    store_part(part, M, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0));
+    // as packed_gemm_serial: kPairPanels at once where they are all full and this thread's; else one
+    const int np = (pairs && p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
+    for (int q = 0; q < np; ++q)
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+        q4_expand_ahead(codes + (p + q) * code_bytes, scales + (p + q) * scale_floats, k0, std::min(kChunk, K - k0),
+                        w + q * K * kPanel + k0 * kPanel);
+    if (!pairs)
+      kTiles[M - 1](A, lda, w, K, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0),
+                    nullptr);
+    else
+      for (int64_t m0 = 0; m0 < M; m0 += row_chunk)
+        panel_rows(A + m0 * lda, lda, std::min(row_chunk, M - m0), w, K, bias ? bias + n0 : nullptr, accumulate,
+                   C + m0 * ldc + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0), nullptr, np);
+    p += np;
   }
 }
 #endif
 
-// Whether this build runs the 4-bit path: the packed GEMM with one panel per register tile (AVX2).
-// (An AVX-512 build keeps its two-panel tiles on the float32 panels.)
+// Whether this build runs the 4-bit path: wherever it has the packed GEMM (AVX2 or AVX-512).
 bool q4_gemm_available() {
 #ifdef PDKV_PACKED_GEMM
-  return kPairPanels == 1;
+  return true;
 #else
   return false;
 #endif
@@ -80,7 +128,7 @@ bool q4_gemm_available() {
 // Whether a step of M rows runs from `codes` (defined: the matrix has them).
 static bool q4_usable(const torch::Tensor& codes, int64_t M) {
 #ifdef PDKV_PACKED_GEMM
-  return kPairPanels == 1 && codes.defined() && codes.numel() > 0 && M <= kStreamRows;
+  return codes.defined() && codes.numel() > 0 && M <= kStreamRows;
 #else
   (void)codes;
   (void)M;
@@ -89,12 +137,12 @@ static bool q4_usable(const torch::Tensor& codes, int64_t M) {
 }
 
 // y (M, N) = x · Wᵀ + bias, or y += x · Wᵀ with `accumulate`, W as codes (P, K, 8) and scales
-// (P, K / 32, 2, 16); M <= kStreamRows. The threads split the panels as packed_gemm_into does.
+// (P, K / 32, 2, 16); M <= kStreamRows. The threads split the panels as packed_gemm_into does (the
+// same chunks, so the same pairs).
 static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                          const torch::Tensor& bias, bool accumulate, torch::Tensor& y) {
 #ifdef PDKV_PACKED_GEMM
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), P = codes.size(0);
-  TORCH_CHECK(q4_gemm_available(), "the 4-bit path runs on builds with one panel per tile (AVX2)");
   TORCH_CHECK(M <= kStreamRows, "the 4-bit path takes at most ", kStreamRows, " rows");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 3 && codes.size(1) == K && codes.size(2) == 8 &&
               codes.is_contiguous(), "codes must be (P, K, 8) uint8");
@@ -105,7 +153,8 @@ static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, con
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.numel() == N && bias.is_contiguous()), "bias of N values");
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
-  const int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  int64_t per = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  if (M > kSmallRows) per = (per + kPairPanels - 1) / kPairPanels * kPairPanels;  // whole pairs, as packed_gemm_into
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();

@@ -11,8 +11,10 @@
 - `screened_argmax` (cpu_argmax.cpp): greedy tokens through an int8 screen of the lm_head.
 
 Built on first use with torch's cpp_extension (needs a C++ compiler; the build is cached under
-~/.cache/pdkv/kernels, see `build_directory()`). When the build fails, `load()` returns None and the
-engine keeps the torch backend, which is the reference (pd/engine/runner/selector.py).
+~/.cache/pdkv/kernels, see `build_directory()`), for this CPU (`-march=native`; `PDKV_KERNEL_MARCH`
+names another target, e.g. `x86-64-v3` to build and test the AVX2 variant on an AVX-512 machine).
+When the build fails, `load()` returns None and the engine keeps the torch backend, which is the
+reference (pd/engine/runner/selector.py).
 """
 from __future__ import annotations
 
@@ -48,7 +50,13 @@ _failed = False
 
 _VERSION = "pdkv_paged_decode_v15"  # bump with any change of the kernels' Python-facing signatures
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_MARCH_ENV = "PDKV_KERNEL_MARCH"  # another -march target than native (e.g. x86-64-v3: the AVX2 build on AVX-512)
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path
+
+
+def _cflags() -> list[str]:
+    march = os.environ.get(_MARCH_ENV, "").strip()
+    return [f"-march={march}" if march and flag == "-march=native" else flag for flag in _CFLAGS]
 
 
 def _compiler_version() -> str:
@@ -76,7 +84,7 @@ def build_identity() -> list[str]:
     -march=native), the compiler and flags, and the environment it links against (torch's version, C++ ABI
     and install path, Python's version and the interpreter's prefix, i.e. the virtualenv)."""
     sources = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCE_PATHS)).hexdigest()
-    return [_VERSION, sources, platform.machine(), _cpu_identity(), _compiler_version(), " ".join(_CFLAGS),
+    return [_VERSION, sources, platform.machine(), _cpu_identity(), _compiler_version(), " ".join(_cflags()),
             torch.__version__, f"cxx11_abi={int(torch.compiled_with_cxx11_abi())}", os.path.dirname(torch.__file__),
             sys.version.split()[0], sys.prefix]
 
@@ -139,7 +147,7 @@ def load():
                     _module = load_inline(
                         # (the bindings, which release the GIL, are at the end of cpu_kernels.cpp)
                         name=name, cpp_sources=[path.read_text() for path in _SOURCE_PATHS],
-                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                         build_directory=str(directory), verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build problem means "use the torch path"
                 logger.warning("fused CPU decode attention unavailable, using the torch path: %s", exc)

@@ -20,7 +20,7 @@ from pd.engine.sample.params import SamplingParams
 
 module = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(module is None or not module.q4_gemm_available(),
-                                reason="the 4-bit path runs on builds with the AVX2 packed GEMM")
+                                reason="the 4-bit path runs on builds with the packed GEMM (AVX2 or AVX-512)")
 
 
 def q4_1(weight: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,20 @@ def test_codes_give_the_float32_panels_results_bit_for_bit(m, blocks, n, with_bi
     assert codes.numel() + 4 * scales.numel() < packed.numel() * 4 / 5  # bytes read: about a sixth
     x = torch.randn(m, 32 * blocks, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else torch.empty(0)
+    assert torch.equal(module.q4_linear(x, codes, scales, n, bias), module.packed_linear(x, packed, n, bias))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1536, 576), (3, 1536, 90), (5, 1536, 48), (37, 1536, 90), (64, 1536, 33),
+                                   (13, 576, 960)])
+def test_long_rows_and_row_chunks_bit_for_bit(m, k, n, threads):
+    """K = 1536 (SmolLM2's down projection): the AVX-512 GEMM takes more than 36 rows in chunks of 36 and
+    pairs its panels above 4 rows (an odd last panel alone); the codes follow it there too."""
+    gen = torch.Generator().manual_seed(m * k + n)
+    weight = q4_1(torch.randn(n, k, generator=gen) * 0.05)
+    packed = _packed(weight)
+    codes, scales = find_q4(packed)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
     assert torch.equal(module.q4_linear(x, codes, scales, n, bias), module.packed_linear(x, packed, n, bias))
 
 
