@@ -89,7 +89,8 @@ class ShardActor:
             logger.info("worker %s TP rank %d/%d serving (pid %d)", self._worker_id, self._rank, self._size,
                         os.getpid())
             follower.run()
-            if agent is not None:  # (rank 0's connector stopped it already at shutdown)
+            if agent is not None:  # rank 0 stops its followers, then its connector stops every agent: wait
+                agent.join(timeout=AGENT_STOP_S)  # for that stop (answered), or rank 0's control waits for it
                 agent.close()
             follower.close()
             group.close()
@@ -120,6 +121,7 @@ class ShardActor:
 
 
 JOIN_TIMEOUT_S = 120.0  # ranks still importing torch and loading weights
+AGENT_STOP_S = 10.0  # rank 0's connector stops this rank's agent just after the followers' `stop`
 
 
 def _rank_device(device: str) -> str:
