@@ -44,6 +44,8 @@ def _assert_d_loaded_the_kv(dep: Deployment) -> None:
     received = _transfer(dep, "decode-0")
     assert received["loads_ok"] >= 1 and received["blocks_recv"] > 0 and received["bytes_recv"] > 0, received
     assert received["failures_total"] == 0, received["failures"]
+    sent = _transfer(dep, "prefill-0")  # P counts canonical pages (every rank's heads), as D does
+    assert (sent["blocks_sent"], sent["bytes_sent"]) == (received["blocks_recv"], received["bytes_recv"])
 
 
 def _audited_ranks(dep: Deployment) -> dict[str, list[dict]]:
