@@ -5,9 +5,12 @@ the unit of health (Ray at the edge: this runs inside the worker's own actor, `p
 1. reaps the followers an earlier incarnation of this worker left (their pids, recorded in a file of
    this node's temp dir named after the worker and the deployment's secret): SIGKILLs those still
    alive and waits until they are gone, so that no two gangs hold one device;
-2. opens a fresh rendezvous on the worker's host (a port the OS picks: `open_rendezvous`);
+2. opens a fresh rendezvous on the worker's host (a port the OS picks: `open_rendezvous`) and, for a
+   prefill or decode gang, binds the gang's KV control (`GangControl`: an ipc socket in a fresh private
+   directory, so the gang packed on this node reaches it) that every rank's KV agent registers on;
 3. creates a `ShardActor` per rank 1..tp-1 in bundles 1..tp-1 of the worker's placement group (found
-   by name), calls their `run()`, and joins the group as rank 0; returns the `TPGroup` for the engine;
+   by name), calls their `run()`, and joins the group as rank 0; returns the `TPGroup` for the engine
+   (and `control` for its connector, which owns it from then on: it stops every rank's agent);
 4. starts the monitor: a thread that `ray.wait`s on the followers' `run()` references and checks their
    pids. A follower that ends (killed, its process gone, its group failed) calls `on_failure` once,
    well within a second of Ray or the kernel noticing; the worker then reports unhealthy and its
@@ -65,6 +68,7 @@ class Gang:
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
         self._group: Any = None  # rank 0's TPGroup once joined
+        self.control: Any = None  # the gang's KV control (connectors.zmq.gang.GangControl), P or D gangs
 
     # -- life cycle -------------------------------------------------------
     def start(self, on_failure: Callable[[BaseException], None]):
@@ -76,6 +80,10 @@ class Gang:
         topo = self._config.topology
         rendezvous = open_rendezvous(self.host, self.size, join_timeout_s=READY_TIMEOUT_S)
         try:
+            if self.role != "both":  # KV moves rank to rank: each rank's agent registers here
+                from connectors.zmq.gang.gang_control import GangControl
+
+                self.control = GangControl(self.size)
             self._followers = [self._follower(rank, rendezvous.address) for rank in range(1, self.size)]
             answers = ray.get([f.ready.remote() for f in self._followers], timeout=READY_TIMEOUT_S)
             self._ranks = [{"rank": r, **json.loads(a)} for r, a in enumerate(answers, start=1)]
@@ -105,7 +113,8 @@ class Gang:
                 placement_group=ray.util.get_placement_group(self._group_name), placement_group_bundle_index=rank)
         # (ray.remote made ShardActor an actor class; mypy sees the plain class)
         return ShardActor.options(**options).remote(  # type: ignore[attr-defined]
-            self.worker_id, self.role, rank, self.size, address, self._config_json, self._secret, self.host)
+            self.worker_id, self.role, rank, self.size, address, self._config_json, self._secret, self.host,
+            self.control.address if self.control is not None else "")
 
     def closing(self) -> None:
         """The worker is stopping: followers that end from now on are not a failure."""
@@ -125,6 +134,9 @@ class Gang:
         if self._group is not None:
             self._group.close()
             self._group = None
+        if self.control is not None:  # (closed already by the connector's shutdown, unless none was built)
+            self.control.close(timeout_s=1.0)
+            self.control = None
         pid_file(self.worker_id, self._secret).unlink(missing_ok=True)
 
     # -- monitor ----------------------------------------------------------

@@ -3,7 +3,11 @@
 Rank 0 (`pd.worker.gang.Gang`, inside the worker's own actor) creates one `ShardActor` per other rank
 in its gang's placement group, gives it the gang's rendezvous address, then calls `run()`, which joins
 the TP group, builds the rank's model shard and page pool, and serves rank 0's step plans until rank 0
-sends `stop` (run returns) or the group fails (a peer died or hung).
+sends `stop` (run returns) or the group fails (a peer died or hung). On a prefill or decode gang it also
+starts the rank's KV agent (`connectors.zmq.gang.rank_agent.RankAgent`) on its pool, registered on the
+gang's control (rank 0's `GangControl`, address given at creation): the rank serves (P) or pulls (D)
+its own KV heads on rank 0's command. A prefill rank's pool is shareable, so a D rank on this host maps
+it; rank 0's connector stops every agent when it shuts down (this rank closes its own after `stop`).
 
 Guarantees:
 - plain values only cross Ray: the deployment config as JSON text, strings and ints in, JSON text out;
@@ -41,12 +45,14 @@ class ShardActor:
     """Rank `rank` of worker `worker_id`'s gang of `size`; every method takes and returns str/int only."""
 
     def __init__(self, worker_id: str, role: str, rank: int, size: int, address: str, config_json: str,
-                 secret: str, host: str) -> None:
+                 secret: str, host: str, kv_control: str = "") -> None:
         logging.basicConfig(level=os.environ.get("PDKV_LOG_LEVEL", "INFO").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._worker_id, self._role, self._rank, self._size = worker_id, Role(role), rank, size
         self._address, self._config_json, self._secret, self._host = address, config_json, secret, host
+        self._kv_control = kv_control  # the gang's GangControl address ("" on a colocated gang: no KV moves)
         self._follower: Any = None  # (pd.engine.parallel.follower.Follower, built in run())
+        self._agent: Any = None  # (its RankAgent on a P or D gang)
 
     def ready(self) -> str:
         """Where this rank runs: {"pid", "node_id"} (rank 0 waits for the pid when it reaps a gang)."""
@@ -60,7 +66,7 @@ class ShardActor:
 
             from pd.engine.parallel.follower import Follower
             from pd.engine.parallel.group import TPGroup
-            from pd.worker.wiring import engine_config_for
+            from pd.worker.wiring import engine_config_for, gang_faults, gang_heads
             from pd.worker.worker import WorkerSpec
 
             config = DeployConfig.from_json(self._config_json)
@@ -71,10 +77,21 @@ class ShardActor:
             device = _rank_device(topo.device)
             group = TPGroup(self._rank, self._size, self._address, device, timeout_s=topo.tp_timeout_s,
                             join_timeout_s=JOIN_TIMEOUT_S)
-            follower = self._follower = Follower(engine_config, group)
+            prefill = self._role is Role.PREFILL
+            follower = self._follower = Follower(engine_config, group, shareable_pool=prefill)
+            agent = None
+            if self._kv_control:
+                from connectors.zmq.gang.rank_agent import RankAgent
+
+                heads, geometry = gang_heads(engine_config, self._size, self._rank)
+                agent = self._agent = RankAgent(self._kv_control, follower.page_pool, geometry, heads, serve=prefill,
+                                  host=self._host, faults=gang_faults(spec))
             logger.info("worker %s TP rank %d/%d serving (pid %d)", self._worker_id, self._rank, self._size,
                         os.getpid())
             follower.run()
+            if agent is not None:  # rank 0 stops its followers, then its connector stops every agent: wait
+                agent.join(timeout=AGENT_STOP_S)  # for that stop (answered), or rank 0's control waits for it
+                agent.close()
             follower.close()
             group.close()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the rank (module docstring)
@@ -88,16 +105,23 @@ class ShardActor:
         """This rank's view of the gang's pool: its size in blocks (the same block ids as rank 0's) and
         the requests whose block tables it still holds (`num_rows_held`). Rank 0's KVCacheManager does
         the gang's block accounting; a follower lets a request's row go with the next plan after rank 0
-        finished it, so rank 0 judges the count (`pd.worker.gang.Gang.audit`)."""
+        finished it, so rank 0 judges the count (`pd.worker.gang.Gang.audit`). On a P or D gang, also the
+        KV bytes this rank's agent landed (`kv_bytes_received`) and the slices it served (`kv_slices_served`)."""
         follower = self._follower
         runner = getattr(follower, "runner", None)
         if follower is None or runner is None:
             return json.dumps({"rank": self._rank, "all_free": False, "detail": "not serving"})
-        return json.dumps({"rank": self._rank, "num_blocks": int(follower.page_pool.num_blocks),
-                           "num_rows_held": int(runner.inputs.rows.num_assigned), "num_steps": follower.num_steps})
+        out = {"rank": self._rank, "num_blocks": int(follower.page_pool.num_blocks),
+               "num_rows_held": int(runner.inputs.rows.num_assigned), "num_steps": follower.num_steps}
+        agent = self._agent
+        if agent is not None:
+            out["kv_bytes_received"] = int(agent.received_bytes)
+            out["kv_slices_served"] = int(agent.server.served_slices) if agent.server is not None else 0
+        return json.dumps(out)
 
 
 JOIN_TIMEOUT_S = 120.0  # ranks still importing torch and loading weights
+AGENT_STOP_S = 10.0  # rank 0's connector stops this rank's agent just after the followers' `stop`
 
 
 def _rank_device(device: str) -> str:

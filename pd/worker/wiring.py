@@ -118,15 +118,17 @@ def check_model_vocabulary(cfg) -> int:
     return _tokenizer_vocab_size(cfg, model)
 
 
-def build_engine(spec, tp: TPGroup | None = None) -> tuple[Engine, KVConnector | None]:
+def build_engine(spec, tp: TPGroup | None = None, gang_control: Any = None) -> tuple[Engine, KVConnector | None]:
     """(engine, connector or None) for a worker spec; the engine is not started. `tp`: rank 0's group of
-    a TP gang (`pd.worker.gang`); None: one process, the engine built exactly as without TP."""
+    a TP gang (`pd.worker.gang`); None: one process, the engine built exactly as without TP.
+    `gang_control`: the gang's `GangControl` (its ranks' agents register there), for a P or D gang: the
+    connector then moves KV through every rank (`connectors/zmq/gang/`); the connector owns it from here."""
     from pd.engine.engine import Engine
 
     engine_config = engine_config_for(spec)
     connector: KVConnector | None = None
     if spec.role is not Role.BOTH:
-        connector = _build_connector(spec, engine_config)
+        connector = _build_connector(spec, engine_config, tp.world_size if tp is not None else 1, gang_control)
     try:
         engine = Engine(engine_config, connector=connector) if tp is None else \
             Engine(engine_config, connector=connector, tp=tp)
@@ -137,13 +139,16 @@ def build_engine(spec, tp: TPGroup | None = None) -> tuple[Engine, KVConnector |
     return engine, connector
 
 
-def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
+def _build_connector(spec, engine_config: EngineConfig, tp: int = 1, gang_control: Any = None) -> ZmqConnector:
     """The ZMQ connector for a prefill (producer) or decode (consumer) worker.
 
     Every worker of a deployment gets the same `model_id` and secret, so the
-    connector's handshake accepts exactly the peers of this deployment.
+    connector's handshake accepts exactly the peers of this deployment. Its groups are the canonical
+    ones (every KV head, what a TP 1 worker holds) at any TP, so any P TP meets any D TP; rank 0 of a
+    gang (`tp` > 1) also gets its `GangSide`: every rank moves its own heads.
     """
     from connectors.zmq.connector import KVRole, ZmqConnector
+    from connectors.zmq.gang.gang_side import GangSide
     from pd.engine.kv.layout import KVLayout
 
     cfg = spec.config
@@ -151,7 +156,36 @@ def _build_connector(spec, engine_config: EngineConfig) -> ZmqConnector:
     role = KVRole.PRODUCER if spec.role is Role.PREFILL else KVRole.CONSUMER
     connector_config = cfg.transfer.transfer_settings().connector_config(
         engine_id=engine_config.engine_id, role=role, secret=spec.secret, model_id=_model_id(cfg), host=spec.host)
-    return ZmqConnector(connector_config, groups)
+    gang = None
+    if tp > 1:
+        if gang_control is None:
+            raise ValueError(f"a {spec.role.value} worker of TP {tp} needs its gang's control to move KV")
+        heads, geometry = gang_heads(engine_config, tp, 0)
+        gang = GangSide(tp, heads, geometry, gang_control, host=spec.host,
+                        load_timeout_s=connector_config.transfer_timeout_s, faults=gang_faults(spec))
+    return ZmqConnector(connector_config, groups, gang=gang)
+
+
+def gang_heads(engine_config: EngineConfig, tp: int, rank: int) -> tuple[Any, Any]:
+    """(RankHeads, HeadGeometry) of rank `rank` of a gang of `tp`: the KV heads it holds (the engine's
+    split, `pd.engine.parallel.tp.TPShape`) and how its pages divide into them."""
+    from connectors.zmq.gang.gang_side import geometry_from_groups
+    from connectors.zmq.gang.head_plan import HeadGeometry, RankHeads
+    from pd.engine.kv.layout import KVLayout
+    from pd.engine.parallel.tp import TPShape
+
+    num_heads, head_dim, dtype = geometry_from_groups(
+        KVLayout(engine_config.model, engine_config.block_size).kv_cache_groups())
+    heads = TPShape(tp, num_heads).heads_of(rank)
+    return RankHeads(rank, heads.start, len(heads)), HeadGeometry(len(heads), head_dim, dtype)
+
+
+def gang_faults(spec) -> Any:
+    """The role's fault plan when it names gang points (tests only: `connectors/zmq/gang/rank_faults.py`)."""
+    from pd.cluster.fault_rules import parse_worker_faults
+
+    plan = parse_worker_faults(getattr(spec.config.faults, spec.role.value))
+    return plan if plan is not None and any(p.startswith("gang.") for p in plan.points()) else None
 
 
 def _model_id(cfg) -> str:

@@ -25,12 +25,10 @@ Guarantees:
 Tensor parallelism: a worker whose role has TP > 1 is rank 0 of a gang (`gang`, given by the Ray
 actor: `pd.worker.gang`); it starts the gang before its engine, hands the engine the gang's group,
 and reports the gang in `health()["tp"]`. A gang that lost a rank (`gang_failed`) is a dead engine:
-`health()` says `error`, new requests are refused, and `on_engine_death` is called once. Until KV
-moves rank to rank (connectors), a deployment whose prefill or decode workers are gangs moves no KV
-at all (`kv_by_recompute`, decided from the shared config, so P and D agree): a prefill worker keeps
-no blocks for D (its answer carries no transfer params, so the router has D prefill the prompt), and
-a decode worker takes no KV (it prefills itself). No KV byte leaves or enters a gang, so none can be
-wrong.
+`health()` says `error`, new requests are refused, and `on_engine_death` is called once. A prefill or
+decode gang moves its KV rank to rank: the gang binds its KV control before its followers, every rank
+runs an agent on its own pool, and rank 0's connector (built with the gang's control,
+`pd.worker.wiring`) grants and loads through every rank, so any P TP meets any D TP.
 """
 from __future__ import annotations
 
@@ -96,9 +94,6 @@ class Worker:
         self._on_engine_death = on_engine_death
         self._gang = gang  # rank 0's gang (pd.worker.gang.Gang) with TP > 1, else None
         self._gang_failure: BaseException | None = None
-        # P or D gangs: no KV crosses a gang's edge until the per-rank transfer is wired (module docstring)
-        topo = spec.config.topology
-        self.kv_by_recompute = spec.role is not Role.BOTH and max(topo.prefill_tp, topo.decode_tp) > 1
         self._engine: Engine | None = None
         self._connector: KVConnector | None = None
         self._http = WorkerHTTPServer(self, spec.secret,
@@ -132,7 +127,7 @@ class Worker:
             group = await asyncio.to_thread(self._gang.start, self.gang_failed)
         try:
             self._engine, self._connector = build_engine(self.spec) if group is None else \
-                build_engine(self.spec, tp=group)
+                build_engine(self.spec, tp=group, gang_control=self._gang.control)
         except BaseException:
             if self._gang is not None:
                 self._gang.stop()
@@ -222,21 +217,12 @@ class Worker:
             raise ValueError(describe(exc)) from None
         wire = request.kv_transfer_params
         params = wire.to_params() if wire is not None else None
-        if params is not None and self.kv_by_recompute:
-            self._without_transfer(params)
-            params = None
         if params is not None and params.do_remote_prefill and self.spec.role is not Role.DECODE:
             raise ValueError(f"a {self.spec.role.value} worker does not take remote-prefilled requests")
         if params is not None and params.do_remote_decode and self.spec.role is not Role.PREFILL:
             raise ValueError(f"a {self.spec.role.value} worker does not hand requests to remote decode")
         return engine.check_request(request.request_id, request.prompt_token_ids, request.sampling.to_params(),
                                     params, request.cache_salt)
-
-    def _without_transfer(self, params: TransferParams) -> None:
-        """A request run with its KV transfer taken out (see the module docstring): P keeps no blocks (its
-        answer names none, so D prefills); D loads nothing and prefills itself (P kept nothing for it)."""
-        logger.debug("worker %s: request %s by recompute (TP gangs move no KV yet)", self.spec.worker_id,
-                     "with do_remote_prefill" if params.do_remote_prefill else "with do_remote_decode")
 
     def begin_trace(self, job: CheckedRequest, headers: Any) -> WorkerTrace | None:
         """The request's spans (pd.worker.request_trace), parented on the caller's; None with tracing off."""
@@ -350,8 +336,6 @@ class Worker:
                "kv_events": self._kv_events_info(), "kv_ports": kv_listen_ports(self._connector)}
         if self._gang is not None:
             out["tp"] = self._gang.health()
-        if self.kv_by_recompute:
-            out["kv_transfer"] = "recompute"  # (TP gangs move no KV yet)
         return out
 
     def stats(self, audit: bool = False) -> dict:

@@ -1,7 +1,9 @@
 """Tensor-parallel workers served through Ray (`pd.deploy.launch.Deployment`, what `python -m pd.launch`
 runs), over real HTTP, against a colocated TP 1 deployment of the same model: a colocated gang of 2 ranks
-(gloo between two processes) and deploy/local-tp.yaml (P at TP 2, D at TP 1) give its greedy tokens, every
-worker's health names its ranks, and the pool audit covers every rank of every gang."""
+(gloo between two processes), deploy/local-tp.yaml (P at TP 2, D at TP 1) and P at TP 1 with D at TP 2
+give its greedy tokens, every worker's health names its ranks, D loads the KV P computed (rank to rank:
+blocks and bytes received, no failed load, so nothing recomputed), and the pool audit covers every rank
+of every gang."""
 from __future__ import annotations
 
 import json
@@ -30,6 +32,20 @@ def reference(ray_instance) -> list[list[int]]:
 
 def _health(dep: Deployment) -> dict[str, dict]:
     return {w.endpoint.worker_id: json.loads(ray.get(w.actor.health.remote(), timeout=30)) for w in dep.workers}
+
+
+def _transfer(dep: Deployment, worker_id: str) -> dict:
+    (worker,) = [w for w in dep.workers if w.endpoint.worker_id == worker_id]
+    return json.loads(ray.get(worker.actor.stats.remote(), timeout=30))["transfer"]
+
+
+def _assert_d_loaded_the_kv(dep: Deployment) -> None:
+    """D took every prompt's KV from P: loads landed, none failed (a failed load is recomputed on D)."""
+    received = _transfer(dep, "decode-0")
+    assert received["loads_ok"] >= 1 and received["blocks_recv"] > 0 and received["bytes_recv"] > 0, received
+    assert received["failures_total"] == 0, received["failures"]
+    sent = _transfer(dep, "prefill-0")  # P counts canonical pages (every rank's heads), as D does
+    assert (sent["blocks_sent"], sent["bytes_sent"]) == (received["blocks_recv"], received["bytes_recv"])
 
 
 def _audited_ranks(dep: Deployment) -> dict[str, list[dict]]:
@@ -64,22 +80,33 @@ def test_prefill_at_tp_two_and_decode_at_tp_one_serve_through_the_launcher(ray_i
         assert _tokens(dep.url) == reference
         health = _health(dep)
         assert health["prefill-0"]["tp"]["size"] == 2 and "tp" not in health["decode-0"]
-        # until KV moves rank to rank, no KV leaves a gang: D prefills what a TP 2 P computed
-        assert health["prefill-0"]["kv_transfer"] == health["decode-0"]["kv_transfer"] == "recompute"
+        _assert_d_loaded_the_kv(dep)  # each P rank served its heads, D's one rank took them all
         audits = _audited_ranks(dep)
         assert [a["rank"] for a in audits["prefill-0"]] == [0, 1] and len(audits["decode-0"]) == 1
         assert dep.audit_pools().lines() == ["KV pools after the run: all free (2 of 2 workers audited, 3 ranks)"]
         assert audits["prefill-0"][1]["num_steps"] > 0
 
 
-def test_with_a_decode_gang_prefill_keeps_nothing_and_decode_prefills_itself(ray_instance, reference):
-    config = e2e_config("local-tp.yaml", topology__prefill_tp=1, topology__decode_tp=2,
-                        transfer__lease_s=60.0)  # a block P kept for D would outlive the audit's wait
+def test_prefill_at_tp_one_and_decode_at_tp_two_move_the_kv_rank_to_rank(ray_instance, reference):
+    config = e2e_config("local-tp.yaml", topology__prefill_tp=1, topology__decode_tp=2)
     with Deployment(config) as dep:
         assert _tokens(dep.url) == reference
         health = _health(dep)
         assert health["decode-0"]["tp"]["size"] == 2 and "tp" not in health["prefill-0"]
-        assert health["prefill-0"]["kv_transfer"] == health["decode-0"]["kv_transfer"] == "recompute"
-        audits = _audited_ranks(dep)  # P's pool all free: it kept no block for D
+        _assert_d_loaded_the_kv(dep)  # each D rank pulled its own heads from P's one rank
+        audits = _audited_ranks(dep)  # P's pool all free: D's DONE released every lease
         assert len(audits["prefill-0"]) == 1 and [a["rank"] for a in audits["decode-0"]] == [0, 1]
         assert audits["decode-0"][1]["num_steps"] > 0
+        assert audits["decode-0"][1]["kv_bytes_received"] > 0  # D's rank 1 pulled its own heads
+
+
+def test_a_prefill_rank_killed_mid_transfer_fails_the_load_and_d_recomputes(ray_instance, reference):
+    """P's rank 1 dies as it answers its first slice pull (tcp: D's rank reads it over its own stream):
+    D's load fails, the recompute policy prefills on D, the stream is served with the right tokens."""
+    config = e2e_config("local-tp.yaml", transfer__data_path="tcp", transfer__kv_load_failure_policy="recompute",
+                        faults__prefill="gang.rank1.slice:kill")
+    with Deployment(config) as dep:
+        out = complete(dep.url, PROMPTS[0], max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert out["choices"][0]["token_ids"] == reference[0]
+        received = _transfer(dep, "decode-0")
+        assert received["failures_total"] >= 1 and received["loads_ok"] == 0, received

@@ -130,6 +130,8 @@ class DataStreams:
         framing.kernel_timeouts(conn, _IDLE_S, io_s)
         reader = framing.FrameReader(conn)
         page_bytes = self.pool.page_size_bytes
+        if isinstance(server, GangServer) and self.gang is not None:  # every rank sends its heads: canonical pages
+            page_bytes = self.gang.canonical_page_bytes or page_bytes
         while not self._stop.is_set():
             try:
                 msg_type, msg = reader.read(io_s, idle=True)
