@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pd.cluster.config import MAX_MESSAGE_CHARS, ConfigError, DeployConfig, load_deploy_config
 from pd.cluster.config_file import one_line
+from pd.deploy.one_box import one_box_notice, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
-    from pd.deploy.one_box import one_box_notice, usable_cores  # (the launcher prints the same line)
-
     notice = one_box_notice(config, usable_cores(), workers_here)
-    if notice is not None:
+    if notice is not None:  # the line the launcher prints too
         print(notice, file=sys.stderr, flush=True)
     print(f"{args.config}: valid", flush=True)
     return 0
