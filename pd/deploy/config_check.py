@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pd.cluster.config import MAX_MESSAGE_CHARS, ConfigError, DeployConfig, load_deploy_config
 from pd.cluster.config_file import one_line
+from pd.deploy.one_box import one_box_notice, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,15 @@ def main(argv: list[str]) -> int:
         print("error: --check-config needs --config", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    workers_here = not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
-        load_checked_config(args.config, args.port, args.host,
-                            workers_here=not (args.address or os.environ.get("RAY_ADDRESS")))
+        config = load_checked_config(args.config, args.port, args.host, workers_here=workers_here)
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
+    notice = one_box_notice(config, usable_cores(), workers_here)
+    if notice is not None:  # the line the launcher prints too
+        print(notice, file=sys.stderr, flush=True)
     print(f"{args.config}: valid", flush=True)
     return 0
 

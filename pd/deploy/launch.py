@@ -12,7 +12,9 @@ that gives no audit fails the run, as does a pool not all free) and exits.
 
 `--check-config` validates the file, every value and the model it names, then exits (0 valid,
 2 with one `error:` line) without starting Ray; a config that is not valid gets the same line and
-status 2 from every other mode, before Ray starts (`pd.deploy.config_check`).
+status 2 from every other mode, before Ray starts (`pd.deploy.config_check`). A disaggregated CPU
+deployment whose workers all run on this machine gets one `notice:` line on stderr first: what P/D
+costs where P and D share the cores, and whether short prompts stay on D (`pd.deploy.one_box`).
 
 `Deployment` is the same thing as a library object (tests, benchmarks):
 `start()` returns the URL, `stop()` tears everything down and is idempotent.
@@ -38,6 +40,7 @@ from pd.deploy.placement import (StartedWorker, release_placement, reserve_for, 
 from pd.cluster.admin_key import generate_admin_key
 from pd.cluster.config import ConfigError, DeployConfig
 from pd.deploy.config_check import error_line, load_checked_config
+from pd.deploy.one_box import one_box_notice, usable_cores
 from pd.deploy.pool_audit import PoolAuditReport, audit_once, settled
 from pd.deploy.restarts import WorkerRestarts
 from pd.deploy.samples import print_sample_answers
@@ -215,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
+    notice = one_box_notice(config, usable_cores(), workers_here=not (args.address or os.environ.get("RAY_ADDRESS")))
+    if notice is not None:  # P and D share this machine's cores: what that costs, and what the config does about it
+        print(notice, file=sys.stderr, flush=True)
     if args.check_config:
         print(f"{args.config}: valid", flush=True)
         return 0

