@@ -104,8 +104,10 @@ async def run_waves(eng: Engine, concurrencies: list[int], new_tokens: int = 64,
                     rows[setting].append((n / wall, statistics.median(ttfts), cpu / max(n, 1) * 1e3, n,
                                           statistics.median(ttft_cpus)))
         for setting, r in rows.items():
-            results.append(WaveFigures(c, *(statistics.median(x[i] for x in r) for i in range(3)), r[0][3],
-                                       statistics.median(x[4] for x in r), setting))
+            def med(i: int, r: list[tuple] = r) -> float:
+                return statistics.median(x[i] for x in r)
+
+            results.append(WaveFigures(c, med(0), med(1), med(2), r[0][3], med(4), setting))
     eng.scheduler.config = base
     return results
 
