@@ -157,6 +157,9 @@ class SchedulerSection(StrictModel):
     max_num_batched_tokens: int = Field(512, gt=0, le=1 << 24)
     max_model_len: int = Field(1024, gt=1, le=MAX_POSITIONS)
     watermark: float = Field(0.01, ge=0.0, lt=1.0)
+    # a step's fixed cost in prompt tokens: > 0 splits a burst of waiting prompts over a few steps
+    # (pd/engine/sched/admission.py); 0: a step admits all the token budget allows
+    step_overhead_tokens: int = Field(0, ge=0, le=1 << 16)
 
 
 class TopologySection(TPSettings):

@@ -49,6 +49,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0  # >0: chunk prefills to at most this many tokens per step
+    # a step's fixed cost, counted in prompt tokens (> 0): a burst of waiting prompts holding T tokens is
+    # admitted about ceil(sqrt(T * it)) tokens a step, whole prompts, so its first prompts answer early
+    # (pd/engine/sched/admission.py); 0: each step admits all that max_num_batched_tokens allows
+    step_overhead_tokens: int = 0
     enable_prefix_caching: bool = True
     watermark: float = 0.0
     full_sequence_must_fit: bool = False
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.step_overhead_tokens < 0:
+            raise ValueError(f"step_overhead_tokens must be >= 0, got {self.step_overhead_tokens}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

@@ -57,6 +57,7 @@ def engine_config_for(spec) -> EngineConfig:
         max_model_len=cfg.scheduler.max_model_len,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
+        step_overhead_tokens=cfg.scheduler.step_overhead_tokens,
         enable_prefix_caching=cfg.cache.enable_prefix_caching,
         watermark=cfg.scheduler.watermark,
         kv_load_failure_policy=cfg.transfer.kv_load_failure_policy.value,

@@ -29,3 +29,27 @@ def test_waves_run_every_token_and_free_the_pool():
     finally:
         eng.shutdown()
         torch.set_num_threads(threads)
+
+
+def test_settings_side_by_side_each_get_their_waves_and_the_config_comes_back():
+    threads = torch.get_num_threads()
+    eng = engine_for(LOCAL)
+    base = eng.scheduler.config
+    seen = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        seen.append(eng.scheduler.config.step_overhead_tokens)
+        return schedule()
+
+    eng.scheduler.schedule = recorded
+    try:
+        figures = asyncio.run(run_waves(eng, [4], new_tokens=3, num_waves=2, step_overheads=[0, 8]))
+        assert [(f.concurrency, f.step_overhead_tokens, f.num_tokens) for f in figures] == [(4, 0, 12), (4, 8, 12)]
+        assert all(f.ttft_cpu_p50_s > 0 and f.ttft_p50_s > 0 for f in figures)
+        assert set(seen) == {0, 8}  # the steps really ran under each setting
+        assert eng.scheduler.config == base
+        assert_all_free(eng.kv_cache_manager)
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(threads)

@@ -6,7 +6,8 @@ call while they fit), preempting by recompute from the back of the running
 list when an allocation fails; then, if nothing was preempted,
 admits waiting requests in arrival order (prefix hit via
 `get_computed_blocks`, then the connector's external tokens) until the token
-budget, the running-request limit or the KV cache stops it.
+budget, the burst split (`admission.py`), the running-request limit or the KV
+cache stops it.
 `update_from_output` applies the step: advances computed tokens, appends
 sampled tokens, finishes requests and frees (or, for the connector, keeps)
 their blocks. `fail_chunks` ends the requests of a step's failed chunks, and
@@ -40,6 +41,7 @@ from connectors.metrics import FailureCause
 from connectors.params import TransferParams
 from pd.engine.config import EngineConfig
 from pd.engine.outputs import FinishReason, RequestOutput
+from pd.engine.sched.admission import admission_tokens
 from pd.engine.sched.request_state import RequestState
 from pd.engine.sched.connector_outcomes import ConnectorOutcomes
 from pd.engine.sched.output import RunnerRequests, ScheduledChunk, SchedulerOutput, StreamStep
@@ -267,7 +269,10 @@ class Scheduler(ConnectorOutcomes):
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         skipped: list[RequestState] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # a burst of prompts is admitted over a few steps, whole prompts each (sched/admission.py)
+        left = admission_tokens(budget, self.config.step_overhead_tokens,
+                                (s.request.num_tokens - s.request.num_computed_tokens for s in self.waiting))
+        while self.waiting and budget > 0 and left > 0 and len(self.running) < self.config.max_num_seqs:
             state = self.waiting[0]
             req = state.request
             hit_blocks, num_local, num_external, load_async = None, 0, 0, False
@@ -315,6 +320,7 @@ class Scheduler(ConnectorOutcomes):
             self.running.append(state)
             chunks.append(self._chunk(state, num_new))
             budget -= num_new
+            left -= num_new
         self.waiting.extendleft(reversed(skipped))
 
     def _inflight_reserved_blocks(self) -> int:
