@@ -103,7 +103,7 @@ def test_engine_logits_bit_for_bit_with_codes_on_and_off(monkeypatch, threads):
                     proj.weight.copy_(q4_1(proj.weight))
         return model
 
-    monkeypatch.setattr("pd.engine.engine.build_model", q4_model)
+    monkeypatch.setattr("pd.engine.runner.compute.build_model", q4_model)
     prompts = mixed_prompts(n=10, lo=2, hi=40, seed=3)
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     outs, logits = [], []

@@ -89,7 +89,7 @@ def test_the_engine_never_emits_a_padded_id(backend, monkeypatch):
     if backend == "fused" and cpu_kernels.load() is None:
         pytest.skip("the C++ kernels cannot be built here")
     num_ids = FULL_MODEL.vocab_size - 20
-    monkeypatch.setattr("pd.engine.engine.build_model",
+    monkeypatch.setattr("pd.engine.runner.compute.build_model",
                         lambda cfg, seed, device: _padded_lead_model(cfg, seed, device, num_ids))
     prompts = mixed_prompts(n=6, lo=2, hi=30, seed=4)
     for mode, params in MODES.items():
