@@ -126,9 +126,18 @@ bool q4_gemm_available() {
 }
 
 // Whether a step of M rows runs from `codes` (defined: the matrix has them).
+#if defined(__AVX512F__)
+// AVX-512 builds expand each panel whole before the float32 tiles run: that pays at a few rows, where
+// the step reads weights from memory, and loses past them (SmolLM2, 2026-12-06, engine_wave: c=32
+// 457 tok/s with the float32 panels against 403 with the codes; c=1 60 against 86).
+static constexpr int64_t kQ4MaxRows = 8;
+#else
+static constexpr int64_t kQ4MaxRows = 64;  // AVX2: chunk by chunk in L1, the packed GEMM's streamed rows
+#endif
+
 static bool q4_usable(const torch::Tensor& codes, int64_t M) {
 #ifdef PDKV_PACKED_GEMM
-  return codes.defined() && codes.numel() > 0 && M <= kStreamRows;
+  return codes.defined() && codes.numel() > 0 && M <= kQ4MaxRows && M <= kStreamRows;
 #else
   (void)codes;
   (void)M;

@@ -113,7 +113,7 @@ def lay_out(model: CausalLM) -> CpuWeights:
     copy, weights = packed_linear.packed_copy(model, on_huge_pages)
     gemm_tuning.apply_crossovers(copy)  # prefill-sized batches may run faster through torch's GEMM
     # Codes of the matrices whose float32 values are exactly 4-bit blocks (packed_q4.py): steps of
-    # up to 64 rows read those instead of the panels. Empty elsewhere.
+    # up to 64 rows (AVX2) or 8 (AVX-512, cpu_q4.cpp) read those instead of the panels. Empty elsewhere.
     q4 = packed_q4.q4_for_layers(weights) if packed_q4.q4_enabled() and kernels.q4_gemm_available() else []
     # Greedy rows read an int8 copy of the packed lm_head, then their few candidates in float32.
     return CpuWeights(copy, weights, True, q4, greedy_head_for(copy.lm_head))
