@@ -246,3 +246,44 @@ def test_a_d_rank_fault_fails_only_the_blocks_it_names():
         assert not res.ok and res.cause.value == "timeout" and res.bad == sorted(D_BLOCKS)
     finally:
         g.close()
+
+
+def test_a_slice_server_drops_oversized_frames_and_refuses_heads_it_does_not_hold():
+    """A peer without a ticket cannot make a P rank buffer a huge message; a ticket holder asking for
+    heads past this rank's gets an error, and the server keeps serving."""
+    import zmq
+
+    from connectors.zmq.gang import agent_wire
+    from connectors.zmq.gang.slice_server import SliceServer
+
+    layout = _layout(2)
+    pool = PagePool(NUM_BLOCKS, layout.page_size_bytes, shareable=False)
+    server = SliceServer(pool, _geometry(layout))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        ticket = secrets.token_bytes(16)
+        server.grant(ticket, P_BLOCKS, ttl_s=30.0)
+        sock.connect(server.endpoint)
+
+        def ask(first: int, count: int) -> tuple[str, dict]:
+            sock.send(agent_wire.encode("slice", id=first + 10, ticket=ticket, block_ids=P_BLOCKS[:1], first=first,
+                                        count=count, send=False))
+            return agent_wire.decode(sock.recv())
+
+        assert ask(0, 1)[0] == "sliced"
+        # (without the limit zmq would take in the whole frame before the decoder refuses it)
+        assert server._sock.getsockopt(zmq.MAXMSGSIZE) == agent_wire.MAX_MESSAGE_BYTES
+        sock.send(b"\x00" * (agent_wire.MAX_MESSAGE_BYTES + 1))  # zmq drops this peer's connection
+        sock.close()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(server.endpoint)
+        kind, msg = ask(1, 2)  # 2 local heads: heads 1 and 2
+        assert kind == "err" and "not this rank's" in msg["reason"]
+        assert ask(1, 1)[0] == "sliced" and server.served_slices == 2
+    finally:
+        sock.close()
+        server.close()

@@ -49,6 +49,9 @@ class SliceServer:
         self._sent: zmq.MessageTracker | None = None
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Any peer can reach this port before it shows a ticket: zmq drops one sending more than a
+        # request can be, instead of buffering it whole.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, agent_wire.MAX_MESSAGE_BYTES)
         port: int = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
