@@ -39,7 +39,10 @@ static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+// Adds the compiler may not reorder (a builtin with its rounding given, not a vector `+`): under
+// -ffast-math it would regroup a tile's sums its own way per instantiation, and the float32 and 4-bit
+// tiles (cpu_q4.cpp) must add in the same order to give the same bits.
+static inline vec vadd(vec a, vec b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static constexpr const char* kIsa = "avx512";
 #else
@@ -50,7 +53,11 @@ static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm256_set1_ps(a); }
 static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vadd(vec a, vec b) {  // an add the compiler may not reorder (see the AVX-512 one)
+  vec r;
+  asm("vaddps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+  return r;
+}
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static constexpr const char* kIsa = "avx2";
 #endif
@@ -72,9 +79,20 @@ static constexpr int unroll() { return MR * kVecs >= 8 ? 1 : (MR * kVecs >= 4 ? 
 // whose partial sums are added up in `part` (in L1): the rounding error then grows with
 // K / kChunk + kChunk rather than with K, as in a blocked sgemm. Each output's sum runs in the same
 // order for any NP, so NP changes no bit of the result.
-template <int MR, int NP = 1>
-static void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
-                 float* C, int64_t ldc, int64_t cols, const float* next) {
+//
+// Where the lines come from is `Lines`: float32 panels in memory (`F32Lines`), or 4-bit codes expanded
+// in registers (`Q4Lines`, cpu_q4.cpp). The arithmetic on the lines is this one template's whatever
+// their source, so the same lines give the same bits.
+struct F32Lines {
+  const float* B;
+  int64_t K;
+  vec load(int q, int64_t k, int v) const { return vload(B + q * K * kPanel + k * kPanel + v * kWidth); }
+  void begin(int64_t) {}  // lines [k, k + U) come next (U divides kChunk)
+};
+
+template <int MR, int NP, class Lines>
+static inline void tile_of(const float* A, int64_t lda, Lines B, int64_t K, const float* bias,
+                           bool accumulate, float* C, int64_t ldc, int64_t cols, const float* next) {
   constexpr int U = unroll<MR * NP>();
   constexpr int NV = NP * kVecs;  // vectors per row of the tile
   alignas(64) float part[MR][NP * kPanel];
@@ -92,9 +110,10 @@ static void tile(const float* A, int64_t lda, const float* B, int64_t K, const f
         if (next != nullptr)
           for (int q = 0; q < NP; ++q)
             _mm_prefetch(reinterpret_cast<const char*>(next + (NP * (k + u) + q) * kPanel), _MM_HINT_T0);
+        if (u == 0) B.begin(k);
         vec b[NV];
         for (int q = 0; q < NP; ++q)
-          for (int v = 0; v < kVecs; ++v) b[q * kVecs + v] = vload(B + q * K * kPanel + (k + u) * kPanel + v * kWidth);
+          for (int v = 0; v < kVecs; ++v) b[q * kVecs + v] = B.load(q, k + u, v);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const vec a = vset1(A[i * lda + k + u]);
@@ -103,13 +122,14 @@ static void tile(const float* A, int64_t lda, const float* B, int64_t K, const f
       }
     }
     for (; k < k1; ++k) {
+      B.begin(k);
       if (next != nullptr)
         for (int q = 0; q < NP; ++q) _mm_prefetch(reinterpret_cast<const char*>(next + (NP * k + q) * kPanel), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         const vec a = vset1(A[i * lda + k]);
         for (int q = 0; q < NP; ++q)
           for (int v = 0; v < kVecs; ++v)
-            c[0][i][q * kVecs + v] = vfma(a, vload(B + q * K * kPanel + k * kPanel + v * kWidth), c[0][i][q * kVecs + v]);
+            c[0][i][q * kVecs + v] = vfma(a, B.load(q, k, v), c[0][i][q * kVecs + v]);
       }
     }
 #pragma GCC unroll 16
@@ -144,6 +164,12 @@ static void tile(const float* A, int64_t lda, const float* B, int64_t K, const f
       out[j] = accumulate ? out[j] + v : v;
     }
   }
+}
+
+template <int MR, int NP = 1>
+static void tile(const float* A, int64_t lda, const float* B, int64_t K, const float* bias, bool accumulate,
+                 float* C, int64_t ldc, int64_t cols, const float* next) {
+  tile_of<MR, NP>(A, lda, F32Lines{B, K}, K, bias, accumulate, C, ldc, cols, next);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, bool, float*, int64_t, int64_t,

@@ -6,13 +6,14 @@
 // fl(d * q + m): d * q is exact in float32 (an 11-bit significand times a 4-bit integer), so one
 // fused multiply-add gives the same single rounding. Per panel line (16 outputs at one k) that is 8
 // bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
-// A decode step at small batch reads every weight once, from memory: this reads 5.3x fewer bytes,
+// A decode step at small batch reads every weight once, from memory: this reads 6.4x fewer bytes,
 // expands them into float32 in cache (the same values, bit for bit) and runs the same register tiles
 // on them as the float32 path, so the products and sums are those of the float32 panels
 // (packed_gemm_serial, AVX2 or AVX-512), bit for bit.
 //
 // Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
-// output c + 8 in its high one; scales (P, K / 32, 2, 16) float32, d then m per output.
+// output c + 8 in its high one; scales (P, K / 32, 2, 16) float16 (d and m are half-precision values in
+// the GGUF, and find_q4 keeps only such: the conversion to float32 is exact), d then m per output.
 
 #ifdef PDKV_PACKED_GEMM
 static constexpr int64_t kQ4Block = 32;  // weights per (d, m) along K
@@ -20,13 +21,19 @@ static constexpr int64_t kQ4Ahead = 4;   // k-chunks of codes and scales prefetc
 
 // Lines [k0, k0 + n) (n <= kChunk; k0 and n multiples of kQ4Block) of one panel's codes and scales
 // expanded into out (n, 16) float32: the exact weights.
-static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t k0, int64_t n, float* out) {
+static inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#if defined(__AVX512F__)
+static inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+static inline void q4_expand(const uint8_t* codes, const uint16_t* scales, int64_t k0, int64_t n, float* out) {
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b0 = k0; b0 < k0 + n; b0 += kQ4Block) {
-    const float* dm = scales + (b0 / kQ4Block) * 2 * kPanel;
+    const uint16_t* dm = scales + (b0 / kQ4Block) * 2 * kPanel;
 #if defined(__AVX512F__)
     // one zmm a line; two lines per 16-byte load (a block has an even number of lines)
-    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + kPanel);
+    const __m512 d = half16(dm), m = half16(dm + kPanel);
     for (int64_t k = b0; k < b0 + kQ4Block; k += 2) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 8));
       const __m128i lo = _mm_and_si128(bytes, low4);
@@ -37,8 +44,8 @@ static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t 
                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi))), m));
     }
 #else
-    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
-    const __m256 m0 = _mm256_loadu_ps(dm + kPanel), m1 = _mm256_loadu_ps(dm + kPanel + 8);
+    const __m256 d0 = half8(dm), d1 = half8(dm + 8);
+    const __m256 m0 = half8(dm + kPanel), m1 = half8(dm + kPanel + 8);
     for (int64_t k = b0; k < b0 + kQ4Block; ++k) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k * 8));
       const __m128i lo = _mm_and_si128(bytes, low4);
@@ -53,13 +60,71 @@ static inline void q4_expand(const uint8_t* codes, const float* scales, int64_t 
 
 // Lines [k0, k0 + n) of one panel expanded into out (see q4_expand), with the codes and scales
 // kQ4Ahead chunks on prefetched (into the next panels past the end: they follow in memory).
-static inline void q4_expand_ahead(const uint8_t* pc, const float* ps, int64_t k0, int64_t n, float* out) {
+static inline void q4_expand_ahead(const uint8_t* pc, const uint16_t* ps, int64_t k0, int64_t n, float* out) {
   const int64_t ahead = k0 + kQ4Ahead * kChunk;
   for (int64_t b = 0; b < kChunk * 8; b += 64) _mm_prefetch(reinterpret_cast<const char*>(pc + ahead * 8 + b), _MM_HINT_T0);
-  for (int64_t b = 0; b < (kChunk / kQ4Block) * 2 * kPanel; b += 16)
+  for (int64_t b = 0; b < (kChunk / kQ4Block) * 2 * kPanel; b += 32)
     _mm_prefetch(reinterpret_cast<const char*>(ps + (ahead / kQ4Block) * 2 * kPanel + b), _MM_HINT_T0);
   q4_expand(pc, ps, k0, n, out);
 }
+
+// One panel's lines expanded in registers, for `tile_of` (cpu_gemm.cpp): line k's vector v is
+// fl(d * q + m) of its outputs (AVX-512: all 16; AVX2: v = 0 the low nibbles' outputs 0-7, v = 1 the
+// high ones' 8-15), the float32 panel's own values, so `tile_of` gives the float32 tile's bits without
+// the panel ever being written out. `begin(k)` takes the d and m of the lines that follow (a run of
+// lines never crosses a block of 32: U divides it) and prefetches kQ4Lead lines ahead in the codes and
+// scales (the panels follow one another in memory, so that runs on into the next one).
+static constexpr int64_t kQ4Lead = 512;  // lines: 4 KiB of codes
+template <int NP>
+struct Q4Lines {
+  const uint8_t* codes;  // panel q's at codes + q * code_bytes (adjacent panels: a pair tile)
+  const uint16_t* scales;  // and scales + q * scale_halves
+  int64_t code_bytes, scale_halves;
+  vec d[NP * kVecs], m[NP * kVecs];  // of the current block, per panel and vector
+  void begin(int64_t k) {
+    for (int q = 0; q < NP; ++q) {
+      const uint16_t* dm = scales + q * scale_halves + (k / kQ4Block) * 2 * kPanel;
+#if defined(__AVX512F__)
+      d[q] = half16(dm), m[q] = half16(dm + kPanel);
+#else
+      for (int v = 0; v < kVecs; ++v) d[q * kVecs + v] = half8(dm + v * kWidth), m[q * kVecs + v] = half8(dm + kPanel + v * kWidth);
+#endif
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kQ4Lead) * 8), _MM_HINT_T0);
+    if ((k & (kQ4Block - 1)) == 0) {
+      // d and m of a block: 64 bytes, one line
+      _mm_prefetch(reinterpret_cast<const char*>(scales + ((k + kQ4Lead) / kQ4Block) * 2 * kPanel), _MM_HINT_T0);
+    }
+  }
+  vec load(int q, int64_t k, int v) const {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + q * code_bytes + k * 8));
+#if defined(__AVX512F__)
+    const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    return _mm512_fmadd_ps(d[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib)), m[q]);
+#else
+    const __m128i nib = v == 0 ? _mm_and_si128(bytes, low4) : _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    return _mm256_fmadd_ps(d[q * kVecs + v], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), m[q * kVecs + v]);
+#endif
+  }
+};
+
+template <int MR, int NP>
+static void q4_tile(const uint8_t* codes, const uint16_t* scales, int64_t code_bytes, int64_t scale_halves,
+                    const float* A, int64_t lda, int64_t K, const float* bias, bool accumulate, float* C, int64_t ldc,
+                    int64_t cols) {
+  const Q4Lines<NP> lines{codes, scales, code_bytes, scale_halves, {}, {}};
+  tile_of<MR, NP>(A, lda, lines, K, bias, accumulate, C, ldc, cols, nullptr);
+}
+using Q4TileFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                          bool, float*, int64_t, int64_t);
+template <int NP, int... R>
+static constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles_of(std::integer_sequence<int, R...>) {
+  return {&q4_tile<R + 1, NP>...};
+}
+// kQ4Tiles[r - 1]: r rows, one panel; kQ4PairTiles: kPairPanels panels (the float32 path's pair tiles)
+static constexpr auto kQ4Tiles = q4_tiles_of<1>(std::make_integer_sequence<int, kRows>{});
+static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
 // (M <= kStreamRows, K a multiple of kQ4Block), bit-identical to packed_gemm_serial on the float32
@@ -70,16 +135,30 @@ static inline void q4_expand_ahead(const uint8_t* pc, const float* ps, int64_t k
 // the same arguments (-ffast-math lets the compiler order a tile's sums its own way, so only the
 // same call on the same values is sure to give the same bits).
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
-                           const float* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
+                           const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
   if (M <= 0) return;
-  const int64_t code_bytes = K * 8, scale_floats = (K / kQ4Block) * 2 * kPanel;
+  const int64_t code_bytes = K * 8, scale_halves = (K / kQ4Block) * 2 * kPanel;
+  if (kPairPanels > 1 && M <= kRows) {
+    // AVX-512, one row block: the float32 path's tiles (packed_gemm_serial: one panel a tile up to
+    // kSmallRows rows, else pairs where both panels are full and this thread's) on lines expanded in
+    // registers, so the codes are read once and no expanded panel goes through the caches.
+    for (int64_t p = p0; p < p1;) {
+      const int64_t n0 = p * kPanel;
+      const int np = (M > kSmallRows && p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
+      (np > 1 ? kQ4PairTiles : kQ4Tiles)[M - 1](
+          codes + p * code_bytes, scales + p * scale_halves, code_bytes, scale_halves, A, lda, K,
+          bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0));
+      p += np;
+    }
+    return;
+  }
   if (kPairPanels == 1) {
     alignas(64) float part[kStreamRows][kPanel];
     alignas(64) float w[kChunk * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* pc = codes + p * code_bytes;
-      const float* ps = scales + p * scale_floats;
+      const uint16_t* ps = scales + p * scale_halves;
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t n = std::min(kChunk, K - k0);
         q4_expand_ahead(pc, ps, k0, n, w);
@@ -102,7 +181,7 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
     const int np = (pairs && p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
     for (int q = 0; q < np; ++q)
       for (int64_t k0 = 0; k0 < K; k0 += kChunk)
-        q4_expand_ahead(codes + (p + q) * code_bytes, scales + (p + q) * scale_floats, k0, std::min(kChunk, K - k0),
+        q4_expand_ahead(codes + (p + q) * code_bytes, scales + (p + q) * scale_halves, k0, std::min(kChunk, K - k0),
                         w + q * K * kPanel + k0 * kPanel);
     if (!pairs)
       kTiles[M - 1](A, lda, w, K, bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, std::min(kPanel, N - n0),
@@ -130,7 +209,7 @@ bool q4_gemm_available() {
 // AVX-512 builds expand each panel whole before the float32 tiles run: that pays at a few rows, where
 // the step reads weights from memory, and loses past them (SmolLM2, 2026-12-06, engine_wave: c=32
 // 457 tok/s with the float32 panels against 403 with the codes; c=1 60 against 86).
-static constexpr int64_t kQ4MaxRows = 8;
+static constexpr int64_t kQ4MaxRows = 12;
 #else
 static constexpr int64_t kQ4MaxRows = 64;  // AVX2: chunk by chunk in L1, the packed GEMM's streamed rows
 #endif
@@ -155,8 +234,8 @@ static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(M <= kStreamRows, "the 4-bit path takes at most ", kStreamRows, " rows");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 3 && codes.size(1) == K && codes.size(2) == 8 &&
               codes.is_contiguous(), "codes must be (P, K, 8) uint8");
-  TORCH_CHECK(K % kQ4Block == 0 && scales.dtype() == torch::kFloat32 && scales.is_contiguous() &&
-              scales.numel() == P * (K / kQ4Block) * 2 * kPanel, "scales must be (P, K / 32, 2, 16) float32");
+  TORCH_CHECK(K % kQ4Block == 0 && scales.dtype() == torch::kHalf && scales.is_contiguous() &&
+              scales.numel() == P * (K / kQ4Block) * 2 * kPanel, "scales must be (P, K / 32, 2, 16) float16");
   TORCH_CHECK(P == (N + kPanel - 1) / kPanel && x.stride(1) == 1 && y.stride(1) == 1 && y.size(0) == M,
               "P = ceil(N / 16), row-major x and y");
   const bool has_bias = bias.defined() && bias.numel() > 0;
@@ -166,7 +245,7 @@ static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, con
   if (M > kSmallRows) per = (per + kPairPanels - 1) / kPairPanels * kPairPanels;  // whole pairs, as packed_gemm_into
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   chunked_for((P + per - 1) / per, [&](int64_t c) {
     q4_gemm_serial(xp, x.stride(0), M, K, cp, sp, N, bp, accumulate, yp, y.stride(0), c * per,

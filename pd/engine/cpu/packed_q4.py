@@ -8,8 +8,8 @@ q = round((w - m) / d), and keeps the codes only if fl(d * q + m) reproduces eve
 for bit (a matrix with one block that does not is left as it is). Nothing is approximated: the
 kernel expands the codes to the same float32 values before it multiplies.
 
-A decode step at small batch reads every weight once from memory; from the codes it reads 10 bytes
-per 16 weights and k (8 of codes, 2 of d and m) against 64. `PDKV_Q4_WEIGHTS=off` keeps the float32
+A decode step at small batch reads every weight once from memory; from the codes it reads 9 bytes
+per line of 16 weights (8 of codes, 2 of d and m, both half precision as in the GGUF) against 64. `PDKV_Q4_WEIGHTS=off` keeps the float32
 panels only.
 """
 from __future__ import annotations
@@ -31,14 +31,14 @@ def q4_enabled() -> bool:
 
 
 def find_q4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes (P, K, 8) uint8, scales (P, K / 32, 2, 16) float32) holding packed (P, K, 16) float32
+    """(codes (P, K, 8) uint8, scales (P, K / 32, 2, 16) float16) holding packed (P, K, 16) float32
     panels exactly, or None when some block of 32 along K is not of the form d * q + m. Byte c of line
     k holds column c in its low nibble and column c + 8 in its high one; scales hold d, then m."""
     if packed.dim() != 3 or packed.dtype != torch.float32 or packed.shape[2] != 16 or packed.shape[1] % BLOCK:
         return None
     num_panels, k, width = packed.shape
     codes = torch.empty(num_panels, k, 8, dtype=torch.uint8)
-    scales = torch.empty(num_panels, k // BLOCK, 2, width, dtype=torch.float32)
+    scales = torch.empty(num_panels, k // BLOCK, 2, width, dtype=torch.float16)  # d and m: half values
     for p0 in range(0, num_panels, _PANELS_PER_PASS):
         part = packed[p0:p0 + _PANELS_PER_PASS]
         n = part.shape[0]
