@@ -15,6 +15,7 @@
 // output c + 8 in its high one; scales (P, K / 32, 2, 16) float16 (d and m are half-precision values in
 // the GGUF, and find_q4 keeps only such: the conversion to float32 is exact), d then m per output.
 
+#include <cstring>
 #ifdef PDKV_PACKED_GEMM
 static constexpr int64_t kQ4Block = 32;  // weights per (d, m) along K
 static constexpr int64_t kQ4Ahead = 4;   // k-chunks of codes and scales prefetched ahead
@@ -74,6 +75,19 @@ static inline void q4_expand_ahead(const uint8_t* pc, const uint16_t* ps, int64_
 // the panel ever being written out. `begin(k)` takes the d and m of the lines that follow (a run of
 // lines never crosses a block of 32: U divides it) and prefetches kQ4Lead lines ahead in the codes and
 // scales (the panels follow one another in memory, so that runs on into the next one).
+#if defined(__AVX512VBMI__)
+// Bit offsets, in a line's 8 bytes of codes, of each 32-bit lane's nibble (lane c < 8: byte c's low
+// nibble; lane c >= 8: byte c - 8's high one), at byte 0 of the lane; and the floats 0..15.
+static inline __m512i q4_nibble_shifts() {
+  alignas(64) static const uint8_t shifts[64] = {
+      0, 0, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0, 24, 0, 0, 0, 32, 0, 0, 0, 40, 0, 0, 0, 48, 0, 0, 0, 56, 0, 0, 0,
+      4, 0, 0, 0, 12, 0, 0, 0, 20, 0, 0, 0, 28, 0, 0, 0, 36, 0, 0, 0, 44, 0, 0, 0, 52, 0, 0, 0, 60, 0, 0, 0};
+  return _mm512_load_si512(shifts);
+}
+static inline __m512 q4_small_floats() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
 static constexpr int64_t kQ4Lead = 512;  // lines: 4 KiB of codes
 template <int NP>
 struct Q4Lines {
@@ -99,7 +113,15 @@ struct Q4Lines {
   vec load(int q, int64_t k, int v) const {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + q * code_bytes + k * 8));
-#if defined(__AVX512F__)
+#if defined(__AVX512VBMI__)
+    (void)low4, (void)bytes;
+    int64_t line;
+    std::memcpy(&line, codes + q * code_bytes + k * 8, 8);
+    // each 32-bit lane's low 4 bits <- its nibble (multishift), then the float of 0..15 it names (vpermps
+    // reads only those 4 bits): one shuffle-port op each, no integer-to-float conversion
+    const __m512i picked = _mm512_multishift_epi64_epi8(q4_nibble_shifts(), _mm512_set1_epi64(line));
+    return _mm512_fmadd_ps(d[q], _mm512_permutexvar_ps(picked, q4_small_floats()), m[q]);
+#elif defined(__AVX512F__)
     const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
     return _mm512_fmadd_ps(d[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib)), m[q]);
 #else
