@@ -362,9 +362,7 @@ class Worker:
     def _outstanding_requests(self) -> int:
         """Requests a gang's followers may still hold block tables for: those rank 0's runner holds, and
         those it released whose release goes to the followers with the next plan (the TP runner's set)."""
-        runner = self._require_engine().runner
-        pending = getattr(runner, "_finished", ())  # (pd.engine.runner.tp_runner.TPModelRunner)
-        return runner.inputs.rows.num_assigned + len(pending)
+        return self._require_engine().runner.num_held_requests
 
     def _require_engine(self):
         if self._engine is None:

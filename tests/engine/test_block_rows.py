@@ -67,12 +67,13 @@ def test_rows_follow_the_scheduler_through_random_traffic(name, seed):
             if out.finished:
                 live.discard(out.request_id)
         assert inputs.rows.num_assigned <= inputs.capacity.max_num_seqs
+        assert eng.runner.num_held_requests == inputs.rows.num_assigned  # (what a worker's stats report)
     while eng.has_unfinished_requests():
         for out in eng.step():
             live.discard(out.request_id)
     assert seen["steps"] > 50
     assert eng.stats()["num_preemptions"] > 0
-    assert inputs.rows.num_assigned == 0  # every finished request gave its row back
+    assert inputs.rows.num_assigned == 0 == eng.runner.num_held_requests  # every finished request gave its row back
     assert_all_free(eng.kv_cache_manager)
 
 

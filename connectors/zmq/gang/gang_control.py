@@ -59,6 +59,35 @@ class GangLoadResult:
     rank_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
+DIR_PREFIX = "pdkv-gang-"
+
+
+def sweep_stale_dirs(parent: str) -> int:
+    """Removes the control directories in `parent` of gangs whose owning process is gone (a rank 0 that
+    was SIGKILLed cannot remove its own); returns how many. Another user's, or a live process's, stay."""
+    removed = 0
+    with os.scandir(parent) as entries:
+        for entry in entries:
+            owner = entry.name[len(DIR_PREFIX):].split("-", 1)[0]
+            if not (entry.name.startswith(DIR_PREFIX) and owner.isdigit() and entry.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                os.kill(int(owner), 0)
+                continue  # its owner runs (or a process now has that pid): leave it
+            except ProcessLookupError:
+                pass
+            except (OSError, OverflowError):
+                continue  # not ours to signal, or gone from under us
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    if removed:
+        logger.info("removed %d control director%s of killed gangs in %s", removed, "y" if removed == 1 else "ies",
+                    parent)
+    return removed
+
+
 class GangControl:
     """The control socket of a gang of `size` ranks (rank 0 included: its agent registers too)."""
 
@@ -67,7 +96,9 @@ class GangControl:
         if size < 1:
             raise ValueError(f"a gang has at least one rank, not {size}")
         self.size = size
-        self._dir = tempfile.mkdtemp(prefix="pdkv-gang-", dir=parent_dir)  # 0700
+        sweep_stale_dirs(parent_dir or tempfile.gettempdir())
+        # 0700; named by its owner's pid, so that a later gang can remove it if that process was killed
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=parent_dir)
         self.address = f"ipc://{os.path.join(self._dir, 'control')}"
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -112,6 +112,12 @@ class ModelRunner:
         """What runs a step, in words (for logs and benchmark reports)."""
         return self.executor.description if self.executor is not None else self.backend.description
 
+    @property
+    def num_held_requests(self) -> int:
+        """Requests whose block tables a rank of this runner may still hold: those with a table row here
+        (a gang's runner adds those released here whose release has not reached its followers yet)."""
+        return self.inputs.rows.num_assigned
+
     # ------------------------------------------------------------------ requests
     def update_requests(self, sched: SchedulerOutput) -> None:
         """Forgets the requests finished since the previous step, then meets this step's new ones."""

@@ -74,6 +74,12 @@ class TPModelRunner(ModelRunner):
         self._zero: set[int] = set()
         self._last_sent = time.monotonic()
 
+    @property
+    def num_held_requests(self) -> int:
+        """Rank 0's table rows, plus the requests released here whose release goes to the followers
+        with the next plan (until then a follower still holds their tables)."""
+        return super().num_held_requests + len(self._finished)
+
     # ------------------------------------------------------------------ what the engine calls
     def update_requests(self, sched: SchedulerOutput) -> None:
         super().update_requests(sched)
