@@ -137,7 +137,9 @@ class PrefixAware:
     compute or reuse (`fresh`) counts whole: those blocks are the newest there.
 
     `pending_hits` (off by default) also counts, as hit, the blocks that prompts already sent to w
-    will compute before this one runs (the index learns of them only once computed). On bursts of one
+    will compute before this one runs (the index learns of them only once computed), and the prompt then
+    queues only its tokens past that expected hit (the engine's prefix cache shares blocks a prompt sent
+    ahead computes, even in the same step). On bursts of one
     tenant (`route_bench --workload bursts`) it sent whole bursts to one P: more hits, a worse TTFT p90.
     """
 
@@ -201,6 +203,7 @@ class WorkerPool:
         self.last_predicted: dict[tuple[str, str], int | None] = {}  # (request, role) -> predicted hit, for tests
         self._best_hit = 0
         self._hashes: list[bytes] = []  # the prompt's block hashes, from the last pick (empty without an index)
+        self._expected: int | None = None  # the last pick's hit counting pending blocks (pending_hits only)
         self.last_best_hit: dict[tuple[str, str], int] = {}  # (request, role) -> best hit of any candidate
 
     def add(self, endpoint: WorkerEndpoint) -> None:
@@ -248,9 +251,11 @@ class WorkerPool:
         self._hashes = []
         hits = self._hits(candidates, prompt_token_ids, cache_salt)
         load = next((w for w in candidates if w.endpoint.worker_id == preferred), None)
+        self._expected = None
         if load is None and getattr(self._policy, "pending_hits", False) and self._hashes:
             expected, fresh = self._with_pending(candidates, hits, len(prompt_token_ids or ()))
             load = self._policy.choose(candidates, expected, fresh)
+            self._expected = expected.get(load.endpoint.worker_id)
         elif load is None:
             load = self._policy.choose(candidates, hits)
         self._best_hit = max((h for h in hits.values() if h is not None), default=0)
@@ -287,7 +292,9 @@ class WorkerPool:
         in flight on it (and its prompt tokens still to compute, when `prompt_token_ids` are given)."""
         load, predicted = self.pick_with_hit(role, prompt_token_ids, preferred, cache_salt)
         load.num_in_flight += 1
-        queued = max(0, len(prompt_token_ids or ()) - (predicted or 0))
+        # the prompt's tokens the worker computes: past its cached prefix, and (with pending hits) past
+        # the blocks that prompts sent there ahead compute first
+        queued = max(0, len(prompt_token_ids or ()) - max(predicted or 0, self._expected or 0))
         load.num_queued_tokens += queued
         hashes = tuple(self._hashes)
         load.pending_blocks.update(hashes)

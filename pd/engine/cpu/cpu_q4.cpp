@@ -151,11 +151,10 @@ static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
 // (M <= kStreamRows, K a multiple of kQ4Block), bit-identical to packed_gemm_serial on the float32
 // panels. AVX2 (one panel per tile): each panel k-chunk by k-chunk, expanded into L1 and used by every
-// row block there (rows_krange, whose sums run in the order of the float32 path's tiles). AVX-512:
-// each group of panels the float32 path tiles together (one; above kSmallRows rows, pairs) expanded
-// whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and given to the same tiles with
-// the same arguments (-ffast-math lets the compiler order a tile's sums its own way, so only the
-// same call on the same values is sure to give the same bits).
+// row block there (rows_krange, whose sums run in the order of the float32 path's tiles). AVX-512, up
+// to kRows rows (what steps use, kQ4MaxRows): the float32 path's tiles on lines built in registers
+// (Q4Lines). Above that (q4_linear only): each group of panels the float32 path tiles together
+// expanded whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and given to the same tiles.
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
@@ -228,10 +227,10 @@ bool q4_gemm_available() {
 
 // Whether a step of M rows runs from `codes` (defined: the matrix has them).
 #if defined(__AVX512F__)
-// AVX-512 builds expand each panel whole before the float32 tiles run: that pays at a few rows, where
-// the step reads weights from memory, and loses past them (SmolLM2, 2026-12-06, engine_wave: c=32
-// 457 tok/s with the float32 panels against 403 with the codes; c=1 60 against 86).
-static constexpr int64_t kQ4MaxRows = 12;
+// AVX-512 builds run one row block (up to kRows) on lines built in registers; past that the expansion
+// costs more than the bytes it saves (SmolLM2 layer matrices, 2 threads, 2026-12-06: 0.31-0.45x the
+// float32 panels' time at 1-4 rows, 0.7-0.85x at 6-10, 0.97-1.02x at 12).
+static constexpr int64_t kQ4MaxRows = kRows;
 #else
 static constexpr int64_t kQ4MaxRows = 64;  // AVX2: chunk by chunk in L1, the packed GEMM's streamed rows
 #endif

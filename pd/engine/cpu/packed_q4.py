@@ -8,9 +8,9 @@ q = round((w - m) / d), and keeps the codes only if fl(d * q + m) reproduces eve
 for bit (a matrix with one block that does not is left as it is). Nothing is approximated: the
 kernel expands the codes to the same float32 values before it multiplies.
 
-A decode step at small batch reads every weight once from memory; from the codes it reads 9 bytes
-per line of 16 weights (8 of codes, 2 of d and m, both half precision as in the GGUF) against 64. `PDKV_Q4_WEIGHTS=off` keeps the float32
-panels only.
+A decode step at small batch reads every weight once from memory; from the codes it reads 10 bytes
+per line of 16 weights (8 of codes, 2 of d and m, both half precision as in the GGUF) against 64.
+`PDKV_Q4_WEIGHTS=off` keeps the float32 panels only.
 """
 from __future__ import annotations
 
