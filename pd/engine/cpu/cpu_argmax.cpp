@@ -17,53 +17,27 @@
 #ifdef PDKV_PACKED_GEMM
 static constexpr int kScreenRows = 6;  // rows per register tile: 2 x 8 accumulators each on AVX2 (16 ymm)
 
-// Line k of an int8 panel as float vectors (AVX-512: one of 16; AVX2: two of 8).
-static inline void screen_line(const int8_t* Q, int64_t k, vec* w) {
-  const __m128i line = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + k * kPanel));
+// An int8 panel's lines as float vectors (AVX-512: one of 16; AVX2: two of 8), for the float32 tile
+// template `tile_of` (cpu_gemm.cpp): the screen's sums run as the GEMM's do (the bound holds for any
+// summation order).
+struct Int8Lines {
+  const int8_t* Q;
+  vec load(int, int64_t k, int v) const {
+    const __m128i line = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + k * kPanel));
 #if defined(__AVX512F__)
-  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(line));
+    (void)v;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(line));
 #else
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(line));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(line, 8)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v == 0 ? line : _mm_srli_si128(line, 8)));
 #endif
-}
+  }
+  void begin(int64_t) {}
+};
 
-// acc[i][0..16) = sum over k of A[i][k] * q[k][0..16) for one int8 panel (K, 16) and MR rows of A.
-// Few rows sum over U interleaved accumulator sets (the bound holds for any summation order), so
-// that one row is not held to an FMA's latency per line.
+// out[i][0..16) = sum over k of A[i][k] * q[k][0..16) for one int8 panel (K, 16) and MR rows of A.
 template <int MR>
 static void screen_tile(const float* A, int64_t lda, const int8_t* Q, int64_t K, float* out, int64_t ldo) {
-  constexpr int U = unroll<MR>();
-  vec c[U][MR][kVecs];
-  for (int u = 0; u < U; ++u)
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kVecs; ++v) c[u][i][v] = vzero();
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      vec w[kVecs];
-      screen_line(Q, k + u, w);
-      for (int i = 0; i < MR; ++i) {
-        const vec a = vset1(A[i * lda + k + u]);
-        for (int v = 0; v < kVecs; ++v) c[u][i][v] = vfma(a, w[v], c[u][i][v]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
-    vec w[kVecs];
-    screen_line(Q, k, w);
-    for (int i = 0; i < MR; ++i) {
-      const vec a = vset1(A[i * lda + k]);
-      for (int v = 0; v < kVecs; ++v) c[0][i][v] = vfma(a, w[v], c[0][i][v]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kVecs; ++v) {
-      vec sum = c[0][i][v];
-      for (int u = 1; u < U; ++u) sum = vadd(sum, c[u][i][v]);
-      vstore(out + i * ldo + v * kWidth, sum);
-    }
+  tile_of<MR, 1>(A, lda, Int8Lines{Q}, K, nullptr, false, out, ldo, kPanel, nullptr);
 }
 
 using ScreenFn = void (*)(const float*, int64_t, const int8_t*, int64_t, float*, int64_t);

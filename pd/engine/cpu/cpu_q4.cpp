@@ -101,7 +101,10 @@ struct Q4Lines {
 #if defined(__AVX512F__)
       d[q] = half16(dm), m[q] = half16(dm + kPanel);
 #else
-      for (int v = 0; v < kVecs; ++v) d[q * kVecs + v] = half8(dm + v * kWidth), m[q * kVecs + v] = half8(dm + kPanel + v * kWidth);
+      for (int v = 0; v < kVecs; ++v) {
+        d[q * kVecs + v] = half8(dm + v * kWidth);
+        m[q * kVecs + v] = half8(dm + kPanel + v * kWidth);
+      }
 #endif
     }
     _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kQ4Lead) * 8), _MM_HINT_T0);
@@ -111,22 +114,25 @@ struct Q4Lines {
     }
   }
   vec load(int q, int64_t k, int v) const {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + q * code_bytes + k * 8));
 #if defined(__AVX512VBMI__)
-    (void)low4, (void)bytes;
+    (void)v;
     int64_t line;
     std::memcpy(&line, codes + q * code_bytes + k * 8, 8);
     // each 32-bit lane's low 4 bits <- its nibble (multishift), then the float of 0..15 it names (vpermps
     // reads only those 4 bits): one shuffle-port op each, no integer-to-float conversion
     const __m512i picked = _mm512_multishift_epi64_epi8(q4_nibble_shifts(), _mm512_set1_epi64(line));
     return _mm512_fmadd_ps(d[q], _mm512_permutexvar_ps(picked, q4_small_floats()), m[q]);
-#elif defined(__AVX512F__)
+#else
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + q * code_bytes + k * 8));
+#if defined(__AVX512F__)
+    (void)v;
     const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
     return _mm512_fmadd_ps(d[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib)), m[q]);
 #else
     const __m128i nib = v == 0 ? _mm_and_si128(bytes, low4) : _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
     return _mm256_fmadd_ps(d[q * kVecs + v], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), m[q * kVecs + v]);
+#endif
 #endif
   }
 };
