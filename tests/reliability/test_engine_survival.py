@@ -181,8 +181,13 @@ def test_device_fault_costs_its_step_and_one_restart(ray_instance, fault_record)
     with Deployment(config) as dep:
         before = workers(dep.url)
         pids = {wid: worker_health(dep, w["url"]).json()["pid"] for wid, w in before.items()}
-        for _ in range(6):  # the same prompt sticks to one D: that D has taken 6 requests
+        assert post(dep.url, sticky).status_code == 200
+        # The router learns a D's cache from its KV events, a moment after the answer: until the prompt's
+        # blocks are indexed on the D that took it, the next copy could go to the other D by load alone.
+        wait_for("the sticky prompt indexed on one D", lambda: _indexed_decodes(dep.url, before) == 1, 30)
+        for _ in range(5):  # the same prompt sticks to that D: it has taken 6 requests
             assert post(dep.url, sticky).status_code == 200
+        assert _indexed_decodes(dep.url, before) == 1, workers(dep.url)
         results: list = [None] * 4
 
         def call(i: int) -> None:  # queued behind each other on a D: one step at a time
@@ -216,6 +221,13 @@ def test_device_fault_costs_its_step_and_one_restart(ray_instance, fault_record)
                  pdkv_did=f"failed the step, freed its blocks, stopped the engine, worker unhealthy and its process "
                  f"exited; Ray restarted it and the router re-admitted it ({back_s:.1f}s)",
                  pools="all free, every worker healthy")
+
+
+def _indexed_decodes(url: str, before: dict) -> int:
+    """How many D workers the router's prefix index holds new entries for (since `before`)."""
+    now = workers(url)
+    return sum(1 for wid, w in now.items() if w["role"] == "decode"
+               and w["kv_index"]["num_entries"] > before[wid]["kv_index"]["num_entries"])
 
 
 def test_sigkilled_worker_serves_again_within_30s(ray_instance, fault_record):
