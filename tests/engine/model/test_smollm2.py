@@ -110,9 +110,10 @@ def test_greedy_tokens_equal_transformers(converted, hf_model, backend):
         prompts[f"q{i}"] = tok.encode(text).ids
         assert prompts[f"q{i}"] == chat(text, add_special_tokens=False)["input_ids"]
 
-    # auto also admits the prompts as the SmolLM2 deploys do, a few a step (step_overhead_tokens): the batches
-    # differ, the tokens must not
-    engine = Engine(EngineConfig(model_path=str(converted), block_size=16, num_blocks=128, max_model_len=2048,
+    # auto also admits the prompts as the SmolLM2 deploys do, a few a step (step_overhead_tokens), in their
+    # 8-token blocks: the batches and the block tables differ, the tokens must not
+    engine = Engine(EngineConfig(model_path=str(converted), block_size=8 if backend == "auto" else 16,
+                                 num_blocks=256, max_model_len=2048,
                                  attention_backend=backend, step_overhead_tokens=16 if backend == "auto" else 0))
     assert engine.model_config.dtype == "float32" and engine.model_config.tie_word_embeddings
     fused = engine.runner.executor
