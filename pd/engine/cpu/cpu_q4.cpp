@@ -241,7 +241,8 @@ bool q4_gemm_available() {
 #if defined(__AVX512F__)
 // AVX-512 builds run one row block (up to kRows) on lines built in registers; past that the expansion
 // costs more than the bytes it saves (SmolLM2 layer matrices, 2 threads, 2026-12-06: 0.31-0.45x the
-// float32 panels' time at 1-4 rows, 0.7-0.85x at 6-10, 0.97-1.02x at 12).
+// float32 panels' time at 1-4 rows, 0.73x at 8, 0.85x at 12; 16 rows as two blocks of 8 would take
+// 23.4 ms against the panels' 21.7).
 static constexpr int64_t kQ4MaxRows = kRows;
 #else
 static constexpr int64_t kQ4MaxRows = 64;  // AVX2: chunk by chunk in L1, the packed GEMM's streamed rows
