@@ -1,202 +1,306 @@
-// Paged decode attention for float32 on the CPU: one query token per request against its keys,
-// read straight from the KV pages through the block table (online softmax, one pass over K and V).
-// AVX-512 or AVX2 + FMA inner loops where the compiler targets them, portable loops elsewhere.
+// Paged decode attention for float32 on the CPU: one query token against its keys, read straight from
+// the KV pages through the block table. Two passes over the keys: every score first (K read once),
+// then one softmax per head over all of them, then the weighted V rows (V read once). A query's keys
+// may be cut into parts, each computed on its own (its max, sum and unnormalised output) and merged:
+// so that one long context splits over the threads. Vector loops over `vec` (cpu_gemm.cpp: AVX-512 or
+// AVX2 + FMA) where the build has it, portable loops elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define PDKV_ATTN_AVX2 1
-// Scores of query head q (D floats, D % 8 == 0) against 4 rows `s_tok` apart, times sc, into out[0..3].
-static inline void qk_four(const float* q, const float* k, int64_t s_tok, int64_t D, float sc, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + s_tok + d), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * s_tok + d), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * s_tok + d), a3);
+// One layer's pages and the shape of its heads, as a query reads them.
+struct PagedKV {
+  const float* cache;   // (num_blocks, 2, bs, Hkv, D): K at offset 0 of a block, V at s_kv
+  const int64_t* table;  // the query's block table row
+  int64_t bs, s_blk, s_kv, s_tok, Hq, Hkv, D;
+  float scale;
+};
+
+// f(rows, next, cnt, i) for each run of keys of [p0, p1) within one page: `rows` is the K row of its
+// first key (V is s_kv further on, rows s_tok apart), `next` the first K row of the page after it (null
+// at the end: pages are scattered, so the next one is prefetched by hand), `cnt` its keys and `i` the
+// index of its first key from p0.
+template <typename F>
+static inline void for_each_page(const PagedKV& kv, int64_t p0, int64_t p1, const F& f) {
+  int64_t blk = p0 / kv.bs, off = p0 - blk * kv.bs;
+  for (int64_t p = p0, i = 0; p < p1; ++blk, off = 0) {
+    const int64_t cnt = std::min(kv.bs - off, p1 - p);
+    const float* next = p + cnt < p1 ? kv.cache + kv.table[blk + 1] * kv.s_blk : nullptr;
+    f(kv.cache + kv.table[blk] * kv.s_blk + off * kv.s_tok, next, cnt, i);
+    p += cnt;
+    i += cnt;
   }
-  // hadd twice: lane i of each 128-bit half holds half of row i's sum; add the halves.
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  _mm_storeu_ps(out, _mm_mul_ps(r, _mm_set1_ps(sc)));
 }
 
-// acc[0, 8C) += sum_t w[t] * v[t * s_tok + (0, 8C)]: C accumulators stay in registers over the tokens.
-template <int C>
-static inline void pv_span(const float* w, const float* v, int64_t s_tok, int64_t cnt, float* acc) {
-  __m256 r[C];
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) r[c] = _mm256_loadu_ps(acc + 8 * c);
-  for (int64_t t = 0; t < cnt; ++t) {
-    const __m256 wv = _mm256_set1_ps(w[t]);
-    const float* vt = v + t * s_tok;
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) r[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vt + 8 * c), r[c]);
+#ifdef PDKV_PACKED_GEMM
+static inline float vhsum(vec a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(a);
+#else
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+#endif
+}
+// Query heads of one group handled together: their accumulators stay in registers with the key or
+// value vectors (AVX2 has 16 registers, AVX-512 32).
+#if defined(__AVX512F__)
+static constexpr int kHeadsAtOnce = 4;
+#else
+static constexpr int kHeadsAtOnce = 2;
+#endif
+
+// out[g * n] = scale * (q_g · k) for the GH query heads q_g (D apart) sharing the key row k.
+template <int GH>
+static inline void qk_heads(const float* q, const float* k, int64_t D, float sc, float* out, int64_t n) {
+  vec a[GH];
+  for (int g = 0; g < GH; ++g) a[g] = vzero();
+  for (int64_t d = 0; d < D; d += kWidth) {
+    const vec kv = vload(k + d);
+    for (int g = 0; g < GH; ++g) a[g] = vfma(vload(q + g * D + d), kv, a[g]);
   }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, r[c]);
+  for (int g = 0; g < GH; ++g) out[g * n] = vhsum(a[g]) * sc;
+}
+
+// The sums of four vectors' lanes, as one 4-float vector (cheaper than four vhsum).
+static inline __m128 vhsum4(vec a0, vec a1, vec a2, vec a3) {
+#if defined(__AVX512F__)
+  const auto fold = [](vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
+  const __m256 b0 = fold(a0), b1 = fold(a1), b2 = fold(a2), b3 = fold(a3);
+#else
+  const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
+  // hadd twice: lane i of each 128-bit half holds half of vector i's sum; add the halves
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// qk_heads for the four keys at k, k + s_tok, k + 2 s_tok, k + 3 s_tok: out[g * n + t], t < 4.
+template <int GH>
+static inline void qk_heads4(const float* q, const float* k, int64_t s_tok, int64_t D, float sc, float* out,
+                             int64_t n) {
+  vec a[GH][4];
+  for (int g = 0; g < GH; ++g)
+    for (int t = 0; t < 4; ++t) a[g][t] = vzero();
+  for (int64_t d = 0; d < D; d += kWidth) {
+    vec kv[4];
+    for (int t = 0; t < 4; ++t) kv[t] = vload(k + t * s_tok + d);
+    for (int g = 0; g < GH; ++g) {
+      const vec qv = vload(q + g * D + d);
+      for (int t = 0; t < 4; ++t) a[g][t] = vfma(qv, kv[t], a[g][t]);
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    _mm_storeu_ps(out + g * n, _mm_mul_ps(vhsum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(sc)));
+}
+
+// acc[g][d0, d0 + C * kWidth) += sum over the keys of w[g][i] * V_i[d0, ...) for the GH query heads of
+// one group (weights n apart), keys [p0, p1) at indices [i0, ...): the accumulators stay in registers.
+template <int GH, int C>
+static void pv_heads(const PagedKV& kv, int64_t h, int64_t d0, int64_t p0, int64_t p1, const float* w, int64_t n,
+                     float* acc) {
+  vec r[GH][C];
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < C; ++c) r[g][c] = vzero();
+  const int64_t at = kv.s_kv + h * kv.D + d0;  // this head's values, from d0, in a key's K row
+  for_each_page(kv, p0, p1, [&](const float* rows, const float* next, int64_t cnt, int64_t i0) {
+    for (int64_t t = 0; t < cnt; ++t) {
+      if (next != nullptr)  // the next page's row t, while this one is read
+        for (int c = 0; c < C * kWidth; c += 16) __builtin_prefetch(next + t * kv.s_tok + at + c);
+      const float* vt = rows + t * kv.s_tok + at;
+      vec x[C];
+      for (int c = 0; c < C; ++c) x[c] = vload(vt + c * kWidth);
+      for (int g = 0; g < GH; ++g) {
+        const vec wg = vset1(w[g * n + i0 + t]);
+        for (int c = 0; c < C; ++c) r[g][c] = vfma(wg, x[c], r[g][c]);
+      }
+    }
+  });
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < C; ++c) vstore(acc + g * kv.D + d0 + c * kWidth, r[g][c]);
+}
+
+template <int GH>
+static void pv_group(const PagedKV& kv, int64_t h, int64_t p0, int64_t p1, const float* w, int64_t n, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kWidth <= kv.D; d0 += 4 * kWidth) pv_heads<GH, 4>(kv, h, d0, p0, p1, w, n, acc);
+  for (; d0 < kv.D; d0 += kWidth) pv_heads<GH, 1>(kv, h, d0, p0, p1, w, n, acc);
+}
+
+// The query heads [g, g + count) of kv head h, count <= kHeadsAtOnce, in one pass per call: for one key
+// (four == false), or for four keys s_tok apart.
+template <bool Four>
+static void qk_some(int64_t count, const float* q, const float* k, int64_t s_tok, int64_t D, float sc, float* out,
+                    int64_t n) {
+  switch (count) {
+    case 4:
+      if constexpr (kHeadsAtOnce >= 4) {
+        if constexpr (Four) return qk_heads4<4>(q, k, s_tok, D, sc, out, n); else return qk_heads<4>(q, k, D, sc, out, n);
+      }
+      [[fallthrough]];
+    case 3:
+      if constexpr (kHeadsAtOnce >= 3) {
+        if constexpr (Four) return qk_heads4<3>(q, k, s_tok, D, sc, out, n); else return qk_heads<3>(q, k, D, sc, out, n);
+      }
+      [[fallthrough]];
+    case 2:
+      if constexpr (Four) return qk_heads4<2>(q, k, s_tok, D, sc, out, n); else return qk_heads<2>(q, k, D, sc, out, n);
+    default:
+      if constexpr (Four) return qk_heads4<1>(q, k, s_tok, D, sc, out, n); else return qk_heads<1>(q, k, D, sc, out, n);
+  }
+}
+static void pv_some(int64_t count, const PagedKV& kv, int64_t h, int64_t p0, int64_t p1, const float* w, int64_t n,
+                    float* acc) {
+  switch (count) {
+    case 4: if constexpr (kHeadsAtOnce >= 4) return pv_group<4>(kv, h, p0, p1, w, n, acc); [[fallthrough]];
+    case 3: if constexpr (kHeadsAtOnce >= 3) return pv_group<3>(kv, h, p0, p1, w, n, acc); [[fallthrough]];
+    case 2: return pv_group<2>(kv, h, p0, p1, w, n, acc);
+    default: return pv_group<1>(kv, h, p0, p1, w, n, acc);
+  }
 }
 #endif
 
-// Scores of every query head against `cnt` consecutive tokens of one block (rows `s_tok` apart).
-static inline void qk_rows(const float* qb, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq, int64_t Hkv,
-                           int64_t D, float sc, float* out, int64_t n) {
-  const int64_t G = Hq / Hkv;
-#ifdef PDKV_ATTN_AVX2
-  if (D % 8 == 0) {
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float* qh = qb + hq * D;
-      const float* kh = base + (hq / G) * D;
-      int64_t t = 0;
-      for (; t + 4 <= cnt; t += 4) qk_four(qh, kh + t * s_tok, s_tok, D, sc, out + hq * n + t);
-      for (; t < cnt; ++t) {
-        const float* k = kh + t * s_tok;
+// Scores of every query head against keys [p0, p1): s[hq * n + i] for key p0 + i.
+static void scores_of(const PagedKV& kv, const float* q, int64_t p0, int64_t p1, float* s, int64_t n) {
+  const int64_t G = kv.Hq / kv.Hkv, D = kv.D;
+  for_each_page(kv, p0, p1, [&](const float* rows, const float* next, int64_t cnt, int64_t i0) {
+    if (next != nullptr)  // the next page's rows (all heads) while this one is read
+      for (int64_t t = 0; t < cnt; ++t)
+        for (int64_t c = 0; c < kv.Hkv * D; c += 16) __builtin_prefetch(next + t * kv.s_tok + c);
+    int64_t t = 0;
+#ifdef PDKV_PACKED_GEMM
+    if (D % kWidth == 0) {
+      for (; t + 4 <= cnt; t += 4)
+        for (int64_t h = 0; h < kv.Hkv; ++h)
+          for (int64_t g = 0; g < G; g += kHeadsAtOnce)
+            qk_some<true>(std::min<int64_t>(kHeadsAtOnce, G - g), q + (h * G + g) * D, rows + t * kv.s_tok + h * D,
+                          kv.s_tok, D, kv.scale, s + (h * G + g) * n + i0 + t, n);
+      for (; t < cnt; ++t)
+        for (int64_t h = 0; h < kv.Hkv; ++h)
+          for (int64_t g = 0; g < G; g += kHeadsAtOnce)
+            qk_some<false>(std::min<int64_t>(kHeadsAtOnce, G - g), q + (h * G + g) * D, rows + t * kv.s_tok + h * D,
+                           kv.s_tok, D, kv.scale, s + (h * G + g) * n + i0 + t, n);
+    }
+#endif
+    for (; t < cnt; ++t)
+      for (int64_t hq = 0; hq < kv.Hq; ++hq) {
+        const float* qh = q + hq * D;
+        const float* kh = rows + t * kv.s_tok + (hq / G) * D;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < D; ++d) sum += qh[d] * k[d];
-        out[hq * n + t] = sum * sc;
+        for (int64_t d = 0; d < D; ++d) sum += qh[d] * kh[d];
+        s[hq * n + i0 + t] = sum * kv.scale;
       }
-    }
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < cnt; ++t) {
-    const float* krow = base + t * s_tok;
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float* k = krow + (hq / G) * D;
-      const float* qh = qb + hq * D;
-#if defined(__AVX512F__)
-      if (D % 16 == 0) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
-        for (int64_t d = 16; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(k + d), a);
-        out[hq * n + t] = _mm512_reduce_add_ps(a) * sc;
-        continue;
-      }
-#endif
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
-      out[hq * n + t] = s * sc;
-    }
-  }
+  });
 }
 
-#if defined(__AVX512F__)
-// acc[hq] += sum_t w[hq, t] * V[t][hq / G]: C = D / 16 accumulators stay in registers over the block's tokens.
-template <int C>
-static inline void pv_rows_avx512(const float* w, int64_t n, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq,
-                                  int64_t G, float* acc) {
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const float* vh = base + (hq / G) * C * 16;
-    const float* wh = w + hq * n;
-    __m512 r[C];
-    for (int c = 0; c < C; ++c) r[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < cnt; ++t) {
-      const __m512 wv = _mm512_set1_ps(wh[t]);
-      const float* v = vh + t * s_tok;
-      for (int c = 0; c < C; ++c) r[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + 16 * c), r[c]);
-    }
-    float* a = acc + hq * C * 16;
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_add_ps(_mm512_loadu_ps(a + 16 * c), r[c]));
-  }
-}
+// acc (Hq, D) = sum over keys [p0, p1) of w[hq][i] * V[hq / G].
+static void weighted_values(const PagedKV& kv, int64_t p0, int64_t p1, const float* w, int64_t n, float* acc) {
+  const int64_t G = kv.Hq / kv.Hkv, D = kv.D;
+  for (int64_t h = 0; h < kv.Hkv; ++h) {
+    int64_t g = 0;
+#ifdef PDKV_PACKED_GEMM
+    if (D % kWidth == 0)
+      for (; g < G; g += kHeadsAtOnce)
+        pv_some(std::min<int64_t>(kHeadsAtOnce, G - g), kv, h, p0, p1, w + (h * G + g) * n, n, acc + (h * G + g) * D);
 #endif
-
-// acc[hq] += w[hq, t] * V[t] for `cnt` consecutive tokens of one block.
-static inline void pv_rows(const float* w, int64_t n, const float* base, int64_t s_tok, int64_t cnt, int64_t Hq,
-                           int64_t Hkv, int64_t D, float* acc) {
-  const int64_t G = Hq / Hkv;
-#if defined(__AVX512F__)
-  if (D == 64) return pv_rows_avx512<4>(w, n, base, s_tok, cnt, Hq, G, acc);
-  if (D == 128) return pv_rows_avx512<8>(w, n, base, s_tok, cnt, Hq, G, acc);
-#endif
-#ifdef PDKV_ATTN_AVX2
-  if (D % 8 == 0) {  // spans of up to 64 values, each held in registers over the block's tokens
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float* vh = base + (hq / G) * D;
-      for (int64_t d = 0; d < D; d += 64) {
-        const float* wh = w + hq * n;
-        float* a = acc + hq * D + d;
-        switch (std::min<int64_t>(64, D - d) / 8) {
-          case 8: pv_span<8>(wh, vh + d, s_tok, cnt, a); break;
-          case 7: pv_span<7>(wh, vh + d, s_tok, cnt, a); break;
-          case 6: pv_span<6>(wh, vh + d, s_tok, cnt, a); break;
-          case 5: pv_span<5>(wh, vh + d, s_tok, cnt, a); break;
-          case 4: pv_span<4>(wh, vh + d, s_tok, cnt, a); break;
-          case 3: pv_span<3>(wh, vh + d, s_tok, cnt, a); break;
-          case 2: pv_span<2>(wh, vh + d, s_tok, cnt, a); break;
-          default: pv_span<1>(wh, vh + d, s_tok, cnt, a); break;
-        }
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < cnt; ++t) {
-    const float* vrow = base + t * s_tok;
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float wt = w[hq * n + t];
-      const float* v = vrow + (hq / G) * D;
-      float* a = acc + hq * D;
+    for (; g < G; ++g) {
+      float* a = acc + (h * G + g) * D;
+      std::fill(a, a + D, 0.f);
+      const float* wg = w + (h * G + g) * n;
+      for_each_page(kv, p0, p1, [&](const float* rows, const float*, int64_t cnt, int64_t i0) {
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float* v = rows + t * kv.s_tok + kv.s_kv + h * D;
+          const float wt = wg[i0 + t];
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += wt * v[d];
+        }
+      });
+    }
+  }
+}
+
+// The largest of x[0, n), n > 0 (a vector max: the compiler leaves the plain loop scalar, one
+// dependent max per key).
+static inline float row_max(const float* x, int64_t n) {
+  float mx = x[0];
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 v = _mm512_loadu_ps(x);
+    for (i = 16; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+    mx = _mm512_reduce_max_ps(v);
+  }
+#elif defined(PDKV_PACKED_GEMM)
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(h2, _mm_movehdup_ps(h2)));
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
+
+// Attention of one query (Hq heads of D: q) over keys [p0, p1), p0 < p1, left unnormalised so that
+// parts merge: per head its largest score m, the sum l of exp(score - m), and acc (Hq, D) = the
+// exp(score - m)-weighted sum of its V rows. `scores`: scratch.
+static void attend_part(const PagedKV& kv, const float* q, int64_t p0, int64_t p1, std::vector<float>& scores,
+                        float* acc, float* m, float* l) {
+  const int64_t n = p1 - p0;
+  scores.resize(static_cast<size_t>(kv.Hq * n));
+  float* s = scores.data();
+  scores_of(kv, q, p0, p1, s, n);
+  for (int64_t hq = 0; hq < kv.Hq; ++hq) {
+    float* sh = s + hq * n;
+    const float mx = row_max(sh, n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = std::exp(sh[i] - mx);
+      sum += sh[i];
+    }
+    m[hq] = mx;
+    l[hq] = sum;
+  }
+  weighted_values(kv, p0, p1, s, n, acc);
+}
+
+// out (Hq, D) = the softmax-weighted V of `parts` partial results (attend_part's acc, m, l; acc parts
+// Hq * D apart, m and l Hq apart).
+static void merge_parts(int64_t parts, int64_t Hq, int64_t D, const float* acc, const float* m, const float* l,
+                        float* out) {
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < parts; ++j) mx = std::max(mx, m[j * Hq + hq]);
+    float total = 0.f;
+    for (int64_t j = 0; j < parts; ++j) total += std::exp(m[j * Hq + hq] - mx) * l[j * Hq + hq];
+    float* o = out + hq * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < parts; ++j) {
+      const float f = std::exp(m[j * Hq + hq] - mx) / total;
+      const float* a = acc + j * Hq * D + hq * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += f * a[d];
     }
   }
 }
 
 // Attention of one request's Hq query heads (qb, D each) over positions [start, stop) of one layer's
-// cache, read through the block table `tb`; writes (Hq, D) to `ob`. One pass with a running max
-// (online softmax): each block's K and V rows are read together, once. `scores` / `acc`: scratch.
+// cache, read through the block table `tb`; writes (Hq, D) to `ob`. `scores` / `acc`: scratch.
 static void attend_one(const float* qb, const float* cp, const int64_t* tb, int64_t start, int64_t stop,
                        int64_t bs, int64_t s_blk, int64_t s_kv, int64_t s_tok, int64_t Hq, int64_t Hkv, int64_t D,
                        float sc, std::vector<float>& scores, std::vector<float>& acc, float* ob) {
-  scores.resize(Hq * bs + 2 * Hq);
-  float* sb = scores.data();
-  float* mrun = sb + Hq * bs;
-  float* lsum = mrun + Hq;
-  std::fill(lsum, lsum + Hq, 0.f);
-  acc.assign(Hq * D, 0.f);
-  for (int64_t blk = start / bs, p = start; p < stop; ++blk) {
-    const int64_t off = p - blk * bs, cnt = std::min(bs - off, stop - p);
-    const float* base = cp + tb[blk] * s_blk + off * s_tok;
-    qk_rows(qb, base, s_tok, cnt, Hq, Hkv, D, sc, sb, bs);
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      float* sh = sb + hq * bs;
-      float mx = sh[0];
-      for (int64_t t = 1; t < cnt; ++t) mx = std::max(mx, sh[t]);
-      if (p == start) {
-        mrun[hq] = mx;
-      } else if (mx > mrun[hq]) {  // rescale what was accumulated under the old maximum
-        const float corr = std::exp(mrun[hq] - mx);
-        lsum[hq] *= corr;
-        float* a = acc.data() + hq * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-        mrun[hq] = mx;
-      } else {
-        mx = mrun[hq];
-      }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < cnt; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
-      lsum[hq] += sum;
-    }
-    pv_rows(sb, bs, base + s_kv, s_tok, cnt, Hq, Hkv, D, acc.data());
-    p += cnt;
-  }
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const float inv = 1.f / lsum[hq];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
-  }
+  const PagedKV kv{cp, tb, bs, s_blk, s_kv, s_tok, Hq, Hkv, D, sc};
+  acc.resize(static_cast<size_t>(Hq * D + 2 * Hq));
+  float* m = acc.data() + Hq * D;
+  attend_part(kv, qb, start, stop, scores, acc.data(), m, m + Hq);
+  merge_parts(1, Hq, D, acc.data(), m, m + Hq, ob);
 }
 
 // Runs f(b) for every request b in [0, B) on torch's intra-op threads, each thread taking a
@@ -250,4 +354,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   });
   return out;
 }
-

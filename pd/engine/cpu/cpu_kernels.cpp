@@ -110,11 +110,56 @@ static void attend_row(const StepShape& s, const LayerView& lv, int64_t b, const
              lv.s_tok, s.Hq, s.Hkv, s.D, s.scale, scores, acc, out);
 }
 
+// A part of a row's keys holds at least this many: below it the threads' hand-off costs about what
+// the split saves.
+static constexpr int64_t kMinPartKeys = 32;
+
+// Every row's attention, the threads sharing the work: a row each while the rows are at least as many
+// as the threads; else each row's keys cut into parts (attend_part) that are merged afterwards, so
+// that a lone request's attention does not leave the other threads idle. qkv: the rows' q|k|v, nqkv apart.
+static void attend_rows(const StepShape& s, const LayerView& lv, int64_t B, const float* qkv, int64_t nqkv, float* out) {
+  const int64_t T = at::get_num_threads();
+  std::vector<int64_t> first(B + 1, 0);  // row b's parts: [first[b], first[b + 1])
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t keys = s.key_end[b] - lv.key_start[b];
+    first[b + 1] = first[b] + (B >= T ? 1 : std::clamp<int64_t>(keys / kMinPartKeys, 1, T));
+  }
+  if (first[B] == B) {
+    chunked_for(B, [&](int64_t b) {
+      thread_local std::vector<float> qbuf, scores, acc;
+      attend_row(s, lv, b, qkv + b * nqkv, qbuf, scores, acc, out + b * s.qw);
+    });
+    return;
+  }
+  const int64_t P = first[B], Hq = s.Hq, D = s.D;
+  std::vector<float> q(B * s.qw), acc(P * Hq * D), m(P * Hq), l(P * Hq);
+  std::vector<int64_t> row(P);
+  for (int64_t b = 0; b < B; ++b) {
+    rope_heads(qkv + b * nqkv, s.cos + b * D, s.sin + b * D, Hq, D, q.data() + b * s.qw);
+    for (int64_t j = first[b]; j < first[b + 1]; ++j) row[j] = b;
+  }
+  chunked_for(P, [&](int64_t j) {
+    thread_local std::vector<float> scores;
+    const int64_t b = row[j], parts = first[b + 1] - first[b], k = j - first[b];
+    const int64_t ks = lv.key_start[b], keys = s.key_end[b] - ks;
+    const PagedKV kv{lv.cache, lv.table + b * lv.W, lv.bs, lv.s_blk, lv.s_kv, lv.s_tok, Hq, s.Hkv, D, s.scale};
+    attend_part(kv, q.data() + b * s.qw, ks + keys * k / parts, ks + keys * (k + 1) / parts, scores,
+                acc.data() + j * Hq * D, m.data() + j * Hq, l.data() + j * Hq);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t j = first[b];
+    merge_parts(first[b + 1] - j, Hq, D, acc.data() + j * Hq * D, m.data() + j * Hq, l.data() + j * Hq,
+                out + b * s.qw);
+  }
+}
+
 #ifdef PDKV_PACKED_GEMM
 // Rows [r0, r1) of the residual stream x (B, H) through every layer, on the calling thread alone:
 // with packed weights the requests are split over the threads once per step, and no thread waits
-// for another until the step ends (a request's layer l needs only its own layer l - 1).
-static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers, int64_t r0, int64_t r1, float* x) {
+// for another until the step ends (a request's layer l needs only its own layer l - 1). With
+// `final_norm`, the rows leave through the model's final RMSNorm.
+static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers, int64_t r0, int64_t r1, float* x,
+                        const float* final_norm) {
   const int64_t R = r1 - r0, H = s.H, I = s.I, nqkv = s.qw + 2 * s.kw;
   std::vector<float> h(R * H), qkv(R * nqkv), attn(R * s.qw), gu(R * 2 * I), act(R * I), qbuf, scores, acc;
   float* xr = x + r0 * H;
@@ -143,6 +188,8 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
     silu_mul_rows(gu.data(), R, I, act.data());
     gemm(lv, 3, act.data(), I, H, nullptr, true, xr);
   }
+  if (final_norm != nullptr)
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(xr + r * H, final_norm, H, s.eps, xr + r * H);
 }
 #endif
 
@@ -150,7 +197,8 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // (norms, RoPE, K/V write, attention, SiLU) run here. A row is a decode token or one token of a
 // prompt chunk; each has its own position, slot, block table row and key range [key_start,
 // key_end), and a prompt's rows come in position order (each attends to the K/V of the rows before
-// it, written in the same layer). x: (B, hidden) embeddings; cos/sin: (B, D). Per layer `weights` holds 7 tensors: input norm, fused q|k|v
+// it, written in the same layer). x: (B, hidden) embeddings; positions: (B,) int64, each row's RoPE
+// from rows of `rope_cos` / `rope_sin` (N, D) and its keys ending at its position. Per layer `weights` holds 7 tensors: input norm, fused q|k|v
 // weight, fused q|k|v bias (may be empty), o_proj, post norm, fused gate|up weight, down_proj; the
 // four matrices are all plain (N, K) or all packed (P, K, 16) with q|k|v and gate|up unpadded.
 // Packed with more than `panel_split_max_rows` rows (or one thread): the rows are split over the threads
@@ -161,36 +209,51 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // few rows) layer by layer, the threads splitting each projection's panels (packed) or at::linear
 // (plain), and the attention by keys. Per group
 // (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
-// table and the first key position. `q4`: empty, or per layer the codes and scales of its four
+// table and the first key position (an empty tensor: 0 for every row). `q4`: empty, or per layer the codes and scales of its four
 // matrices (8 tensors; an undefined or empty pair where a matrix has none, cpu_q4.cpp): a step of at most
 // kStreamRows rows (per thread, in the per-thread split) reads those instead of the float32 panels,
-// with the same results. Returns hidden states after the last layer (before the final norm).
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
-                            std::vector<torch::Tensor> caches, std::vector<int64_t> layer_group,
-                            std::vector<torch::Tensor> slot_blocks, torch::Tensor slot_offsets,
-                            std::vector<torch::Tensor> tables, std::vector<torch::Tensor> key_starts,
-                            torch::Tensor key_end, int64_t Hq, int64_t Hkv, double eps, double scale,
-                            int64_t panel_split_max_rows, std::vector<torch::Tensor> q4) {
+// with the same results. Returns hidden states after the last layer, through the model's final RMSNorm
+// where `final_norm` holds its weight (else as they leave the last layer: an empty tensor).
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
+                            std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
+                            std::vector<int64_t> layer_group, std::vector<torch::Tensor> slot_blocks,
+                            torch::Tensor slot_offsets, std::vector<torch::Tensor> tables,
+                            std::vector<torch::Tensor> key_starts, int64_t Hq, int64_t Hkv, double eps, double scale,
+                            int64_t panel_split_max_rows, std::vector<torch::Tensor> q4, torch::Tensor final_norm) {
   const int64_t L = static_cast<int64_t>(caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 7 * L, "7 weights per layer");
   TORCH_CHECK(q4.empty() || static_cast<int64_t>(q4.size()) == 8 * L, "q4: none, or 8 tensors per layer");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && rope_cos.is_contiguous() && rope_sin.is_contiguous(),
               "contiguous float32 inputs");
+  TORCH_CHECK(positions.dtype() == torch::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "one int64 position per row");
   const bool packed = weights[1].dim() == 3;
-  const int64_t B = x.size(0), D = cos.size(1), H = x.size(1);
+  const int64_t B = x.size(0), D = rope_cos.size(1), H = x.size(1);
   const int64_t I = (packed ? weights[5].size(0) * kPanel : weights[5].size(0)) / 2;
+  // Each row's cos/sin, from the tables' rows at its position, and its keys' end (its position + 1).
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  std::vector<float> cos(B * D), sin(B * D);
+  std::vector<int64_t> key_end(B), no_window(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < rope_cos.size(0), "position ", pos[b], " past the RoPE tables");
+    std::copy_n(rope_cos.data_ptr<float>() + pos[b] * D, D, cos.data() + b * D);
+    std::copy_n(rope_sin.data_ptr<float>() + pos[b] * D, D, sin.data() + b * D);
+    key_end[b] = pos[b] + 1;
+  }
+  const float* norm = final_norm.defined() && final_norm.numel() ? final_norm.data_ptr<float>() : nullptr;
+  TORCH_CHECK(norm == nullptr || final_norm.numel() == H, "final_norm: hidden_size values");
   const StepShape s{Hq, Hkv, D, Hq * D, Hkv * D, H, I, static_cast<float>(eps), static_cast<float>(scale),
-                    cos.data_ptr<float>(), sin.data_ptr<float>(), slot_offsets.data_ptr<int64_t>(),
-                    key_end.data_ptr<int64_t>()};
+                    cos.data(), sin.data(), slot_offsets.data_ptr<int64_t>(), key_end.data()};
   std::vector<LayerView> layers;
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor& cache = caches[l];
     TORCH_CHECK(cache.size(4) == D && cache.stride(4) == 1 && cache.stride(3) == D, "head_dim layout");
     const int64_t g = layer_group[l];
+    const torch::Tensor& starts = key_starts[g];
     layers.push_back({weights.data() + 7 * l, q4.empty() ? nullptr : q4.data() + 8 * l, cache.data_ptr<float>(),
                       cache.size(2), cache.stride(0),
                       cache.stride(1), cache.stride(2), tables[g].size(1), tables[g].data_ptr<int64_t>(),
-                      key_starts[g].data_ptr<int64_t>(), slot_blocks[g].data_ptr<int64_t>()});
+                      starts.numel() ? starts.data_ptr<int64_t>() : no_window.data(), slot_blocks[g].data_ptr<int64_t>()});
   }
   x = x.clone();  // the residual stream, updated in place
 #ifdef PDKV_PACKED_GEMM
@@ -214,7 +277,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     }
     float* xp = x.data_ptr<float>();
     chunked_for(parts, [&](int64_t i) {
-      if (bounds[i] < bounds[i + 1]) decode_rows(s, layers, bounds[i], bounds[i + 1], xp);
+      if (bounds[i] < bounds[i + 1]) decode_rows(s, layers, bounds[i], bounds[i + 1], xp, norm);
     });
     return x;
   }
@@ -248,10 +311,7 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     // Every row's K/V first (a few hundred floats each), then the attention in parallel: a prompt's
     // token attends to the K/V its predecessors in the step wrote into this layer.
     for (int64_t b = 0; b < B; ++b) write_new_kv(s, lv, b, qkvp + b * qkv.size(1));
-    chunked_for(B, [&](int64_t b) {
-      thread_local std::vector<float> qbuf, scores, acc;
-      attend_row(s, lv, b, qkvp + b * qkv.size(1), qbuf, scores, acc, ap + b * s.qw);
-    });
+    attend_rows(s, lv, B, qkvp, qkv.size(1), ap);
     project(attn, matrix(1), none, true, x, tmp);
     rms_norm_rows(x, w[4], s.eps, h);
     project(h, matrix(2), none, false, gu, tmp);
@@ -261,6 +321,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     });
     project(act, matrix(3), none, true, x, tmp);
   }
+  if (norm != nullptr)
+    for (int64_t b = 0; b < B; ++b) rms_norm_row(x.data_ptr<float>() + b * H, norm, H, s.eps, x.data_ptr<float>() + b * H);
   return x;
 }
 

@@ -74,6 +74,8 @@ class CpuStepExecutor:
         self.packed_gemm = laid.packed_gemm
         self.greedy_head: GreedyHead | None = laid.greedy_head
         self.gemm_name = laid.gemm_name
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # see _rope_tables
+        self._from_zero = torch.empty(0, dtype=torch.int64)  # key starts of a group without a window
         logger.info("CPU step executor: projections through %s", self.gemm_name)
 
     @property
@@ -105,24 +107,34 @@ class CpuStepExecutor:
         return (num_rows <= self.prompt_max_rows and num_keys <= self.prompt_max_keys
                 and num_prompt_keys <= self.prompt_max_mean_keys * num_prompt_rows)
 
+    def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (N, head_dim) of positions [0, N), N >= num_positions: computed once and grown
+        (doubling) when a step reaches past them, so that a step only looks its rows up (each torch op
+        of a step's host work costs tens of microseconds once the step's weights have streamed
+        through the caches). The same values as the model's `rotary.cos_sin`."""
+        if self._rope is None or self._rope[0].shape[0] < num_positions:
+            n = max(num_positions, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256)
+            cos, sin = self.model.model.rotary.cos_sin(torch.arange(n), torch.float32)
+            self._rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+        return self._rope
+
     @torch.inference_mode()
     def run_step(self, metadata: StepMetadata) -> torch.Tensor:
         """The final-norm hidden states (R, hidden) of the rows that need logits, for a step it `applies` to."""
         m = metadata
-        key_end = m.positions + 1
         tables = m.block_tables if m.decode_only else tuple(t.index_select(0, m.token_seq) for t in m.block_tables)
-        key_starts = [torch.zeros_like(key_end) if grp.window is None else torch.clamp(key_end - grp.window, min=0)
+        key_starts = [self._from_zero if grp.window is None else torch.clamp(m.positions + (1 - grp.window), min=0)
                       for grp in self.layout.groups]
         body = self.model.model
         x = body.embed_tokens(m.input_ids)
-        cos, sin = body.rotary.cos_sin(m.positions, x.dtype)
+        cos, sin = self._rope_tables(max(s + n for s, n in zip(m.starts, m.query_lens, strict=True)))
         # A prompt's rows must stay on one thread's share in the per-thread split (they would race
         # across threads), so a step holding prompt rows runs layer by layer.
         split_max = self.panel_split_max_rows if m.decode_only else m.num_tokens
         hidden = cpu_kernels.load().decode_layers(
-            x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), self.weights, self.caches, self.layer_group,
-            list(m.slot_blocks), m.slot_offsets, list(tables), key_starts, key_end, self.num_heads,
-            self.num_kv_heads, self.eps, self.scale, split_max, self.q4)
+            x, m.positions, cos, sin, self.weights, self.caches, self.layer_group, list(m.slot_blocks),
+            m.slot_offsets, list(tables), key_starts, self.num_heads, self.num_kv_heads, self.eps, self.scale,
+            split_max, self.q4, body.norm.weight)
         if m.num_logits != m.num_tokens:
             hidden = hidden[m.logits_indices]
-        return body.norm(hidden)
+        return hidden
