@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, model_serializer
+from pydantic_core import to_json
 
 from pd.router.openai_api import APIError
 
@@ -210,6 +211,9 @@ class CompletionFormat:
                           usage=usage).model_dump(mode="json", exclude_none=False)
 
 
+_MARK = "\u0000pdkv content\u0000"  # stands for a chunk's text while its frame is made
+
+
 class ChatFormat:
     """`/v1/chat/completions` output: a role delta first, content deltas, then the finish reason.
 
@@ -220,10 +224,24 @@ class ChatFormat:
         self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
         self._include_usage = include_usage
         self._prompt_token_ids = prompt_token_ids
+        self._content_frame: tuple[bytes, bytes] | None = None  # see _content_chunk
 
     @property
     def _with_ids(self) -> bool:
         return self._prompt_token_ids is not None
+
+    def _content_chunk(self, text: str) -> bytes:
+        """`_chunk(ChatDelta(content=text))`, byte for byte, without building its models: the stream's
+        content chunks differ only in the text, so the bytes around it are made once (the same
+        serializer encodes the text). This is most of the router's work per streamed token."""
+        if self._content_frame is None:
+            whole, mark = self._chunk(ChatDelta(content=_MARK)), to_json(_MARK)
+            if whole.count(mark) != 1:  # (the mark cannot be told apart: no frame)
+                return self._chunk(ChatDelta(content=text))
+            head, _, tail = whole.partition(mark)
+            self._content_frame = (head, tail)
+        head, tail = self._content_frame
+        return head + to_json(text) + tail
 
     def _chunk(self, delta: ChatDelta, finish_reason: str | None = None, token_ids: Sequence[int] = (),
                prompt_token_ids: list[int] | None = None, route: dict | None = None) -> bytes:
@@ -239,8 +257,11 @@ class ChatFormat:
     def chunks(self, piece: Piece) -> list[bytes]:
         # With token ids asked for, a step whose text is held back (a stop string may start there)
         # still sends its ids, so the chunks carry every id once.
-        has_content = bool(piece.text) or (self._with_ids and bool(piece.token_ids))
-        out = [self._chunk(ChatDelta(content=piece.text), token_ids=piece.token_ids)] if has_content else []
+        if self._with_ids:
+            has_content = bool(piece.text) or bool(piece.token_ids)
+            out = [self._chunk(ChatDelta(content=piece.text), token_ids=piece.token_ids)] if has_content else []
+        else:
+            out = [self._content_chunk(piece.text)] if piece.text else []
         if piece.finish_reason is not None:
             out.append(self._chunk(ChatDelta(), piece.finish_reason, route=piece.route))
         return out
