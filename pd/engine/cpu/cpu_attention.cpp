@@ -68,7 +68,9 @@ static inline void qk_heads(const float* q, const float* k, int64_t D, float sc,
 // The sums of four vectors' lanes, as one 4-float vector (cheaper than four vhsum).
 static inline __m128 vhsum4(vec a0, vec a1, vec a2, vec a3) {
 #if defined(__AVX512F__)
-  const auto fold = [](vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
+  const auto fold = [](vec a) {  // (the high half through a double view: AVX512F alone, no DQ)
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  };
   const __m256 b0 = fold(a0), b1 = fold(a1), b2 = fold(a2), b3 = fold(a3);
 #else
   const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
