@@ -207,7 +207,8 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // pass panel_split_max_rows >= B, as a prompt's rows on two threads would race. Otherwise (a small batch: one thread's share of the
 // requests would leave the other threads idle, or each thread would stream all the weights for a
 // few rows) layer by layer, the threads splitting each projection's panels (packed) or at::linear
-// (plain), and the attention by keys. Per group
+// (plain), and the attention by rows (by parts of a row's keys where the rows are fewer than the
+// threads: attend_rows). Per group
 // (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
 // table and the first key position (an empty tensor: 0 for every row). `q4`: empty, or per layer the codes and scales of its four
 // matrices (8 tensors; an undefined or empty pair where a matrix has none, cpu_q4.cpp): a step of at most
