@@ -225,6 +225,7 @@ class ChatFormat:
         self._include_usage = include_usage
         self._prompt_token_ids = prompt_token_ids
         self._content_frame: tuple[bytes, bytes] | None = None  # see _content_chunk
+        self._frameless = False  # (no frame can be made for this stream: see _content_chunk)
 
     @property
     def _with_ids(self) -> bool:
@@ -233,13 +234,17 @@ class ChatFormat:
     def _content_chunk(self, text: str) -> bytes:
         """`_chunk(ChatDelta(content=text))`, byte for byte, without building its models: the stream's
         content chunks differ only in the text, so the bytes around it are made once (the same
-        serializer encodes the text). This is most of the router's work per streamed token."""
-        if self._content_frame is None:
+        serializer encodes the text). Building the models was about a fifth of the router's event
+        loop per streamed token."""
+        if self._content_frame is None and not self._frameless:
             whole, mark = self._chunk(ChatDelta(content=_MARK)), to_json(_MARK)
-            if whole.count(mark) != 1:  # (the mark cannot be told apart: no frame)
-                return self._chunk(ChatDelta(content=text))
             head, _, tail = whole.partition(mark)
-            self._content_frame = (head, tail)
+            if whole.count(mark) == 1:
+                self._content_frame = (head, tail)
+            else:  # the mark cannot be told apart (a model name holding it): chunks are built
+                self._frameless = True
+        if self._content_frame is None:
+            return self._chunk(ChatDelta(content=text))
         head, tail = self._content_frame
         return head + to_json(text) + tail
 

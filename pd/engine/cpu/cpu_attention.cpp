@@ -99,8 +99,8 @@ static inline void qk_heads4(const float* q, const float* k, int64_t s_tok, int6
     _mm_storeu_ps(out + g * n, _mm_mul_ps(vhsum4(a[g][0], a[g][1], a[g][2], a[g][3]), _mm_set1_ps(sc)));
 }
 
-// acc[g][d0, d0 + C * kWidth) += sum over the keys of w[g][i] * V_i[d0, ...) for the GH query heads of
-// one group (weights n apart), keys [p0, p1) at indices [i0, ...): the accumulators stay in registers.
+// acc[g][d0, d0 + C * kWidth) = sum over keys [p0, p1) of w[g][i] * V_i[d0, ...) for the GH query heads
+// of one group (weights n apart, key p0 + i at index i): the accumulators stay in registers.
 template <int GH, int C>
 static void pv_heads(const PagedKV& kv, int64_t h, int64_t d0, int64_t p0, int64_t p1, const float* w, int64_t n,
                      float* acc) {
@@ -132,8 +132,8 @@ static void pv_group(const PagedKV& kv, int64_t h, int64_t p0, int64_t p1, const
   for (; d0 < kv.D; d0 += kWidth) pv_heads<GH, 1>(kv, h, d0, p0, p1, w, n, acc);
 }
 
-// The query heads [g, g + count) of kv head h, count <= kHeadsAtOnce, in one pass per call: for one key
-// (four == false), or for four keys s_tok apart.
+// The query heads [g, g + count) of kv head h, count <= kHeadsAtOnce, in one pass per call: for one key,
+// or (Four) for four keys s_tok apart.
 template <bool Four>
 static void qk_some(int64_t count, const float* q, const float* k, int64_t s_tok, int64_t D, float sc, float* out,
                     int64_t n) {
