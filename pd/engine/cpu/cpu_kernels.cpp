@@ -132,10 +132,10 @@ static void attend_rows(const StepShape& s, const LayerView& lv, int64_t B, cons
     return;
   }
   const int64_t P = first[B], Hq = s.Hq, D = s.D;
-  // the calling thread's scratch, kept between layers and steps (this runs once a layer)
-  thread_local std::vector<float> q, acc, m, l;
-  thread_local std::vector<int64_t> row;
-  q.resize(B * s.qw), acc.resize(P * Hq * D), m.resize(P * Hq), l.resize(P * Hq), row.resize(P);
+  // (locals, not thread_local: the threads' lambda below must see the caller's, and a lambda does not
+  // capture a thread_local, each thread would read its own)
+  std::vector<float> q(B * s.qw), acc(P * Hq * D), m(P * Hq), l(P * Hq);
+  std::vector<int64_t> row(P);
   for (int64_t b = 0; b < B; ++b) {
     rope_heads(qkv + b * nqkv, s.cos + b * D, s.sin + b * D, Hq, D, q.data() + b * s.qw);
     for (int64_t j = first[b]; j < first[b + 1]; ++j) row[j] = b;
