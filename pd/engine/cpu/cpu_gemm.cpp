@@ -40,8 +40,8 @@ static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vzero() { return _mm512_setzero_ps(); }
 // Adds the compiler may not reorder (a builtin with its rounding given, not a vector `+`): under
-// -ffast-math it would regroup a tile's sums its own way per instantiation, and the float32 and 4-bit
-// tiles (cpu_q4.cpp) must add in the same order to give the same bits.
+// -ffast-math it would regroup a tile's sums its own way per instantiation, and one panel alone or in
+// a pair (NP) must add in the same order to give the same bits.
 static inline vec vadd(vec a, vec b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static constexpr const char* kIsa = "avx512";
@@ -80,9 +80,8 @@ static constexpr int unroll() { return MR * kVecs >= 8 ? 1 : (MR * kVecs >= 4 ? 
 // K / kChunk + kChunk rather than with K, as in a blocked sgemm. Each output's sum runs in the same
 // order for any NP, so NP changes no bit of the result.
 //
-// Where the lines come from is `Lines`: float32 panels in memory (`F32Lines`), or 4-bit codes expanded
-// in registers (`Q4Lines`, cpu_q4.cpp). The arithmetic on the lines is this one template's whatever
-// their source, so the same lines give the same bits.
+// Where the lines come from is `Lines`: float32 panels in memory (`F32Lines`); the 4-bit path's
+// expanded panels (cpu_q4.cpp) go through the same instantiation, so the same lines give the same bits.
 struct F32Lines {
   const float* B;
   int64_t K;

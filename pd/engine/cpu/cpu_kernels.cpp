@@ -214,8 +214,9 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // (`layer_group` maps layers to groups): the block and offset of each new token's slot, the block
 // table and the first key position (an empty tensor: 0 for every row). `q4`: empty, or per layer the codes and scales of its four
 // matrices (8 tensors; an undefined or empty pair where a matrix has none, cpu_q4.cpp): a step of at most
-// kStreamRows rows (per thread, in the per-thread split) reads those instead of the float32 panels,
-// with the same results. Returns hidden states after the last layer, through the model's final RMSNorm
+// kStreamRows rows (per thread, in the per-thread split) reads those instead of the float32 panels
+// (cpu_q4.cpp: the same results, or on AVX-512 at few rows, the same to float32 rounding). Returns
+// hidden states after the last layer, through the model's final RMSNorm
 // where `final_norm` holds its weight (else as they leave the last layer: an empty tensor).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
                             std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
@@ -341,6 +342,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax", &screened_argmax, release());
   m.def("q4_linear", &q4_linear, release());
   m.def("q4_gemm_available", &q4_gemm_available);
+  m.def("q4_factored_rows", &q4_factored_rows);
   m.def("packed_gemm_available", &packed_gemm_available);
   m.def("packed_gemm_isa", &packed_gemm_isa);
 }

@@ -6,10 +6,14 @@
 // fl(d * q + m): d * q is exact in float32 (an 11-bit significand times a 4-bit integer), so one
 // fused multiply-add gives the same single rounding. Per panel line (16 outputs at one k) that is 8
 // bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
-// A decode step at small batch reads every weight once, from memory: this reads 6.4x fewer bytes,
-// expands them into float32 in cache (the same values, bit for bit) and runs the same register tiles
-// on them as the float32 path, so the products and sums are those of the float32 panels
-// (packed_gemm_serial, AVX2 or AVX-512), bit for bit.
+// A decode step at small batch reads every weight once, from memory: this reads 6.4x fewer bytes.
+// Two ways to compute with them:
+// - AVX-512, up to kRows rows (decode steps): the factored tile (q4_tile) multiplies the activations
+//   by the codes' integers and applies d and m once per block, in registers. The weights are the
+//   same; the sums are float32 sums rounded their own way (within the bound given at q4_tile).
+// - Otherwise (AVX2; AVX-512 above kRows rows): the codes are expanded into float32 in cache (the
+//   same values, bit for bit) and the float32 path's own tiles run on them, so the results are those
+//   of the float32 panels (packed_gemm_serial), bit for bit.
 //
 // Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
 // output c + 8 in its high one; scales (P, K / 32, 2, 16) float16 (d and m are half-precision values in
@@ -69,12 +73,14 @@ static inline void q4_expand_ahead(const uint8_t* pc, const uint16_t* ps, int64_
   q4_expand(pc, ps, k0, n, out);
 }
 
-// One panel's lines expanded in registers, for `tile_of` (cpu_gemm.cpp): line k's vector v is
-// fl(d * q + m) of its outputs (AVX-512: all 16; AVX2: v = 0 the low nibbles' outputs 0-7, v = 1 the
-// high ones' 8-15), the float32 panel's own values, so `tile_of` gives the float32 tile's bits without
-// the panel ever being written out. `begin(k)` takes the d and m of the lines that follow (a run of
-// lines never crosses a block of 32: U divides it) and prefetches kQ4Lead lines ahead in the codes and
-// scales (the panels follow one another in memory, so that runs on into the next one).
+#if defined(__AVX512F__)
+// The factored tile (AVX-512, a step's few rows): per block of 32 lines, w = d * q + m gives
+// sum_k a_k w_k = d * (sum_k a_k q_k) + m * (sum_k a_k), so the codes' small integers 0..15 are
+// multiplied by the activations directly and d and m are applied once a block: one FMA a line and
+// row, where expanding each weight first (fl(d * q + m)) costs a second one. At one row the FMAs are
+// what bounds the step (Zen 4, SmolLM2's layer matrices: taking the expansion's FMA out made them
+// 1.2x faster). The weights are the same; the sums are rounded differently: like any float32 sum of
+// these products, within about (32 + K / 32) units of roundoff of sum_k |a_k| (d q_k + |m|).
 #if defined(__AVX512VBMI__)
 // Bit offsets, in a line's 8 bytes of codes, of each 32-bit lane's nibble (lane c < 8: byte c's low
 // nibble; lane c >= 8: byte c - 8's high one), at byte 0 of the lane; and the floats 0..15.
@@ -84,108 +90,138 @@ static inline __m512i q4_nibble_shifts() {
       4, 0, 0, 0, 12, 0, 0, 0, 20, 0, 0, 0, 28, 0, 0, 0, 36, 0, 0, 0, 44, 0, 0, 0, 52, 0, 0, 0, 60, 0, 0, 0};
   return _mm512_load_si512(shifts);
 }
-static inline __m512 q4_small_floats() {
-  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
 #endif
-static constexpr int64_t kQ4Lead = 512;  // lines: 4 KiB of codes
-template <int NP>
-struct Q4Lines {
-  const uint8_t* codes;  // panel q's at codes + q * code_bytes (adjacent panels: a pair tile)
-  const uint16_t* scales;  // and scales + q * scale_halves
-  int64_t code_bytes, scale_halves;
-  vec d[NP * kVecs], m[NP * kVecs];  // of the current block, per panel and vector
-  int64_t block = -1;                  // the block whose d and m those are
-  void begin(int64_t k) {
-    // d and m change once a block of 32 lines: the runs of U lines within a block keep them (converted
-    // from half precision at every run, SmolLM2's 120 layer matrices took 1.18x the time at 8 rows)
-    if (k / kQ4Block != block) {
-      block = k / kQ4Block;
-      for (int q = 0; q < NP; ++q) {
-        const uint16_t* dm = scales + q * scale_halves + block * 2 * kPanel;
-#if defined(__AVX512F__)
-        d[q] = half16(dm), m[q] = half16(dm + kPanel);
-#else
-        for (int v = 0; v < kVecs; ++v) {
-          d[q * kVecs + v] = half8(dm + v * kWidth);
-          m[q * kVecs + v] = half8(dm + kPanel + v * kWidth);
-        }
-#endif
-      }
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kQ4Lead) * 8), _MM_HINT_T0);
-    if ((k & (kQ4Block - 1)) == 0) {
-      // d and m of a block: 64 bytes, one line
-      _mm_prefetch(reinterpret_cast<const char*>(scales + ((k + kQ4Lead) / kQ4Block) * 2 * kPanel), _MM_HINT_T0);
-    }
-  }
-  vec load(int q, int64_t k, int v) const {
+// Line k's 16 codes as the floats 0..15 (lane j: output j).
+static inline __m512 q4_code_floats(const uint8_t* line) {
 #if defined(__AVX512VBMI__)
-    (void)v;
-    int64_t line;
-    std::memcpy(&line, codes + q * code_bytes + k * 8, 8);
-    // each 32-bit lane's low 4 bits <- its nibble (multishift), then the float of 0..15 it names (vpermps
-    // reads only those 4 bits): one shuffle-port op each, no integer-to-float conversion
-    const __m512i picked = _mm512_multishift_epi64_epi8(q4_nibble_shifts(), _mm512_set1_epi64(line));
-    return _mm512_fmadd_ps(d[q], _mm512_permutexvar_ps(picked, q4_small_floats()), m[q]);
+  int64_t bits;
+  std::memcpy(&bits, line, 8);
+  // each 32-bit lane's low 4 bits <- its nibble (multishift), then the float of 0..15 it names (vpermps
+  // reads only those 4 bits): one shuffle-port op each, no integer-to-float conversion
+  const __m512i picked = _mm512_multishift_epi64_epi8(q4_nibble_shifts(), _mm512_set1_epi64(bits));
+  return _mm512_permutexvar_ps(picked, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 #else
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + q * code_bytes + k * 8));
-#if defined(__AVX512F__)
-    (void)v;
-    const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    return _mm512_fmadd_ps(d[q], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib)), m[q]);
-#else
-    const __m128i nib = v == 0 ? _mm_and_si128(bytes, low4) : _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    return _mm256_fmadd_ps(d[q * kVecs + v], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), m[q * kVecs + v]);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(line));
+  const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
 #endif
-#endif
-  }
-};
+}
 
+static constexpr int64_t kQ4Lead = 8;  // blocks ahead prefetched in the codes and scales (2 KiB of codes)
+
+// C[MR, NP*16 or cols] (+)= A[MR, K] · Wᵀ (+ bias) for NP adjacent panels (codes + q * code_bytes,
+// scales + q * scale_halves), the factored way (above); asum[i * (K / 32) + b]: the sum of row i's
+// activations over block b. cols < 16 only in a padded last panel (then NP == 1).
 template <int MR, int NP>
 static void q4_tile(const uint8_t* codes, const uint16_t* scales, int64_t code_bytes, int64_t scale_halves,
-                    const float* A, int64_t lda, int64_t K, const float* bias, bool accumulate, float* C, int64_t ldc,
-                    int64_t cols) {
-  const Q4Lines<NP> lines{codes, scales, code_bytes, scale_halves, {}, {}, -1};
-  tile_of<MR, NP>(A, lda, lines, K, bias, accumulate, C, ldc, cols, nullptr);
+                    const float* A, int64_t lda, const float* asum, int64_t K, const float* bias, bool accumulate,
+                    float* C, int64_t ldc, int64_t cols) {
+  constexpr int U = unroll<MR * NP>();  // independent sums in flight per output vector (FMA latency)
+  const int64_t blocks = K / kQ4Block;
+  __m512 total[MR][NP];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < NP; ++q) total[i][q] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kQ4Block;
+    for (int q = 0; q < NP; ++q) {
+      const uint8_t* ahead = codes + q * code_bytes + (k0 + kQ4Lead * kQ4Block) * 8;  // runs on into the next panels
+      for (int64_t c = 0; c < kQ4Block * 8; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + q * scale_halves + (b + kQ4Lead) * 2 * kPanel), _MM_HINT_T0);
+    }
+    __m512 sum[U][MR][NP];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MR; ++i)
+        for (int q = 0; q < NP; ++q) sum[u][i][q] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + kQ4Block; k += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        __m512 w[NP];
+        for (int q = 0; q < NP; ++q) w[q] = q4_code_floats(codes + q * code_bytes + (k + u) * 8);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+          const __m512 a = _mm512_set1_ps(A[i * lda + k + u]);
+          for (int q = 0; q < NP; ++q) sum[u][i][q] = _mm512_fmadd_ps(a, w[q], sum[u][i][q]);
+        }
+      }
+    }
+    for (int q = 0; q < NP; ++q) {
+      const uint16_t* dm = scales + q * scale_halves + b * 2 * kPanel;
+      const __m512 d = half16(dm), m = half16(dm + kPanel);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        __m512 s = sum[0][i][q];
+        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, sum[u][i][q]);
+        total[i][q] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * blocks + b]), _mm512_fmadd_ps(d, s, total[i][q]));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* out = C + i * ldc;
+    for (int q = 0; q < NP; ++q) {
+      __m512 r = total[i][q];
+      if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + q * kPanel));
+      if (cols == kPanel) {
+        if (accumulate) r = _mm512_add_ps(_mm512_loadu_ps(out + q * kPanel), r);
+        _mm512_storeu_ps(out + q * kPanel, r);
+      } else {
+        const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+        if (accumulate) r = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, out), r);
+        _mm512_mask_storeu_ps(out, keep, r);
+      }
+    }
+  }
 }
-using Q4TileFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
-                          bool, float*, int64_t, int64_t);
+using Q4TileFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, const float*, int64_t, const float*,
+                          int64_t, const float*, bool, float*, int64_t, int64_t);
 template <int NP, int... R>
 static constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles_of(std::integer_sequence<int, R...>) {
   return {&q4_tile<R + 1, NP>...};
 }
-// kQ4Tiles[r - 1]: r rows, one panel; kQ4PairTiles: kPairPanels panels (the float32 path's pair tiles)
+// kQ4Tiles[r - 1]: r rows, one panel; kQ4PairTiles: two panels (as the float32 path pairs them)
 static constexpr auto kQ4Tiles = q4_tiles_of<1>(std::make_integer_sequence<int, kRows>{});
 static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
+#endif
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
-// (M <= kStreamRows, K a multiple of kQ4Block), bit-identical to packed_gemm_serial on the float32
-// panels. AVX2 (one panel per tile): each panel k-chunk by k-chunk, expanded into L1 and used by every
-// row block there (rows_krange, whose sums run in the order of the float32 path's tiles). AVX-512, up
-// to kRows rows (what steps use, kQ4MaxRows): the float32 path's tiles on lines built in registers
-// (Q4Lines). Above that (q4_linear only): each group of panels the float32 path tiles together
-// expanded whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and given to the same tiles.
+// (M <= kStreamRows, K a multiple of kQ4Block). AVX-512, up to kRows rows (what steps use,
+// kQ4MaxRows): the factored tiles (q4_tile), whose sums are rounded their own way. Otherwise
+// bit-identical to packed_gemm_serial on the float32 panels: AVX2 (one panel per tile) expands each
+// panel k-chunk by k-chunk into L1 for every row block there (rows_krange, whose sums run in the order
+// of the float32 path's tiles); AVX-512 above kRows rows (q4_linear only) expands each group of panels
+// the float32 path tiles together whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and
+// gives it to the same tiles.
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
   if (M <= 0) return;
   const int64_t code_bytes = K * 8, scale_halves = (K / kQ4Block) * 2 * kPanel;
-  if (kPairPanels > 1 && M <= kRows) {
-    // AVX-512, one row block: the float32 path's tiles (packed_gemm_serial: one panel a tile up to
-    // kSmallRows rows, else pairs where both panels are full and this thread's) on lines expanded in
-    // registers, so the codes are read once and no expanded panel goes through the caches.
+#if defined(__AVX512F__)
+  if (M <= kRows) {
+    // one panel a tile up to kSmallRows rows, else pairs where both panels are full and this thread's
+    // (as packed_gemm_serial); the codes are read once, and no expanded panel goes through the caches
+    const int64_t blocks = K / kQ4Block;
+    thread_local std::vector<float> asum;  // each row's activations summed per block (this thread's own)
+    asum.resize(static_cast<size_t>(M * blocks));
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float t = 0.f;
+        for (int64_t k = b * kQ4Block; k < (b + 1) * kQ4Block; ++k) t += A[i * lda + k];
+        asum[i * blocks + b] = t;
+      }
     for (int64_t p = p0; p < p1;) {
       const int64_t n0 = p * kPanel;
       const int np = (M > kSmallRows && p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
       (np > 1 ? kQ4PairTiles : kQ4Tiles)[M - 1](
-          codes + p * code_bytes, scales + p * scale_halves, code_bytes, scale_halves, A, lda, K,
+          codes + p * code_bytes, scales + p * scale_halves, code_bytes, scale_halves, A, lda, asum.data(), K,
           bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0));
       p += np;
     }
     return;
   }
+#endif
   if (kPairPanels == 1) {
     alignas(64) float part[kStreamRows][kPanel];
     alignas(64) float w[kChunk * kPanel];
@@ -227,6 +263,16 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
   }
 }
 #endif
+
+// Up to how many rows the 4-bit path runs the factored tiles (0: never; then its results are the
+// float32 panels', bit for bit, at every row count).
+int64_t q4_factored_rows() {
+#if defined(__AVX512F__)
+  return kRows;
+#else
+  return 0;
+#endif
+}
 
 // Whether this build runs the 4-bit path: wherever it has the packed GEMM (AVX2 or AVX-512).
 bool q4_gemm_available() {

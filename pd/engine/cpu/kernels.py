@@ -48,7 +48,7 @@ _module = None
 _failed = False
 
 
-_VERSION = "pdkv_paged_decode_v16"  # bump with any change of the kernels' Python-facing signatures
+_VERSION = "pdkv_paged_decode_v17"  # bump with any change of the kernels' Python-facing signatures
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _MARCH_ENV = "PDKV_KERNEL_MARCH"  # another -march target than native (e.g. x86-64-v3: the AVX2 build on AVX-512)
 BUILD_WAIT_S = 900.0  # another process building the same kernels: wait this long, then use the torch path

@@ -5,8 +5,10 @@ along a row, w = d * q + m with half-precision d and m and q in 0..15) is served
 every weight is still one of 16 values of its block. `find_q4` proves that of a packed matrix,
 block by block: it takes m = the block's minimum, d = (max - min) / 15 rounded to half precision,
 q = round((w - m) / d), and keeps the codes only if fl(d * q + m) reproduces every float32 weight bit
-for bit (a matrix with one block that does not is left as it is). Nothing is approximated: the
-kernel expands the codes to the same float32 values before it multiplies.
+for bit (a matrix with one block that does not is left as it is). No weight is approximated: the
+kernel computes with these same values, either expanding the codes into them (then its results are
+the float32 panels', bit for bit) or, on AVX-512 at a decode step's few rows, as d * (x . q) + m * sum(x)
+per block, a float32 sum of the same products rounded its own way.
 
 A decode step at small batch reads every weight once from memory; from the codes it reads 10 bytes
 per line of 16 weights (8 of codes, 2 of d and m, both half precision as in the GGUF) against 64.
