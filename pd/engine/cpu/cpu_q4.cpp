@@ -8,12 +8,13 @@
 // bytes of codes, plus per 32 lines a d and an m for each output, against 64 bytes of float32.
 // A decode step at small batch reads every weight once, from memory: this reads 6.4x fewer bytes.
 // Two ways to compute with them:
-// - AVX-512, up to kRows rows (decode steps): the factored tile (q4_tile) multiplies the activations
-//   by the codes' integers and applies d and m once per block, in registers. The weights are the
-//   same; the sums are float32 sums rounded their own way (within the bound given at q4_tile).
-// - Otherwise (AVX2; AVX-512 above kRows rows): the codes are expanded into float32 in cache (the
-//   same values, bit for bit) and the float32 path's own tiles run on them, so the results are those
-//   of the float32 panels (packed_gemm_serial), bit for bit.
+// - Up to kRows rows (a register tile's: 12 on AVX-512, 6 on AVX2; decode steps): the factored tile
+//   (q4_tile) multiplies the activations by the codes' integers and applies d and m once per block,
+//   in registers. The weights are the same; the sums are float32 sums rounded their own way (within
+//   the bound given at q4_tile).
+// - Above (AVX2 up to kStreamRows; AVX-512 only in q4_linear): the codes are expanded into float32 in
+//   cache (the same values, bit for bit) and the float32 path's own tiles run on them, so the results
+//   are those of the float32 panels (packed_gemm_serial), bit for bit.
 //
 // Layout per matrix: codes (P, K, 8) uint8, byte c of line k holding output c in its low nibble and
 // output c + 8 in its high one; scales (P, K / 32, 2, 16) float16 (d and m are half-precision values in
@@ -73,17 +74,16 @@ static inline void q4_expand_ahead(const uint8_t* pc, const uint16_t* ps, int64_
   q4_expand(pc, ps, k0, n, out);
 }
 
-#if defined(__AVX512F__)
-// The factored tile (AVX-512, a step's few rows): per block of 32 lines, w = d * q + m gives
+// The factored tile (a step's few rows): per block of 32 lines, w = d * q + m gives
 // sum_k a_k w_k = d * (sum_k a_k q_k) + m * (sum_k a_k), so the codes' small integers 0..15 are
 // multiplied by the activations directly and d and m are applied once a block: one FMA a line and
-// row, where expanding each weight first (fl(d * q + m)) costs a second one. At one row the FMAs are
-// what bounds the step (Zen 4, SmolLM2's layer matrices: taking the expansion's FMA out made them
-// 1.2x faster). The weights are the same; the sums are rounded differently: like any float32 sum of
-// these products, within about (32 + K / 32) units of roundoff of sum_k |a_k| (d q_k + |m|).
+// row (per vector), where expanding each weight first (fl(d * q + m)) costs a second one. At one row
+// the FMAs are what bounds the step (Zen 4, SmolLM2's layer matrices: taking the expansion's FMA out
+// made them 1.2x faster). The weights are the same; the sums are rounded differently: like any float32
+// sum of these products, within about (32 + K / 32) units of roundoff of sum_k |a_k| (d q_k + |m|).
 #if defined(__AVX512VBMI__)
 // Bit offsets, in a line's 8 bytes of codes, of each 32-bit lane's nibble (lane c < 8: byte c's low
-// nibble; lane c >= 8: byte c - 8's high one), at byte 0 of the lane; and the floats 0..15.
+// nibble; lane c >= 8: byte c - 8's high one), at byte 0 of the lane.
 static inline __m512i q4_nibble_shifts() {
   alignas(64) static const uint8_t shifts[64] = {
       0, 0, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0, 24, 0, 0, 0, 32, 0, 0, 0, 40, 0, 0, 0, 48, 0, 0, 0, 56, 0, 0, 0,
@@ -91,20 +91,34 @@ static inline __m512i q4_nibble_shifts() {
   return _mm512_load_si512(shifts);
 }
 #endif
-// Line k's 16 codes as the floats 0..15 (lane j: output j).
-static inline __m512 q4_code_floats(const uint8_t* line) {
+// Line k's 16 codes as the floats 0..15, output j in lane j of the line's kVecs vectors.
+static inline void q4_code_floats(const uint8_t* line, vec* out) {
 #if defined(__AVX512VBMI__)
   int64_t bits;
   std::memcpy(&bits, line, 8);
   // each 32-bit lane's low 4 bits <- its nibble (multishift), then the float of 0..15 it names (vpermps
   // reads only those 4 bits): one shuffle-port op each, no integer-to-float conversion
   const __m512i picked = _mm512_multishift_epi64_epi8(q4_nibble_shifts(), _mm512_set1_epi64(bits));
-  return _mm512_permutexvar_ps(picked, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  out[0] = _mm512_permutexvar_ps(picked, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 #else
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(line));
-  const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+  const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+#if defined(__AVX512F__)
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+#else
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+#endif
+#endif
+}
+// Vector v of a block's d (or m) row: 16 half-precision values per panel.
+static inline vec q4_scale(const uint16_t* dm, int v) {
+#if defined(__AVX512F__)
+  (void)v;
+  return half16(dm);
+#else
+  return half8(dm + v * kWidth);
 #endif
 }
 
@@ -118,11 +132,12 @@ static void q4_tile(const uint8_t* codes, const uint16_t* scales, int64_t code_b
                     const float* A, int64_t lda, const float* asum, int64_t K, const float* bias, bool accumulate,
                     float* C, int64_t ldc, int64_t cols) {
   constexpr int U = unroll<MR * NP>();  // independent sums in flight per output vector (FMA latency)
+  constexpr int NV = NP * kVecs;         // vectors per row of the tile
   const int64_t blocks = K / kQ4Block;
-  __m512 total[MR][NP];
+  vec total[MR][NV];  // touched once a block: where the registers run out, these are the ones spilled
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
-    for (int q = 0; q < NP; ++q) total[i][q] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) total[i][v] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t k0 = b * kQ4Block;
     for (int q = 0; q < NP; ++q) {
@@ -130,46 +145,51 @@ static void q4_tile(const uint8_t* codes, const uint16_t* scales, int64_t code_b
       for (int64_t c = 0; c < kQ4Block * 8; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(scales + q * scale_halves + (b + kQ4Lead) * 2 * kPanel), _MM_HINT_T0);
     }
-    __m512 sum[U][MR][NP];
+    vec sum[U][MR][NV];
 #pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < MR; ++i)
-        for (int q = 0; q < NP; ++q) sum[u][i][q] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; ++v) sum[u][i][v] = vzero();
     for (int64_t k = k0; k < k0 + kQ4Block; k += U) {
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
-        __m512 w[NP];
-        for (int q = 0; q < NP; ++q) w[q] = q4_code_floats(codes + q * code_bytes + (k + u) * 8);
+        vec w[NV];
+        for (int q = 0; q < NP; ++q) q4_code_floats(codes + q * code_bytes + (k + u) * 8, w + q * kVecs);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
-          const __m512 a = _mm512_set1_ps(A[i * lda + k + u]);
-          for (int q = 0; q < NP; ++q) sum[u][i][q] = _mm512_fmadd_ps(a, w[q], sum[u][i][q]);
+          const vec a = vset1(A[i * lda + k + u]);
+          for (int v = 0; v < NV; ++v) sum[u][i][v] = vfma(a, w[v], sum[u][i][v]);
         }
       }
     }
     for (int q = 0; q < NP; ++q) {
       const uint16_t* dm = scales + q * scale_halves + b * 2 * kPanel;
-      const __m512 d = half16(dm), m = half16(dm + kPanel);
+      for (int v = q * kVecs; v < (q + 1) * kVecs; ++v) {
+        const vec d = q4_scale(dm, v - q * kVecs), m = q4_scale(dm + kPanel, v - q * kVecs);
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) {
-        __m512 s = sum[0][i][q];
-        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, sum[u][i][q]);
-        total[i][q] = _mm512_fmadd_ps(m, _mm512_set1_ps(asum[i * blocks + b]), _mm512_fmadd_ps(d, s, total[i][q]));
+        for (int i = 0; i < MR; ++i) {
+          vec s = sum[0][i][v];
+          for (int u = 1; u < U; ++u) s = vadd(s, sum[u][i][v]);
+          total[i][v] = vfma(m, vset1(asum[i * blocks + b]), vfma(d, s, total[i][v]));
+        }
       }
     }
   }
   for (int i = 0; i < MR; ++i) {
     float* out = C + i * ldc;
-    for (int q = 0; q < NP; ++q) {
-      __m512 r = total[i][q];
-      if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + q * kPanel));
-      if (cols == kPanel) {
-        if (accumulate) r = _mm512_add_ps(_mm512_loadu_ps(out + q * kPanel), r);
-        _mm512_storeu_ps(out + q * kPanel, r);
-      } else {
-        const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-        if (accumulate) r = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, out), r);
-        _mm512_mask_storeu_ps(out, keep, r);
+    if (cols == kPanel) {
+      for (int v = 0; v < NV; ++v) {
+        vec r = total[i][v];
+        if (bias) r = vadd(r, vload(bias + v * kWidth));
+        if (accumulate) r = vadd(vload(out + v * kWidth), r);
+        vstore(out + v * kWidth, r);
+      }
+    } else {  // a padded last panel: only its first cols outputs exist
+      alignas(64) float row[kPanel];
+      for (int v = 0; v < kVecs; ++v) vstore(row + v * kWidth, total[i][v]);
+      for (int64_t j = 0; j < cols; ++j) {
+        const float r = row[j] + (bias ? bias[j] : 0.f);
+        out[j] = accumulate ? out[j] + r : r;
       }
     }
   }
@@ -180,25 +200,22 @@ template <int NP, int... R>
 static constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles_of(std::integer_sequence<int, R...>) {
   return {&q4_tile<R + 1, NP>...};
 }
-// kQ4Tiles[r - 1]: r rows, one panel; kQ4PairTiles: two panels (as the float32 path pairs them)
+// kQ4Tiles[r - 1]: r rows, one panel; kQ4PairTiles: kPairPanels panels (as the float32 path pairs them)
 static constexpr auto kQ4Tiles = q4_tiles_of<1>(std::make_integer_sequence<int, kRows>{});
 static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
-#endif
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
-// (M <= kStreamRows, K a multiple of kQ4Block). AVX-512, up to kRows rows (what steps use,
-// kQ4MaxRows): the factored tiles (q4_tile), whose sums are rounded their own way. Otherwise
-// bit-identical to packed_gemm_serial on the float32 panels: AVX2 (one panel per tile) expands each
-// panel k-chunk by k-chunk into L1 for every row block there (rows_krange, whose sums run in the order
-// of the float32 path's tiles); AVX-512 above kRows rows (q4_linear only) expands each group of panels
-// the float32 path tiles together whole into a per-thread buffer (K = 1536: 96 KiB a panel, in L2) and
-// gives it to the same tiles.
+// (M <= kStreamRows, K a multiple of kQ4Block). Up to kRows rows: the factored tiles (q4_tile), whose
+// sums are rounded their own way. Above, bit-identical to packed_gemm_serial on the float32 panels:
+// AVX2 (one panel per tile) expands each panel k-chunk by k-chunk into L1 for every row block there
+// (rows_krange, whose sums run in the order of the float32 path's tiles); AVX-512 (q4_linear only)
+// expands each group of panels the float32 path tiles together whole into a per-thread buffer
+// (K = 1536: 96 KiB a panel, in L2) and gives it to the same tiles.
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
   if (M <= 0) return;
   const int64_t code_bytes = K * 8, scale_halves = (K / kQ4Block) * 2 * kPanel;
-#if defined(__AVX512F__)
   if (M <= kRows) {
     // one panel a tile up to kSmallRows rows, else pairs where both panels are full and this thread's
     // (as packed_gemm_serial); the codes are read once, and no expanded panel goes through the caches
@@ -221,7 +238,6 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
     }
     return;
   }
-#endif
   if (kPairPanels == 1) {
     alignas(64) float part[kStreamRows][kPanel];
     alignas(64) float w[kChunk * kPanel];
@@ -267,7 +283,7 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
 // Up to how many rows the 4-bit path runs the factored tiles (0: never; then its results are the
 // float32 panels', bit for bit, at every row count).
 int64_t q4_factored_rows() {
-#if defined(__AVX512F__)
+#ifdef PDKV_PACKED_GEMM
   return kRows;
 #else
   return 0;
@@ -285,10 +301,10 @@ bool q4_gemm_available() {
 
 // Whether a step of M rows runs from `codes` (defined: the matrix has them).
 #if defined(__AVX512F__)
-// AVX-512 builds run one row block (up to kRows) on lines built in registers; past that the expansion
-// costs more than the bytes it saves (SmolLM2 layer matrices, 2 threads, 2026-12-06: 0.31-0.45x the
-// float32 panels' time at 1-4 rows, 0.73x at 8, 0.85x at 12; 16 rows as two blocks of 8 would take
-// 23.4 ms against the panels' 21.7).
+// AVX-512 builds run one row block (up to kRows, the factored tiles); past that the codes cost more
+// than the bytes they save (SmolLM2 layer matrices, 2 threads, 2026-12-06, with the expanding tile of
+// before: 0.31-0.45x the float32 panels' time at 1-4 rows, 0.73x at 8, 0.85x at 12; 16 rows as two
+// blocks of 8 would take 23.4 ms against the panels' 21.7).
 static constexpr int64_t kQ4MaxRows = kRows;
 #else
 static constexpr int64_t kQ4MaxRows = 64;  // AVX2: chunk by chunk in L1, the packed GEMM's streamed rows

@@ -3,10 +3,10 @@
 `find_q4` keeps a matrix's codes only when they reproduce every float32 weight bit for bit. The
 4-bit GEMM then computes with those same weights at every row count it takes (1..64), with bias and
 accumulation, at 1 and 2 threads: within float32 rounding of the exact (float64) products always,
-and bit for bit the float32 panels' results where it expands the codes (AVX2 builds, and AVX-512 ones
-above `q4_factored_rows()` rows; below, AVX-512 runs the factored tiles). Through the engine, a model
-whose weights are Q4_1-shaped gives the same greedy tokens with the codes on and off, and logits
-that agree to float32 rounding (bit for bit on AVX2 builds)."""
+and bit for bit the float32 panels' results where it expands the codes (above `q4_factored_rows()`
+rows, a register tile's: 12 on AVX-512 builds, 6 on AVX2 ones; up to that it runs the factored tiles).
+Through the engine, a model whose weights are Q4_1-shaped gives the same greedy tokens with the codes
+on and off, and logits that agree to float32 rounding (bit for bit where the step expands the codes)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -97,7 +97,6 @@ def test_long_rows_and_row_chunks(m, k, n, threads):
         assert torch.equal(y, module.packed_linear(x, packed, n, bias))
 
 
-@pytest.mark.skipif(module is None or module.q4_factored_rows() == 0, reason="the factored tiles are AVX-512's")
 def test_factored_tiles_meet_the_bound_where_the_sums_cancel():
     """Rows whose products cancel (the activations orthogonal-ish to each weight row, large m): the
     bound is on the magnitudes, not on the result, and the factored m * sum(x) term must stay within it."""
@@ -131,7 +130,7 @@ def _q4_engine(monkeypatch, setting: str) -> Engine:
 def test_engine_tokens_and_logits_with_codes_on_and_off(monkeypatch, threads):
     """A model whose layer weights are Q4_1-shaped: the fused decoder finds every matrix, and decode and
     small prompt steps give the same tokens as with the codes off, and logits equal to float32 rounding
-    (bit for bit where the build expands the codes: AVX2). On
+    (bit for bit where the step expands the codes: a 9-row prompt on AVX2 builds). On
     one thread the step runs each request through all layers (decode_rows), on two layer by layer with
     the threads splitting the panels: both read the codes."""
     import pd.engine.model.llama as model_module
@@ -163,8 +162,8 @@ def test_engine_tokens_and_logits_with_codes_on_and_off(monkeypatch, threads):
         engine.page_pool.buffer.zero_()
         outs.append(engine.generate_sync(prompts, greedy))
         assert_all_free(engine.kv_cache_manager)
-    if module.q4_factored_rows() == 0:
+    if _expands(9):  # the prompt chunk's 9 rows
         assert torch.equal(logits[0], logits[1])
-    else:  # 9 prompt rows: the factored tiles; an error of the size of a weight would show here
+    else:  # the factored tiles: an error of the size of a weight would show here
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
     assert outs[0] == outs[1]
