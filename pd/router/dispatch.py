@@ -279,7 +279,9 @@ class Dispatcher(StreamedFlow):
                     async for event in events:
                         sent.extend(event.token_ids)
                         num_cached = event.num_cached_tokens if num_cached is None else num_cached
-                        yield event.model_copy(update={"num_cached_tokens": num_cached})
+                        # (a copy only where a continuation's own figure differs: a copy costs ~20 µs a token)
+                        yield (event if event.num_cached_tokens == num_cached
+                               else event.model_copy(update={"num_cached_tokens": num_cached}))
                 return
             except _WorkerLostMidStream as lost:
                 if num_migrations >= self._recovery.migration_limit:
