@@ -79,8 +79,8 @@ static inline void q4_expand_ahead(const uint8_t* pc, const uint16_t* ps, int64_
 // multiplied by the activations directly and d and m are applied once a block: one FMA a line and
 // row (per vector), where expanding each weight first (fl(d * q + m)) costs a second one. At one row
 // the FMAs are what bounds the step (Zen 4, SmolLM2's layer matrices: taking the expansion's FMA out
-// made them 1.2x faster). The weights are the same; the sums are rounded differently: like any float32
-// sum of these products, within about (32 + K / 32) units of roundoff of sum_k |a_k| (d q_k + |m|).
+// made them 1.2x faster). The weights are the same; the sums are rounded differently: summed in blocks
+// (32 lines, then K / 32 blocks), within about (32 + K / 32) units of roundoff of sum_k |a_k| (d q_k + |m|).
 #if defined(__AVX512VBMI__)
 // Bit offsets, in a line's 8 bytes of codes, of each 32-bit lane's nibble (lane c < 8: byte c's low
 // nibble; lane c >= 8: byte c - 8's high one), at byte 0 of the lane.

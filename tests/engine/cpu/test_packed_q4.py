@@ -42,8 +42,9 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 def _check_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
     """y = x · weightᵀ + bias to float32 rounding: |y - exact| within (64 + 2 K / 32) units of roundoff
-    of sum_k |x_k| (d q_k + |m|) (+ |bias|), a bound that any float32 summation order of these
-    products meets (the factored tiles' blocks of 32 and the float32 tiles' chunks of 64 alike)."""
+    of sum_k |x_k| (d q_k + |m|) (+ |bias|), a bound that these products summed in blocks meet (the
+    factored tiles' blocks of 32 and the float32 tiles' chunks of 64 alike; one running sum over all K
+    terms could exceed it)."""
     n, k = weight.shape
     blocks = weight.double().reshape(n, k // 32, 32)
     low = blocks.amin(-1, keepdim=True)  # m: the block's smallest weight is d * 0 + m
