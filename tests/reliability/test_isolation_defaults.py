@@ -107,15 +107,17 @@ def test_second_tenant_cannot_confirm_the_first_tenants_secret(fault_record):
     assert admin.status_code == 200 and "pdkv_worker_prefix_cache_hits" in admin.text
     # the probe's power: within A's tenant the right code stands out in cached tokens and in time
     col_cached = [_cached(seen) for seen, _ in colleague]
-    col_wrong = statistics.median(t for i, (_, t) in enumerate(colleague) if i != right)
+    col_fastest_wrong = min(t for i, (_, t) in enumerate(colleague) if i != right)
     assert col_cached[right] > max(c for i, c in enumerate(col_cached) if i != right) + 160, col_cached
-    assert colleague[right][1] <= 0.5 * col_wrong, [t for _, t in colleague]
+    # (the fastest of the six, not a fixed fraction of the others: the fraction depends on how fast the
+    # engine computes the uncached part against the fixed cost of a request, which is this CPU's speed)
+    assert colleague[right][1] < col_fastest_wrong, [t for _, t in colleague]
     fault_record(fault="tenant B probes tenant A's 4-digit code (2 API keys, isolation unset)",
                  where="router / P cache / metrics",
                  user_saw=f"B: cached_tokens {[_cached(s) for s, _ in after]} (same without A's secret), "
                           f"prefill right {after[right][1] * 1e3:.1f} ms vs wrong median {bob_wrong * 1e3:.1f} ms, "
                           f"/metrics 401/403; A's colleague: cached {col_cached}, prefill right "
-                          f"{colleague[right][1] * 1e3:.1f} ms vs wrong median {col_wrong * 1e3:.1f} ms",
+                          f"{colleague[right][1] * 1e3:.1f} ms vs fastest wrong {col_fastest_wrong * 1e3:.1f} ms",
                  pdkv_did="per_api_key by default with two keys; metrics_auth on with keys; pdkv_route opt-in",
                  pools="all free")
 
