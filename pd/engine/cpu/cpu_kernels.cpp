@@ -215,7 +215,7 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
 // table and the first key position (an empty tensor: 0 for every row). `q4`: empty, or per layer the codes and scales of its four
 // matrices (8 tensors; an undefined or empty pair where a matrix has none, cpu_q4.cpp): a step of at most
 // kStreamRows rows (per thread, in the per-thread split) reads those instead of the float32 panels
-// (cpu_q4.cpp: the same results, or on AVX-512 at few rows, the same to float32 rounding). Returns
+// (cpu_q4.cpp: up to a register tile's rows, 12 or 6, the same to float32 rounding; above, the same bits). Returns
 // hidden states after the last layer, through the model's final RMSNorm
 // where `final_norm` holds its weight (else as they leave the last layer: an empty tensor).
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor positions, torch::Tensor rope_cos, torch::Tensor rope_sin,
