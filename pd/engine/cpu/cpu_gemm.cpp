@@ -80,8 +80,9 @@ static constexpr int unroll() { return MR * kVecs >= 8 ? 1 : (MR * kVecs >= 4 ? 
 // K / kChunk + kChunk rather than with K, as in a blocked sgemm. Each output's sum runs in the same
 // order for any NP, so NP changes no bit of the result.
 //
-// Where the lines come from is `Lines`: float32 panels in memory (`F32Lines`); the 4-bit path's
-// expanded panels (cpu_q4.cpp) go through the same instantiation, so the same lines give the same bits.
+// Where the lines come from is `Lines`: float32 panels in memory (`F32Lines`: the 4-bit path's
+// expanded panels, cpu_q4.cpp, go through this one too, so the same lines give the same bits), or the
+// lm_head's int8 screen (cpu_argmax.cpp, `Int8Lines`).
 struct F32Lines {
   const float* B;
   int64_t K;

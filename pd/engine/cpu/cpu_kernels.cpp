@@ -170,7 +170,7 @@ static void decode_rows(const StepShape& s, const std::vector<LayerView>& layers
                         float* C) {
     const torch::Tensor& w = lv.w[i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 5 : 6];
     if (lv.q4 != nullptr && q4_usable(lv.q4[2 * i], R))
-      return q4_gemm_serial(A, K, R, K, lv.q4[2 * i].data_ptr<uint8_t>(),
+      return q4_gemm_thread(A, K, R, K, lv.q4[2 * i].data_ptr<uint8_t>(),
                             reinterpret_cast<const uint16_t*>(lv.q4[2 * i + 1].data_ptr<at::Half>()), N, bias, acc, C,
                             N, 0, w.size(0));
     packed_gemm_serial(A, K, R, K, w.data_ptr<float>(), N, bias, acc, C, N, 0, w.size(0));

@@ -211,28 +211,31 @@ static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_
 // (rows_krange, whose sums run in the order of the float32 path's tiles); AVX-512 (q4_linear only)
 // expands each group of panels the float32 path tiles together whole into a per-thread buffer
 // (K = 1536: 96 KiB a panel, in L2) and gives it to the same tiles.
+// Each row's activations summed per block of kQ4Block: asum[i * (K / kQ4Block) + b], for q4_tile.
+static void q4_block_sums(const float* A, int64_t lda, int64_t M, int64_t K, float* asum) {
+  const int64_t blocks = K / kQ4Block;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float t = 0.f;
+      for (int64_t k = b * kQ4Block; k < (b + 1) * kQ4Block; ++k) t += A[i * lda + k];
+      asum[i * blocks + b] = t;
+    }
+}
+
+// asum: A's block sums (q4_block_sums), given where M <= kRows (the factored tiles read them).
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
-                           int64_t p0, int64_t p1) {
+                           int64_t p0, int64_t p1, const float* asum) {
   if (M <= 0) return;
   const int64_t code_bytes = K * 8, scale_halves = (K / kQ4Block) * 2 * kPanel;
   if (M <= kRows) {
     // one panel a tile up to kSmallRows rows, else pairs where both panels are full and this thread's
     // (as packed_gemm_serial); the codes are read once, and no expanded panel goes through the caches
-    const int64_t blocks = K / kQ4Block;
-    thread_local std::vector<float> asum;  // each row's activations summed per block (this thread's own)
-    asum.resize(static_cast<size_t>(M * blocks));
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float t = 0.f;
-        for (int64_t k = b * kQ4Block; k < (b + 1) * kQ4Block; ++k) t += A[i * lda + k];
-        asum[i * blocks + b] = t;
-      }
     for (int64_t p = p0; p < p1;) {
       const int64_t n0 = p * kPanel;
       const int np = (M > kSmallRows && p + kPairPanels <= p1 && n0 + kPairPanels * kPanel <= N) ? kPairPanels : 1;
       (np > 1 ? kQ4PairTiles : kQ4Tiles)[M - 1](
-          codes + p * code_bytes, scales + p * scale_halves, code_bytes, scale_halves, A, lda, asum.data(), K,
+          codes + p * code_bytes, scales + p * scale_halves, code_bytes, scale_halves, A, lda, asum, K,
           bias ? bias + n0 : nullptr, accumulate, C + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0));
       p += np;
     }
@@ -277,6 +280,17 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
                    C + m0 * ldc + n0, ldc, np > 1 ? kPanel : std::min(kPanel, N - n0), nullptr, np);
     p += np;
   }
+}
+
+// q4_gemm_serial for a caller that runs the whole GEMM on this thread (decode_rows): the block sums
+// first, in a buffer of this thread's own.
+static void q4_gemm_thread(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
+                           const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
+                           int64_t p0, int64_t p1) {
+  thread_local std::vector<float> asum;
+  asum.resize(M <= kRows ? static_cast<size_t>(M * (K / kQ4Block)) : 0);
+  if (!asum.empty()) q4_block_sums(A, lda, M, K, asum.data());
+  q4_gemm_serial(A, lda, M, K, codes, scales, N, bias, accumulate, C, ldc, p0, p1, asum.data());
 }
 #endif
 
@@ -343,9 +357,12 @@ static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, con
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
+  // the block sums once for every thread's panels (the factored tiles' only per-row work besides the FMAs)
+  std::vector<float> asum(M <= kRows ? static_cast<size_t>(M * (K / kQ4Block)) : 0);
+  if (!asum.empty()) q4_block_sums(xp, x.stride(0), M, K, asum.data());
   chunked_for((P + per - 1) / per, [&](int64_t c) {
     q4_gemm_serial(xp, x.stride(0), M, K, cp, sp, N, bp, accumulate, yp, y.stride(0), c * per,
-                   std::min(P, (c + 1) * per));
+                   std::min(P, (c + 1) * per), asum.data());
   });
 #else
   TORCH_CHECK(false, "the 4-bit path needs the packed GEMM (AVX2 + FMA)");
