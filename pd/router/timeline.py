@@ -12,12 +12,13 @@ the prompt, and on D after a P/D prefill its queue and the KV transfer.
     parse_s, tokenize_s, admission_s    router, in that order from arrival
     route_s                             the planner's decision (from the dispatch to the first call)
     prefill_queue_s, prefill_compute_s  the worker that computed the prompt (P; colocated or local: the one)
-    kv_transfer_s, decode_queue_s       D after a P/D prefill only
+    kv_transfer_s, decode_queue_s,      D after a P/D prefill only: its pull of P's blocks, its queue, and
+    decode_compute_s                    its first step, which gives the first token (P's own is discarded)
     first_chunk_s                       streamed only: first token event in -> first chunk written
 
 `ttft_s` runs from arrival to the first chunk written (streamed) or the first token event (not
 streamed). Stages that do not apply are absent. What the stages leave of `ttft_s` is the hops
-(HTTP to each worker, P's answer back) and, in P/D, D's own first step.
+(HTTP to each worker, P's answer back, D's first event).
 
 With tracing on (pd.cluster.tracing) the timeline also holds the request's root span; its stage
 spans are written from the marks when the request ends (`finish`), so tracing adds no work on the
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 TIMING_HEADER = "x-pdkv-timing"
 EXTENSION_KEY = "pdkv_timing"
 STAGES = ("parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-          "kv_transfer_s", "decode_queue_s", "first_chunk_s")
+          "kv_transfer_s", "decode_queue_s", "decode_compute_s", "first_chunk_s")
 _ROUTER_SPANS = (("pdkv.router.parse", "arrived", "parsed"), ("pdkv.router.tokenize", "parsed", "tokenized"),
                  ("pdkv.router.admission", "tokenized", "admitted"))
 
@@ -136,6 +137,7 @@ class Timeline:
             out["prefill_queue_s"], out["prefill_compute_s"] = self.prefill.queue_s, self.prefill.compute_s
         if self.decode is not None:
             out["kv_transfer_s"], out["decode_queue_s"] = self.decode.load_s, self.decode.queue_s
+            out["decode_compute_s"] = self.decode.compute_s
         return {stage: round(out[stage], 6) for stage in STAGES if stage in out}
 
     def extension(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import statistics
 from pd.tools.percentile import percentile
 
 STAGES = ("parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-          "kv_transfer_s", "decode_queue_s", "first_chunk_s")
+          "kv_transfer_s", "decode_queue_s", "decode_compute_s", "first_chunk_s")
 
 
 def ttft_breakdown(timings: list[dict]) -> dict | None:

@@ -17,7 +17,7 @@ HEADERS = {"x-pdkv-timing": "1"}
 # own clock reads: allow a little slack for both, never a speed
 SUM_SLACK_S = 0.002
 P_D_STAGES = {"parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-              "kv_transfer_s", "decode_queue_s"}
+              "kv_transfer_s", "decode_queue_s", "decode_compute_s"}
 
 
 @pytest.fixture(scope="module")
