@@ -43,6 +43,10 @@ def test_burst_run_checks_the_index_against_every_cache_and_reports_the_policies
     assert row["requests"] + row["aborted"] == sum(1 for t in work.trees() for _ in t.walk())
     assert 0 < row["oracle"] < 1 and report.hit_ratio(row) == row["hit_rate"] / row["oracle"]
     # the side-by-side table: prefix_aware's ratios to the others, from the rows it is given
-    other = {**row, "policy": "least_loaded", "ttft_p50_s": 2 * row["ttft_p50_s"], "ttft_p90_s": 4 * row["ttft_p90_s"]}
+    other = {**row, "policy": "least_loaded", "ttft_p50_s": 2 * row["ttft_p50_s"], "ttft_p90_s": 4 * row["ttft_p90_s"],
+             "text_p90_s": 5 * row["text_p90_s"]}
     line = report.format_summary([row, other]).splitlines()[-1]
-    assert f"| {report.hit_ratio(row):.3f} |" in line and "| 0.50 | 0.25 | - | - | yes |" in line
+    assert f"| {report.hit_ratio(row):.3f} |" in line and "| 0.50 | 0.25 | - | - | 0.20 | yes |" in line
+    # TTFT is to the first token's chunk; the first visible text comes with it or later (never before)
+    assert all(0 < r.ttft_s <= r.text_s for r in run.records)
+    assert len(row["records"]) == len(run.records) and {r["run"] for r in row["records"]} == {0}

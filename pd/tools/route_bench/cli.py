@@ -20,7 +20,8 @@ arrival times, R per second, whatever the deployment's speed, as users arrive). 
   computed by a request still in flight), each over prompt tokens (late loss can be
   negative: a prefix computed meanwhile by another request is a hit no one predicted);
 - bound: the hit rate of one unbounded cache that saw every earlier prompt;
-- TTFT p50 / p90 (streamed, router-side first text), throughput (requests/s and
+- TTFT p50 / p90 (streamed: to the chunk of the first token, which the router writes even where
+  its text is empty; the last table also gives the p90 to the first visible text), throughput (requests/s and
   generated tokens/s) and blocks transferred P->D (the D workers' blocks_recv).
 Aborted requests are counted apart and left out of every other figure. Under each
 table a line per policy gives the share of requests on the busiest P and D, and for
@@ -89,7 +90,7 @@ def bench_config(kv_memory_mb: float) -> DeployConfig:
 
 @dataclasses.dataclass
 class Record:
-    ttft_s: float
+    ttft_s: float  # to the first streamed token
     prompt_tokens: int
     cached_tokens: int
     best_hit: int
@@ -97,6 +98,8 @@ class Record:
     predicted_hit: int = 0  # the index's prediction on the chosen P
     workers: tuple[str | None, str | None] = (None, None)  # (P, D), from the `pdkv_route` extension
     stages: dict | None = None  # the `pdkv_timing` extension's stages, where the router has them
+    start_s: float = 0.0  # when it was sent, seconds from the run's start
+    text_s: float = 0.0  # time to the first chunk with visible text (ttft_s is to the first token's chunk)
 
 
 PLANS = [WorkerPlan(wid, role, None, 1) for wid, role in (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL),
@@ -125,12 +128,13 @@ def _blocks_recv(dep: PinnedDeployment) -> int:
     return total
 
 
-async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens: int, pool) -> Record | None:
+async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens: int, pool,
+               run_t0: float) -> Record | None:
     """One request; None for an aborted one (the client goes away as the node says)."""
     body = {"model": "pdkv-small", "prompt": node.prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.perf_counter()
-    ttft, usage, rid, stages = None, None, None, None
+    ttft, text_s, usage, rid, stages = None, None, None, None, None
     route: dict = {}
     async with session.post(f"{url}/v1/completions", json=body, headers={"x-pdkv-timing": "1"}) as resp:
         if resp.status != 200:
@@ -143,8 +147,12 @@ async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens:
                 resp.close()
                 return None
             rid = chunk.get("id", rid)
-            if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                ttft = time.perf_counter() - t0
+            if chunk.get("choices"):
+                # the router writes a chunk per token: the first one is the first token, even where its text
+                # is empty (this model's byte noise often starts with a cut UTF-8 character)
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                if text_s is None and chunk["choices"][0].get("text"):
+                    text_s = time.perf_counter() - t0
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():
@@ -153,10 +161,12 @@ async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens:
     if usage is None:
         raise RuntimeError(f"{url}: the stream ended without a usage chunk")
     key = (f"{rid}-0", "prefill")
-    return Record(ttft or (time.perf_counter() - t0), usage["prompt_tokens"],
+    end = time.perf_counter() - t0
+    return Record(ttft or end, usage["prompt_tokens"],
                   usage["prompt_tokens_details"]["cached_tokens"], pool.last_best_hit.get(key, 0),
                   usage["completion_tokens"], pool.last_predicted.get(key) or 0,
-                  (route.get("prefill_worker"), route.get("decode_worker")), stages)
+                  (route.get("prefill_worker"), route.get("decode_worker")), stages, t0 - run_t0,
+                  text_s or end)
 
 
 async def _drive(url: str, trees: list[Node], work: AnyWorkload,
@@ -176,7 +186,7 @@ async def _drive(url: str, trees: list[Node], work: AnyWorkload,
     async def node_then_children(node: Node) -> None:
         nonlocal aborted
         record = await _one(session, url, node, abort_max_tokens if node.abort is not Abort.NONE else max_tokens,
-                            pool)
+                            pool, t0)
         if record is None:
             aborted += 1
         else:
@@ -240,12 +250,14 @@ def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
             "choice_loss": sum(r.best_hit - r.predicted_hit for r in records) / prompt,
             "late_loss": sum(r.predicted_hit - r.cached_tokens for r in records) / prompt,
             "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
+            "text_p90_s": percentile([r.text_s for r in records], 90, math.nan),
             "req_per_s": len(records) / seconds,
             "tok_per_s": sum(r.completion_tokens for r in records) / seconds,
             "blocks_p_to_d": round(sum(run.blocks_p_to_d for run in runs) / len(runs)),
             "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
             "slowest_stages_s": _slowest_stages(records), "seconds": seconds,
-            "index_checks": [ok for run in runs for ok in run.index_exact.values()]}
+            "index_checks": [ok for run in runs for ok in run.index_exact.values()],
+            "records": [{"run": i, **dataclasses.asdict(r)} for i, run in enumerate(runs) for r in run.records]}
 
 
 def _busiest(records: list[Record], hop: int) -> float:
@@ -293,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pending-hits", type=int, choices=(0, 1), default=None,
                     help="prefix_aware: 1 also counts the blocks that prompts sent ahead to a worker will compute")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--json", help="also write the rows here, each with its requests' records")
     ap.add_argument("--side-by-side", action="store_true",
                     help="run the policies at once, each deployment in a process of its own, so that they share "
                          "the machine's load alike (on a shared machine the figures of runs one after another "

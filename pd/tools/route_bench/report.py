@@ -3,6 +3,10 @@
 round_robin's). Pure functions of the rows `cli.summarize` makes."""
 from __future__ import annotations
 
+import math
+
+from pd.tools.percentile import percentile
+
 METHOD = ("What is real and what is simulated: the workers are real (the pdkv Worker, engine, ZMQ connector "
           "and KV event stream, each in a process of its own) and so is the router with its KV index; the model "
           "is simulated (`pdkv-small`: random weights, 4 layers, hidden 256, byte tokenizer, so replies are "
@@ -34,14 +38,34 @@ def _exact(row: dict) -> str:
     return f"{sum(checks)}/{len(checks)}" if not all(checks) else f"yes ({len(checks)} checks)"
 
 
+def pooled(rows: list[dict]) -> dict:
+    """One policy's rows of several seeds as one: its hit rates and TTFT percentiles over every request
+    of every seed (a p90 over all of them, not a mean of per-seed p90s), its index checks all together."""
+    records = [r for row in rows for r in row["records"]]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    ttfts = [r["ttft_s"] for r in records]
+    return {"policy": rows[0]["policy"], "records": records,
+            "hit_rate": sum(r["cached_tokens"] for r in records) / prompt,
+            "oracle": sum(r["best_hit"] for r in records) / prompt,
+            "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
+            "text_p90_s": percentile([r["text_s"] for r in records], 90, math.nan),
+            "index_checks": [ok for row in rows for ok in row.get("index_checks") or []]}
+
+
 def format_summary(rows: list[dict]) -> str:
-    """Per seed, side by side: prefix_aware's hit / oracle and TTFT p50 / p90, with least_loaded's and
-    round_robin's and the ratios prefix_aware / other (below 1: prefix_aware is faster)."""
+    """Per seed, and with several seeds also over all their requests pooled ("all seeds"), side by
+    side: prefix_aware's hit / oracle and TTFT p50 / p90, with least_loaded's and round_robin's and the
+    ratios prefix_aware / other (below 1: prefix_aware is faster), and the p90 ratio to least_loaded's
+    measured to the first visible text instead of the first token."""
     lines = ["| seed | hit / oracle (prefix_aware) | TTFT p50 s pa / ll / rr | TTFT p90 s pa / ll / rr "
-             "| p50 pa/ll | p90 pa/ll | p50 pa/rr | p90 pa/rr | index exact |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for seed in sorted({r["seed"] for r in rows}):
-        by = {r["policy"]: r for r in rows if r["seed"] == seed}
+             "| p50 pa/ll | p90 pa/ll | p50 pa/rr | p90 pa/rr | first-text p90 pa/ll | index exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    groups = [(str(seed), {r["policy"]: r for r in rows if r["seed"] == seed})
+              for seed in sorted({r["seed"] for r in rows})]
+    if len(groups) > 1 and all("records" in r for r in rows):  # the workload as a whole: every seed's requests
+        groups.append(("all seeds", {policy: pooled([r for r in rows if r["policy"] == policy])
+                                     for policy in dict.fromkeys(r["policy"] for r in rows)}))
+    for seed, by in groups:
         pa = by.get("prefix_aware")
         if pa is None:
             continue
@@ -49,7 +73,9 @@ def format_summary(rows: list[dict]) -> str:
         p50 = " / ".join(f"{r['ttft_p50_s']:.3f}" if r else "-" for r in [pa, *others])
         p90 = " / ".join(f"{r['ttft_p90_s']:.3f}" if r else "-" for r in [pa, *others])
         ratios = [f"{pa[k] / r[k]:.2f}" if r else "-" for r in others for k in ("ttft_p50_s", "ttft_p90_s")]
+        ll = by.get("least_loaded")
+        text = f"{pa['text_p90_s'] / ll['text_p90_s']:.2f}" if ll and "text_p90_s" in pa else "-"
         exact = all(all(r.get("index_checks") or [False]) for r in by.values())
-        lines.append(f"| {seed} | {hit_ratio(pa):.3f} | {p50} | {p90} | {' | '.join(ratios)} | "
+        lines.append(f"| {seed} | {hit_ratio(pa):.3f} | {p50} | {p90} | {' | '.join(ratios)} | {text} | "
                      f"{'yes' if exact else 'NO'} |")
     return "\n".join(lines)
