@@ -204,13 +204,6 @@ static constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles_of(std::integer_seq
 static constexpr auto kQ4Tiles = q4_tiles_of<1>(std::make_integer_sequence<int, kRows>{});
 static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
-// One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
-// (M <= kStreamRows, K a multiple of kQ4Block). Up to kRows rows: the factored tiles (q4_tile), whose
-// sums are rounded their own way. Above, bit-identical to packed_gemm_serial on the float32 panels:
-// AVX2 (one panel per tile) expands each panel k-chunk by k-chunk into L1 for every row block there
-// (rows_krange, whose sums run in the order of the float32 path's tiles); AVX-512 (q4_linear only)
-// expands each group of panels the float32 path tiles together whole into a per-thread buffer
-// (K = 1536: 96 KiB a panel, in L2) and gives it to the same tiles.
 // Each row's activations summed per block of kQ4Block: asum[i * (K / kQ4Block) + b], for q4_tile.
 static void q4_block_sums(const float* A, int64_t lda, int64_t M, int64_t K, float* asum) {
   const int64_t blocks = K / kQ4Block;
@@ -222,7 +215,14 @@ static void q4_block_sums(const float* A, int64_t lda, int64_t M, int64_t K, flo
     }
 }
 
-// asum: A's block sums (q4_block_sums), given where M <= kRows (the factored tiles read them).
+// One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
+// (M <= kStreamRows, K a multiple of kQ4Block). Up to kRows rows: the factored tiles (q4_tile), whose
+// sums are rounded their own way. Above, bit-identical to packed_gemm_serial on the float32 panels:
+// AVX2 (one panel per tile) expands each panel k-chunk by k-chunk into L1 for every row block there
+// (rows_krange, whose sums run in the order of the float32 path's tiles); AVX-512 (q4_linear only)
+// expands each group of panels the float32 path tiles together whole into a per-thread buffer
+// (K = 1536: 96 KiB a panel, in L2) and gives it to the same tiles. asum: A's block sums
+// (q4_block_sums), given where M <= kRows (the factored tiles read them).
 static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1, const float* asum) {
