@@ -204,15 +204,20 @@ static constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles_of(std::integer_seq
 static constexpr auto kQ4Tiles = q4_tiles_of<1>(std::make_integer_sequence<int, kRows>{});
 static constexpr auto kQ4PairTiles = q4_tiles_of<kPairPanels>(std::make_integer_sequence<int, kRows>{});
 
-// Each row's activations summed per block of kQ4Block: asum[i * (K / kQ4Block) + b], for q4_tile.
-static void q4_block_sums(const float* A, int64_t lda, int64_t M, int64_t K, float* asum) {
+// Each row's activations summed per block of kQ4Block, asum[i * (K / kQ4Block) + b], for q4_tile: in a
+// buffer of the calling thread's own, valid until its next call; nullptr above kRows rows (no factored tile).
+static const float* q4_block_sums(const float* A, int64_t lda, int64_t M, int64_t K) {
+  if (M > kRows) return nullptr;
   const int64_t blocks = K / kQ4Block;
+  thread_local std::vector<float> asum;
+  asum.resize(static_cast<size_t>(M * blocks));
   for (int64_t i = 0; i < M; ++i)
     for (int64_t b = 0; b < blocks; ++b) {
       float t = 0.f;
       for (int64_t k = b * kQ4Block; k < (b + 1) * kQ4Block; ++k) t += A[i * lda + k];
       asum[i * blocks + b] = t;
     }
+  return asum.data();
 }
 
 // One thread, panels [p0, p1) of C (M, N) (+)= A (M, K) · Wᵀ (+ bias), W given as codes and scales
@@ -282,15 +287,11 @@ static void q4_gemm_serial(const float* A, int64_t lda, int64_t M, int64_t K, co
   }
 }
 
-// q4_gemm_serial for a caller that runs the whole GEMM on this thread (decode_rows): the block sums
-// first, in a buffer of this thread's own.
+// q4_gemm_serial for a caller that runs the whole GEMM on this thread (decode_rows): the block sums first.
 static void q4_gemm_thread(const float* A, int64_t lda, int64_t M, int64_t K, const uint8_t* codes,
                            const uint16_t* scales, int64_t N, const float* bias, bool accumulate, float* C, int64_t ldc,
                            int64_t p0, int64_t p1) {
-  thread_local std::vector<float> asum;
-  asum.resize(M <= kRows ? static_cast<size_t>(M * (K / kQ4Block)) : 0);
-  if (!asum.empty()) q4_block_sums(A, lda, M, K, asum.data());
-  q4_gemm_serial(A, lda, M, K, codes, scales, N, bias, accumulate, C, ldc, p0, p1, asum.data());
+  q4_gemm_serial(A, lda, M, K, codes, scales, N, bias, accumulate, C, ldc, p0, p1, q4_block_sums(A, lda, M, K));
 }
 #endif
 
@@ -357,12 +358,12 @@ static void q4_gemm_into(const torch::Tensor& x, const torch::Tensor& codes, con
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  // the block sums once for every thread's panels (the factored tiles' only per-row work besides the FMAs)
-  std::vector<float> asum(M <= kRows ? static_cast<size_t>(M * (K / kQ4Block)) : 0);
-  if (!asum.empty()) q4_block_sums(xp, x.stride(0), M, K, asum.data());
+  // the block sums once for every thread's panels (the factored tiles' only per-row work besides the FMAs);
+  // this thread's buffer stays put while chunked_for runs
+  const float* asum = q4_block_sums(xp, x.stride(0), M, K);
   chunked_for((P + per - 1) / per, [&](int64_t c) {
     q4_gemm_serial(xp, x.stride(0), M, K, cp, sp, N, bp, accumulate, yp, y.stride(0), c * per,
-                   std::min(P, (c + 1) * per), asum.data());
+                   std::min(P, (c + 1) * per), asum);
   });
 #else
   TORCH_CHECK(false, "the 4-bit path needs the packed GEMM (AVX2 + FMA)");

@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -61,10 +60,9 @@ import torch
 from pd.cluster.config import DeployConfig
 from pd.cluster.roles import Role
 from pd.tools.route_bench.exactness import index_matches_caches
-from pd.tools.route_bench.report import METHOD, format_summary, format_table
+from pd.tools.route_bench.report import METHOD, format_summary, format_table, request_figures
 from pd.tools.route_bench.workload import (Abort, BranchingWorkload, BurstWorkload, Node, Workload, arrival_offsets,
                                            unbounded_bound)
-from pd.tools.percentile import percentile
 from pd.tools.sse_stream import SSEStream
 from pd.tools.pinned_deployment import PinnedDeployment, WorkerPlan
 
@@ -150,7 +148,8 @@ async def _one(session: aiohttp.ClientSession, url: str, node: Node, max_tokens:
             if chunk.get("choices"):
                 # the router writes a chunk per token: the first one is the first token, even where its text
                 # is empty (this model's byte noise often starts with a cut UTF-8 character)
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
                 if text_s is None and chunk["choices"][0].get("text"):
                     text_s = time.perf_counter() - t0
             if chunk.get("usage"):
@@ -242,22 +241,17 @@ def summarize(policy: str, seed: int, runs: list[Run]) -> dict:
     records = [r for run in runs for r in run.records]
     seconds = sum(run.seconds for run in runs)
     prompt = sum(r.prompt_tokens for r in records)
-    ttfts = [r.ttft_s for r in records]
+    rows = [{"run": i, **dataclasses.asdict(r)} for i, run in enumerate(runs) for r in run.records]
     return {"policy": policy, "seed": seed, "repeats": len(runs), "requests": len(records),
-            "aborted": sum(run.aborted for run in runs),
-            "hit_rate": sum(r.cached_tokens for r in records) / prompt,
-            "oracle": sum(r.best_hit for r in records) / prompt,
+            "aborted": sum(run.aborted for run in runs), **request_figures(rows),
             "choice_loss": sum(r.best_hit - r.predicted_hit for r in records) / prompt,
             "late_loss": sum(r.predicted_hit - r.cached_tokens for r in records) / prompt,
-            "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
-            "text_p90_s": percentile([r.text_s for r in records], 90, math.nan),
             "req_per_s": len(records) / seconds,
             "tok_per_s": sum(r.completion_tokens for r in records) / seconds,
             "blocks_p_to_d": round(sum(run.blocks_p_to_d for run in runs) / len(runs)),
             "busiest_p_share": _busiest(records, 0), "busiest_d_share": _busiest(records, 1),
             "slowest_stages_s": _slowest_stages(records), "seconds": seconds,
-            "index_checks": [ok for run in runs for ok in run.index_exact.values()],
-            "records": [{"run": i, **dataclasses.asdict(r)} for i, run in enumerate(runs) for r in run.records]}
+            "index_checks": [ok for run in runs for ok in run.index_exact.values()], "records": rows}
 
 
 def _busiest(records: list[Record], hop: int) -> float:

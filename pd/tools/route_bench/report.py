@@ -38,17 +38,22 @@ def _exact(row: dict) -> str:
     return f"{sum(checks)}/{len(checks)}" if not all(checks) else f"yes ({len(checks)} checks)"
 
 
-def pooled(rows: list[dict]) -> dict:
-    """One policy's rows of several seeds as one: its hit rates and TTFT percentiles over every request
-    of every seed (a p90 over all of them, not a mean of per-seed p90s), its index checks all together."""
-    records = [r for row in rows for r in row["records"]]
+def request_figures(records: list[dict]) -> dict:
+    """Hit rates and TTFT percentiles over the given requests' records (a row's, or several rows'
+    pooled): hits over all their prompt tokens, one percentile over all their TTFTs."""
     prompt = sum(r["prompt_tokens"] for r in records)
     ttfts = [r["ttft_s"] for r in records]
-    return {"policy": rows[0]["policy"], "records": records,
-            "hit_rate": sum(r["cached_tokens"] for r in records) / prompt,
+    return {"hit_rate": sum(r["cached_tokens"] for r in records) / prompt,
             "oracle": sum(r["best_hit"] for r in records) / prompt,
             "ttft_p50_s": percentile(ttfts, 50, math.nan), "ttft_p90_s": percentile(ttfts, 90, math.nan),
-            "text_p90_s": percentile([r["text_s"] for r in records], 90, math.nan),
+            "text_p90_s": percentile([r["text_s"] for r in records], 90, math.nan)}
+
+
+def pooled(rows: list[dict]) -> dict:
+    """One policy's rows of several seeds as one: its figures over every request of every seed (a p90
+    over all of them, not a mean of per-seed p90s), its index checks all together."""
+    records = [r for row in rows for r in row["records"]]
+    return {"policy": rows[0]["policy"], "records": records, **request_figures(records),
             "index_checks": [ok for row in rows for ok in row.get("index_checks") or []]}
 
 
