@@ -82,6 +82,8 @@ class RouterSection(StrictModel):
         None, description="empty: per_api_key with two or more API keys, else shared (then explicit)")
     report_cached_tokens: bool = Field(True, description="false: usage carries no prompt_tokens_details")
     report_route: bool = Field(False, description="true: responses carry pdkv_route (workers, predicted TTFTs)")
+    first_token_from_prefill: bool = Field(True, description="P/D: P's first token goes to the client at once, D "
+                                                             "goes on from it (not for seeded requests)")
     auth_throttle: AuthThrottleSection = Field(default_factory=AuthThrottleSection)
     # client addresses behind proxies (pd.router.client_address): a peer inside one of these networks has its
     # forwarded_header read (rightmost untrusted hop) for the auth throttle and the logs; empty: the peer's own

@@ -5,8 +5,10 @@ the serving worker's `TokenEvent`s (`pd.cluster.messages`):
 - disaggregated: (1) the least-loaded P worker runs the prompt with
   `max_tokens=1` and `do_remote_decode`; it answers with `kv_transfer_params`
   naming the blocks it keeps; (2) the least-loaded D worker gets the prompt and
-  those params, pulls the blocks and decodes the whole output (P's single
-  token is discarded, so D's sampling alone defines the output);
+  those params, pulls the blocks and decodes the rest. With
+  `router.first_token_from_prefill` (the default) P's token goes to the client at
+  once and D continues from it (pd.router.first_token; a seeded request keeps
+  D's first token); else P's token is dropped and D's first step gives it;
 - local prefill (the planner's choice, pd.router.planner, or `always_local`, and in every
   mode when no prefill worker can run the prompt): the D worker gets the prompt without
   transfer params and computes it itself;
@@ -60,7 +62,8 @@ from pd.router.planner.explain import RouteNote
 from pd.router.planner.route import RoutePlanner
 from pd.router.openai_api import APIError, server_error
 from pd.router.choice import NoWorkerAvailable, Role, WorkerLoad, WorkerPool
-from pd.router.recovery import RecoverySettings, continuation, watched_events
+from pd.router.first_token import decode_request, finish_at_first, first_event, forwards
+from pd.router.recovery import RecoverySettings, api_error, continuation, watched_events
 from pd.router.streamed import StreamedFlow, stream_params
 from pd.router.timeline import Timeline
 from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
@@ -68,7 +71,6 @@ from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, Worker
 logger = logging.getLogger(__name__)
 
 _REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
-DEVICE_FAULT_RETRY_AFTER_S = 1  # the other workers serve a retry at once; the faulted one restarts meanwhile
 
 
 class _PrefillLost(Exception):
@@ -104,12 +106,15 @@ class _Leg:
     acquired: list[WorkerLoad] | None = None
     timeline: Timeline | None = None
     hop: TraceHop | None = None
+    after_first_token: bool = False  # D after P's token went to the client: its timing is not TTFT's
 
 
 class Dispatcher(StreamedFlow):
     def __init__(self, pool: WorkerPool, client: WorkerClient, metrics: RouterMetrics, colocated: bool,
-                 recovery: RecoverySettings | None = None, planner: RoutePlanner | None = None) -> None:
+                 recovery: RecoverySettings | None = None, planner: RoutePlanner | None = None,
+                 first_token_from_prefill: bool = True) -> None:
         self._pool = pool
+        self._first_token_from_prefill = first_token_from_prefill
         self._planner = planner or RoutePlanner(metrics=metrics)
         self._client = client
         self._metrics = metrics
@@ -173,11 +178,11 @@ class Dispatcher(StreamedFlow):
                     yield event
             return
         try:
-            params, num_cached = None, 0
+            params, answer = None, TokenEvent()
             try:
                 async with contextlib.aclosing(self._run(Role.PREFILL, prefill, _Leg(
                         p_id, num_p_tokens, None, prefilled, timeline, p_hop), keep_params=True)) as answers:
-                    async for params, num_cached in answers:  # noqa: B007 -- the prefill's one answer, read below
+                    async for params, answer in answers:  # noqa: B007 -- the prefill's one answer, read below
                         pass
             except _PrefillLost as lost:  # degrade, don't refuse: D prefills the prompt itself
                 lease_resolved = True  # `_run` already aborted the prefill on every P it tried
@@ -192,15 +197,31 @@ class Dispatcher(StreamedFlow):
                 return
             self._metrics.record_prefill_hop(time.perf_counter() - started)
             note.prefill_worker = prefilled[-1].endpoint.worker_id
+            num_cached = answer.num_cached_tokens
+            forwarded = forwards(self._first_token_from_prefill, sampling) and bool(answer.token_ids)
             decode = request.model_copy(update={"kv_transfer_params": params})
+            if forwarded:  # P's token to the client now; D goes on from it (pd.router.first_token)
+                finish = finish_at_first(request, answer)
+                first = first_event(answer, num_cached, finish)
+                self._first_event(note, None, started, first)  # (the planner learns from D's first token)
+                yield first
+                if finish is not None:  # P's token ended it: no D (P's lease is aborted below)
+                    return
+                decode = decode_request(request, answer, params)
             decoded: list[WorkerLoad] = []
             leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded, timeline,
-                       timeline.hop(after=p_hop) if timeline is not None else None)
+                       timeline.hop(after=p_hop) if timeline is not None else None, after_first_token=forwarded)
             if timeline is not None and params is None:
                 timeline.event("recompute", cause="no_transfer_params")
             async with contextlib.aclosing(self._migrating(Role.DECODE, decode, leg)) as events:
                 async for event in events:
                     lease_resolved = lease_resolved or bool(event.token_ids) or event.finish_reason is not None
+                    if forwarded and event.token_ids and note.decode_worker is None and decoded:
+                        # D's stream flows: the time the planner weighs a remote option by, as without
+                        # forwarding (a slow pull stalls the stream after P's token as it delayed the first)
+                        note.decode_worker = decoded[-1].endpoint.worker_id
+                        note.decode_start_s = time.perf_counter() - started
+                        self._planner.observe_ttft(chosen, note.decode_start_s)
                     self._first_event(note, chosen, started, event, decoded)
                     yield event.model_copy(update={"num_cached_tokens": num_cached})  # P's cache hits, not D's pull
         finally:
@@ -299,7 +320,8 @@ class Dispatcher(StreamedFlow):
                                request.request_id, lost.error.message, role.value, len(sent), num_migrations)
                 current = continuation(request, sent, num_migrations)
                 leg = _Leg(None, len(current.prompt_token_ids), None, leg.acquired if leg else None,
-                           leg.timeline if leg else None, leg.hop if leg else None)
+                           leg.timeline if leg else None, leg.hop if leg else None,
+                           leg.after_first_token if leg else False)
 
     async def _run(self, role: Role, request: GenerateRequest, leg: _Leg | None = None, keep_params: bool = False,
                    migratable: bool = False) -> AsyncGenerator:
@@ -331,13 +353,14 @@ class Dispatcher(StreamedFlow):
                             figures.remove_pending(worker_id, pending)
                             pending = None
                             self._planner.observe_timing(worker_id, event.timing, leg.source_id)
-                            if leg.timeline is not None:  # P, colocated or local D computed the prompt; else D's
+                            if leg.timeline is not None and not leg.after_first_token:
+                                # P, colocated or local D computed the prompt; else D's (its first token)
                                 leg.timeline.on_timing(role is not Role.DECODE or request.kv_transfer_params is None,
                                                        event.timing)
                         if keep_params:
                             if event.finished:
                                 produced, actual_hit = True, event.num_cached_tokens
-                                yield _checked_params(event.kv_transfer_params, load), event.num_cached_tokens
+                                yield _checked_params(event.kv_transfer_params, load), event
                             continue
                         produced = True  # from here on the caller has seen output: no retry
                         if event.finished:
@@ -352,11 +375,11 @@ class Dispatcher(StreamedFlow):
                 await self._on_failure(load, exc)
                 lost = exc.worker_unreachable and exc.cause is not CallCause.TIMEOUT
                 if produced and lost and migratable:
-                    raise _WorkerLostMidStream(_api_error(load, exc)) from None
+                    raise _WorkerLostMidStream(api_error(load, exc)) from None
                 if keep_params and lost and attempt == 2:
-                    raise _PrefillLost(_api_error(load, exc)) from None
+                    raise _PrefillLost(api_error(load, exc)) from None
                 if produced or attempt == 2 or not lost:
-                    raise _api_error(load, exc) from None
+                    raise api_error(load, exc) from None
                 logger.warning("request %s: retrying on another %s worker", request.request_id, role.value)
             finally:
                 figures.remove_pending(worker_id, pending)
@@ -388,17 +411,3 @@ def _checked_params(params: KVTransferParams | None, load: WorkerLoad) -> KVTran
                     load.endpoint.worker_id)
         return None
     return params
-
-
-def _api_error(load: WorkerLoad, exc: WorkerCallError) -> APIError:
-    who = f"{load.endpoint.role.value} worker {load.endpoint.worker_id}"
-    if exc.cause is CallCause.TIMEOUT:
-        return server_error(f"{who} timed out: {exc}", status=504, code="worker_timeout")
-    if exc.cause is CallCause.REFUSED:
-        return APIError(400, f"{who} refused the request: {exc}")
-    if exc.cause is CallCause.WORKER_ERROR:
-        return server_error(f"{who} failed the request: {exc}", status=500, code="worker_error")
-    if exc.cause is CallCause.DEVICE_FAULT:  # not this request's fault alone, and other workers serve: retry
-        return APIError(503, f"{who}: {exc}", err_type="server_error", code="worker_device_fault",
-                        headers={"Retry-After": str(DEVICE_FAULT_RETRY_AFTER_S)})
-    return server_error(f"{who} failed mid-request: {exc}", status=502, code="worker_failed")

@@ -110,8 +110,8 @@ class RouterMetrics:
         self._auth_throttled.labels(model_name)
         self._ttft_stages = Histogram("pdkv_ttft_stage_seconds", "Time to first token by stage (pd.router.timeline: "
                                       "parse, tokenize, admission, route, prefill_queue, prefill_compute, "
-                                      "kv_transfer, decode_queue, first_chunk)", ("model_name", "stage"),
-                                      registry=self.registry, buckets=LATENCY_BUCKETS_S)
+                                      "kv_transfer, decode_queue, decode_compute, first_chunk)",
+                                      ("model_name", "stage"), registry=self.registry, buckets=LATENCY_BUCKETS_S)
         self.registry.register(WorkerStatsCollector(model_name, workers))
 
     # -- recording --------------------------------------------------------
@@ -163,6 +163,12 @@ class RouterMetrics:
             self._plan_unpredicted.labels(self.model_name, kind).inc()
         else:
             self._plan_error.labels(self.model_name, kind).observe(abs(measured_s - predicted_s))
+
+    def declare_ttft_stages(self, stages: Iterable[str]) -> None:
+        """Every stage's series from the start (`pd.router.timeline.STAGES` names): which ones a request
+        fills depends on its path, and a series first seen mid-run would look like new traffic."""
+        for stage in stages:
+            self._ttft_stages.labels(self.model_name, stage.removesuffix("_s"))
 
     def record_ttft_stages(self, stages: Mapping[str, float]) -> None:
         """One request's TTFT stages (`pd.router.timeline.STAGES` names, seconds); the `_s` is dropped."""

@@ -14,7 +14,10 @@ Guarantees:
   rotation, `degraded` (200, naming the roles short and how many workers of each are
   up of how many) while it still serves every request with fewer (a role short of
   workers, or no prefill worker at all: decode workers prefill locally), and
-  `unavailable` (503) only when no worker can serve.
+  `unavailable` (503) only when no worker can serve;
+- `api_error` answers a failed worker call with the status that says whose fault it was: 504 a
+  timeout, 400 a refusal of the request, 500 the worker's error, 503 with `Retry-After` a device
+  fault (other workers serve the retry), 502 a worker lost mid-request.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Any
 
 from pd.cluster.messages import GenerateRequest, TokenEvent
 from pd.router.choice import NUM_READMIT_PROBES, Role, WorkerLoad, WorkerPool
+from pd.router.openai_api import APIError, server_error
 from pd.router.readiness import capacity
 from pd.router.worker_client import CallCause, TraceHop, WorkerCallError, WorkerClient
 
@@ -35,6 +39,7 @@ MAX_FAILED_POLLS = 2
 STATS_TIMEOUT_S = 10.0
 READMIT_INTERVAL_S = 0.25
 REQUEST_TIMEOUT_S = 120.0
+DEVICE_FAULT_RETRY_AFTER_S = 1  # the other workers serve a retry at once; the faulted one restarts meanwhile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +143,18 @@ def health_report(pool: WorkerPool, colocated: bool) -> tuple[dict, int]:
             "workers_up": up, "workers_expected": expected, "capacity": counts,
             "workers": {w.endpoint.worker_id: w.healthy for w in pool.all()}}
     return body, 503 if status == "unavailable" else 200
+
+
+def api_error(load: WorkerLoad, exc: WorkerCallError) -> APIError:
+    """The client's error for a worker call that failed: its status and code say whose fault it was."""
+    who = f"{load.endpoint.role.value} worker {load.endpoint.worker_id}"
+    if exc.cause is CallCause.TIMEOUT:
+        return server_error(f"{who} timed out: {exc}", status=504, code="worker_timeout")
+    if exc.cause is CallCause.REFUSED:
+        return APIError(400, f"{who} refused the request: {exc}")
+    if exc.cause is CallCause.WORKER_ERROR:
+        return server_error(f"{who} failed the request: {exc}", status=500, code="worker_error")
+    if exc.cause is CallCause.DEVICE_FAULT:  # not this request's fault alone, and other workers serve: retry
+        return APIError(503, f"{who}: {exc}", err_type="server_error", code="worker_device_fault",
+                        headers={"Retry-After": str(DEVICE_FAULT_RETRY_AFTER_S)})
+    return server_error(f"{who} failed mid-request: {exc}", status=502, code="worker_failed")

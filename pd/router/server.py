@@ -64,6 +64,7 @@ from pd.router.kv_index import KVIndex
 from pd.router.readiness import Readiness
 from pd.router.refresh import RefreshBusy, RefreshLimiter
 from pd.router.tenancy import Tenancy
+from pd.router.timeline import STAGES
 from pd.router.planner.route import RoutePlanner
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Router:
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} is unknown; use one of {sorted(POLICIES)}")
         self.metrics = RouterMetrics(config.model.name, self._worker_figures)
+        self.metrics.declare_ttft_stages(STAGES)
         self.client = WorkerClient(secret, ClientTimeouts(connect_s=rc.connect_timeout_s, stall_s=rc.request_timeout_s,
                                                           total_s=rc.request_timeout_s))
         self.kv_index: KVIndex | None = None
@@ -108,7 +110,7 @@ class Router:
         self.planner = RoutePlanner(rc.planner, self.metrics, config.cache.block_size,
                                     config.scheduler.max_num_batched_tokens)
         self.dispatcher = Dispatcher(self.pool, self.client, self.metrics, self._colocated, self.recovery,
-                                     self.planner)
+                                     self.planner, rc.first_token_from_prefill)
         self._failed_polls: dict[str, int] = {}
         # "serving" only once a worker of each needed role answered a health probe (pd.router.readiness)
         self.readiness = Readiness((Role.BOTH,) if self._colocated else (Role.PREFILL, Role.DECODE),

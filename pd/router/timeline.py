@@ -5,15 +5,15 @@ batch sets the shared ones): arrived, parsed (body read and JSON decoded), token
 templated, tokenized), admitted (past the admission gate), dispatched / routed (the planner's
 decision), the first token event from a worker and the first chunk written. The serving workers'
 `StepTiming`s (pd.cluster.messages) give the rest: queue and compute on the worker that computed
-the prompt, and on D after a P/D prefill its queue and the KV transfer.
+the prompt, and on D after a P/D prefill (where D gives the first token) its queue and the KV transfer.
 
 `stages()` (the `pdkv_timing` extension, the `pdkv_ttft_stage_seconds` histogram):
 
     parse_s, tokenize_s, admission_s    router, in that order from arrival
     route_s                             the planner's decision (from the dispatch to the first call)
     prefill_queue_s, prefill_compute_s  the worker that computed the prompt (P; colocated or local: the one)
-    kv_transfer_s, decode_queue_s,      D after a P/D prefill only: its pull of P's blocks, its queue, and
-    decode_compute_s                    its first step, which gives the first token (P's own is discarded)
+    kv_transfer_s, decode_queue_s,      D after a P/D prefill, where D gives the first token (P's is not
+    decode_compute_s                    forwarded: pd.router.first_token): its pull, its queue, its first step
     first_chunk_s                       streamed only: first token event in -> first chunk written
 
 `ttft_s` runs from arrival to the first chunk written (streamed) or the first token event (not

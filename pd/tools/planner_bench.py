@@ -149,10 +149,10 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
     if first is None or last is None:
         raise RuntimeError(f"{url}: the stream carried no token")
     tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
-    error = None
-    if route and route.get("predicted_ttft_s") is not None and route.get("ttft_s"):
-        error = abs(route["predicted_ttft_s"] - route["ttft_s"]) / route["ttft_s"]
-    route = route or {}
+    error, route = None, route or {}
+    measured = route.get("decode_start_s") or route.get("ttft_s")  # what the prediction is of (explain.py)
+    if route.get("predicted_ttft_s") is not None and measured:
+        error = abs(route["predicted_ttft_s"] - measured) / measured
     return Record(len(prompt), first - t0, tpot, route.get("decision"), route.get("reason"),
                   route.get("predicted_ttft_s"), error)
 

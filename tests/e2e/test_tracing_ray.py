@@ -125,7 +125,8 @@ def test_one_trace_per_request_with_router_p_d_links(pd, receiver):
         assert root.attributes["gen_ai.request.max_tokens"] == 8
         assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
         assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 8
-        assert _one(spans, "pdkv.decode.steps").attributes["gen_ai.usage.output_tokens"] == 8
+        # D's steps made all but the first token, which P's prefill gave (pd.router.first_token)
+        assert _one(spans, "pdkv.decode.steps").attributes["gen_ai.usage.output_tokens"] == 7
         assert _one(spans, "pdkv.router.route").attributes["pdkv.route.decision"] in ("remote", "remote_prefix")
         assert all(s.status != "ERROR" for s in spans)
         _closed(spans)
@@ -151,8 +152,9 @@ def _check_lease_and_serve(spans: list[ReceivedSpan], p: ReceivedSpan, pull: Rec
 
 def test_an_aborted_pd_request_ends_its_lease_span(pd, receiver):
     trace_id, _, headers = _parent()
-    chunks = _stream_lines(pd.url, _chat(f"{SECRET_TEXT} abort me", 40), headers, num_lines=2)
-    # the client left after two chunks: D's spans end as errors, P's lease ended (pulled: done; else aborted)
+    chunks = _stream_lines(pd.url, _chat(f"{SECRET_TEXT} abort me", 40), headers, num_lines=3)
+    # the client left after three chunks (the role, P's first token, D's first): D's spans end as errors,
+    # P's lease ended (pulled: done; else aborted)
     spans = receiver.wait_for(trace_id, {"chat pdkv-tiny", "pdkv.prefill", "pdkv.decode", "pdkv.prefill.lease"})
     lease, p = _one(spans, "pdkv.prefill.lease"), _one(spans, "pdkv.prefill")
     assert lease.parent_id == p.span_id and lease.attributes["pdkv.lease.outcome"] in ("done", "aborted")

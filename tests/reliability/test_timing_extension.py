@@ -16,8 +16,10 @@ HEADERS = {"x-pdkv-timing": "1"}
 # the stages are rounded to the microsecond each; the worker's StepTiming figures are measured on its
 # own clock reads: allow a little slack for both, never a speed
 SUM_SLACK_S = 0.002
-P_D_STAGES = {"parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-              "kv_transfer_s", "decode_queue_s", "decode_compute_s"}
+# P's first token goes to the client (router.first_token_from_prefill, the default): TTFT ends on P
+P_D_STAGES = {"parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s"}
+# a seeded request keeps D's first token: D's pull, queue and first step are in its TTFT
+D_FIRST_STAGES = P_D_STAGES | {"kv_transfer_s", "decode_queue_s", "decode_compute_s"}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,11 @@ def test_the_header_asks_for_the_extension(dep):
     timed = requests.post(f"{dep.url}/v1/completions", json=_body("one two three"), headers=HEADERS, timeout=30)
     assert timed.status_code == 200
     _check(timed.json()["pdkv_timing"], P_D_STAGES)  # not streamed: no first chunk
+    seeded = requests.post(f"{dep.url}/v1/completions", json=_body("one two three", seed=7), headers=HEADERS,
+                           timeout=30)
+    assert seeded.status_code == 200
+    _check(seeded.json()["pdkv_timing"], D_FIRST_STAGES)
+    assert seeded.json()["choices"][0]["text"] == timed.json()["choices"][0]["text"]  # greedy both ways
     dep.wait_all_free()
 
 
@@ -71,17 +78,21 @@ def test_the_streams_last_chunk_carries_it_with_or_without_usage(dep):
     assert last["choices"] == [] and "usage" not in last and last["object"] == "text_completion"
     assert last["id"] == without[0]["id"]
     _check(last["pdkv_timing"], P_D_STAGES | {"first_chunk_s"})
+    seeded = _sse(dep.url, _body("four five six", seed=3), HEADERS)
+    _check(seeded[-1]["pdkv_timing"], D_FIRST_STAGES | {"first_chunk_s"})
     dep.wait_all_free()
 
 
 def test_cached_tokens_and_the_stage_histogram(dep):
     prompt = "a prompt long enough to fill two blocks of sixteen tokens, and then some more " * 2
-    before = _stage_count(dep.url, "kv_transfer")
+    before = {stage: _stage_count(dep.url, stage) for stage in ("prefill_compute", "kv_transfer")}
     first = requests.post(f"{dep.url}/v1/completions", json=_body(prompt), headers=HEADERS, timeout=30).json()
-    second = requests.post(f"{dep.url}/v1/completions", json=_body(prompt), headers=HEADERS, timeout=30).json()
+    second = requests.post(f"{dep.url}/v1/completions", json=_body(prompt, seed=1), headers=HEADERS,
+                           timeout=30).json()
     assert first["pdkv_timing"]["num_cached_tokens"] == 0
     assert second["pdkv_timing"]["num_cached_tokens"] == second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert _stage_count(dep.url, "kv_transfer") == before + 2
+    assert _stage_count(dep.url, "prefill_compute") == before["prefill_compute"] + 2
+    assert _stage_count(dep.url, "kv_transfer") == before["kv_transfer"] + 1  # the seeded one's
     dep.wait_all_free()
 
 

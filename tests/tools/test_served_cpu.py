@@ -34,7 +34,8 @@ def test_served_run_end_to_end_on_the_cpu():
         assert all(len(ids) == SMALL.greedy_tokens for ids in part["greedy_token_ids"])
     assert section["pd_one_gpu"]["topology"] == "1P1D" and section["colocated"]["topology"] == "colocated x1"
     for row in section["pd_one_gpu"]["runs"]:  # every P/D request's KV crossed from P to D, and was timed
-        assert row["kv_loads"] >= row["completed"] and row["kv_transfer_p50_ms"] > 0 and row["kv_load_mean_ms"] > 0
+        assert row["kv_loads"] >= row["completed"] and row["kv_load_mean_ms"] > 0
+        assert "kv_transfer_p50_ms" not in row  # P's first token went to the client: the pull is not in TTFT
     assert all("kv_transfer_p50_ms" not in r for r in section["colocated"]["runs"])
     assert section["greedy"] == {"dtype": "float32", "identical": SMALL.greedy_prompts,
                                  "prompts": SMALL.greedy_prompts}

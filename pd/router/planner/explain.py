@@ -2,8 +2,9 @@
 
 `RouteNote` is created by the caller of `Dispatcher.stream_tokens`, filled by the
 dispatcher (the decision, its predicted TTFT, the options weighed) and completed with
-the measured TTFT at the first token; `as_dict` is the response extension field
-`pdkv_route`.
+the measured TTFT at the first token (and, where P's first token went to the client, the
+start of D's stream: what a remote option's prediction is measured against); `as_dict` is
+the response extension field `pdkv_route`.
 """
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ class RouteNote:
     reason: str | None = None  # fixed (the mode), best, explore, cold_start, no_prefill, short
     predicted_ttft_s: float | None = None
     ttft_s: float | None = None
+    # P/D with P's first token sent on (pd.router.first_token): when D's stream started, the moment the
+    # planner predicts for a remote option (None where D gave the first token: then it is `ttft_s`)
+    decode_start_s: float | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
     options: list[OptionNote] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("predicted_ttft_s", "ttft_s"):
+        for key in ("predicted_ttft_s", "ttft_s", "decode_start_s"):
             if out[key] is not None:
                 out[key] = round(out[key], 6)
         for option in out["options"]:
