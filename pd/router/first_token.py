@@ -5,10 +5,10 @@ router drops it and D's first step gives the first token again: D recomputes the
 prompt position for its logits, so the client waits for the hop to D, D's pull of P's
 blocks, D's queue and that step. With it, the router streams P's token as soon as P
 answers and sends D the prompt plus that token: D pulls the prompt's KV and its first
-step computes the token's own position, giving the second token. TTFT loses those hops;
-the output is the same request's, token for token (greedy: P's token is the argmax over
-the same prompt, as D's recompute would be; sampled without a seed: a draw from the
-same distribution).
+step computes the token's own position, giving the second token. TTFT loses those hops,
+and the output is what D's first token would have given: greedy, the same ids (P's token is
+the argmax over the same prompt that D recomputed); sampled without a seed, a draw from the
+same distribution.
 
 Guarantees:
 - only a request with no `seed` is forwarded: a seeded request's draws are numbered from
