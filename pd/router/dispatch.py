@@ -199,7 +199,6 @@ class Dispatcher(StreamedFlow):
             note.prefill_worker = prefilled[-1].endpoint.worker_id
             num_cached = answer.num_cached_tokens
             forwarded = forwards(self._first_token_from_prefill, sampling) and bool(answer.token_ids)
-            decode = request.model_copy(update={"kv_transfer_params": params})
             if forwarded:  # P's token to the client now; D goes on from it (pd.router.first_token)
                 finish = finish_at_first(request, answer)
                 first = first_event(answer, num_cached, finish)
@@ -208,6 +207,8 @@ class Dispatcher(StreamedFlow):
                 if finish is not None:  # P's token ended it: no D (P's lease is aborted below)
                     return
                 decode = decode_request(request, answer, params)
+            else:
+                decode = request.model_copy(update={"kv_transfer_params": params})
             decoded: list[WorkerLoad] = []
             leg = _Leg(d_id, 0, note.prefill_worker if params is not None else None, decoded, timeline,
                        timeline.hop(after=p_hop) if timeline is not None else None, after_first_token=forwarded)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from pd.router.timeline import STAGES  # the router's own order (one list: a copy here fell behind it once)
 from pd.tools.percentile import percentile
-
-STAGES = ("parse_s", "tokenize_s", "admission_s", "route_s", "prefill_queue_s", "prefill_compute_s",
-          "kv_transfer_s", "decode_queue_s", "decode_compute_s", "first_chunk_s")
 
 
 def ttft_breakdown(timings: list[dict]) -> dict | None:
